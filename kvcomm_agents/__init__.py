@@ -1,0 +1,32 @@
+"""kvcomm-agents: cross-agent KV-cache reuse for multi-agent LLM systems on local HF models."""
+
+from .cache.segments import SegmentRef
+from .cache.store import StoreStats
+from .config import KVCommConfig
+from .engine import KVCommEngine
+from .errors import (
+    InvalidMessagesError,
+    KVCommError,
+    ModelNotAvailableError,
+    RopeCheckError,
+    UnsupportedModelError,
+)
+from .plan import SegmentDecision
+from .results import CallStats, ChatResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCommEngine",
+    "KVCommConfig",
+    "SegmentRef",
+    "ChatResult",
+    "CallStats",
+    "SegmentDecision",
+    "StoreStats",
+    "KVCommError",
+    "UnsupportedModelError",
+    "RopeCheckError",
+    "ModelNotAvailableError",
+    "InvalidMessagesError",
+]

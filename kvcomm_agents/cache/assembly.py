@@ -1,0 +1,146 @@
+"""Assemble a receiver's cache from exact and re-rotated pieces, and prefill the rest in one pass.
+
+Cache slots are in *storage* order (exact prefix, then each re-rotated run, then the computed
+tokens), not position order; the explicit 4-D mask lets a query see a key only if the key's
+position is not later than its own. Without it transformers lets new tokens attend to every
+cached token, including reused KV of text that comes later in the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..plan import CallPlan
+from . import hf_cache
+from .rope import RopeRotator
+
+__all__ = ["position_mask", "PrefillResult", "prefill", "kv_at_positions"]
+
+
+def position_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, *, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """Additive causal mask by position.
+
+    Args:
+        query_positions: ``[Q]`` positions of the tokens being computed.
+        key_positions: ``[K]`` positions of every key slot (cached slots then the queries).
+
+    Returns:
+        ``[1, 1, Q, K]`` in ``dtype``: 0 where ``key_pos <= query_pos``, the dtype's minimum
+        elsewhere (works for eager and SDPA attention).
+    """
+    visible = key_positions[None, :].to(device) <= query_positions[:, None].to(device)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@dataclass
+class PrefillResult:
+    """Outcome of prefilling one prompt.
+
+    Attributes:
+        logits: ``[vocab]`` float32 logits of the last prompt token.
+        cache: the filled cache, slots in storage order.
+        slot_positions: ``[C]`` int64 CPU positions of the cache slots, in storage order.
+        align_s: seconds spent re-rotating and assembling the cache.
+    """
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    slot_positions: torch.Tensor
+    align_s: float
+
+
+def _assemble_layers(
+    plan: CallPlan, rotator: RopeRotator, num_layers: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` ``[1, kv_heads, reused, head_dim]`` of the reused slots."""
+    layers = []
+    prefix_len = plan.prefix_length
+    for layer in range(num_layers):
+        keys, values = [], []
+        if plan.prefix is not None:
+            keys.append(plan.prefix.entry.keys[layer][:, :, :prefix_len])
+            values.append(plan.prefix.entry.values[layer][:, :, :prefix_len])
+        for run in plan.runs:
+            start, end = run.segment_start, run.segment_start + run.length
+            keys.append(rotator.shift(run.segment.keys[layer][:, :, start:end], run.shift))
+            values.append(run.segment.values[layer][:, :, start:end])
+        layers.append((torch.cat(keys, dim=2), torch.cat(values, dim=2)))
+    return layers
+
+
+def prefill(
+    model: PreTrainedModel, rotator: RopeRotator, plan: CallPlan, *, clock=None
+) -> PrefillResult:
+    """Build the cache of ``plan``'s reused pieces and compute everything else in one forward.
+
+    With nothing reused this is a plain forward over the whole prompt (transformers' own mask);
+    with an exact prefix only, a plain forward over the tail. Otherwise the computed tokens go
+    through one forward with :func:`position_mask`.
+    """
+    import time
+
+    clock = clock or time.perf_counter
+    device = model.get_input_embeddings().weight.device
+    ids = plan.prompt_ids
+    computed = plan.computed_positions()
+    started = clock()
+    if plan.reused_tokens == 0:
+        cache = hf_cache.new_cache(model)
+        mask = None
+        cached_positions = torch.empty(0, dtype=torch.long)
+    else:
+        layers = _assemble_layers(plan, rotator, model.config.num_hidden_layers)
+        cache = hf_cache.cache_from_layers(model, layers)
+        cached_positions = torch.cat(
+            [torch.arange(plan.prefix_length)]
+            + [torch.arange(run.prompt_start, run.prompt_end) for run in plan.runs]
+        )
+        mask = None
+        if plan.runs:
+            slots = torch.cat([cached_positions, computed])
+            mask = position_mask(computed, slots, dtype=model.dtype, device=device)
+    align_s = clock() - started
+    position_ids = computed[None].to(device) if plan.reused_tokens else None
+    logits = hf_cache.run_forward(
+        model,
+        ids[computed][None].to(device),
+        cache,
+        position_ids=position_ids,
+        attention_mask=mask,
+    )
+    slot_positions = torch.cat([cached_positions, computed])
+    return PrefillResult(logits[0, -1].float(), cache, slot_positions, align_s)
+
+
+def kv_at_positions(
+    cache: DynamicCache, slot_positions: torch.Tensor, positions: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copy the KV of the given prompt positions out of a cache, in the order given.
+
+    Args:
+        cache: a cache whose slot ``i`` holds position ``slot_positions[i]``.
+        slot_positions: ``[C]`` int64 (every position at most once).
+        positions: ``[n]`` int64 positions wanted, each present in ``slot_positions``.
+
+    Returns:
+        Per-layer keys and values, ``[1, kv_heads, n, head_dim]``, new contiguous tensors.
+    """
+    lookup = torch.full((int(slot_positions.max()) + 1,), -1, dtype=torch.long)
+    lookup[slot_positions] = torch.arange(slot_positions.numel())
+    slots = lookup[positions]
+    if bool((slots < 0).any()):
+        raise ValueError("asked for positions the cache does not hold")
+    keys, values = [], []
+    for layer in range(hf_cache.num_layers(cache)):
+        k, v = hf_cache.layer_kv(cache, layer)
+        index = slots.to(k.device)
+        keys.append(k.index_select(2, index))
+        values.append(v.index_select(2, index))
+    return keys, values

@@ -1,0 +1,126 @@
+"""The KV segment asset and the small JSON-safe reference that travels with messages.
+
+A :class:`KVSegment` holds the KV of one piece of shared text (a reply, a user message, a tool
+result, a document) for every layer, keys in the canonical frame (de-rotated so its first token
+sits at position 0). Tensors never leave the engine's store; messages carry a :class:`SegmentRef`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["SegmentRef", "KVSegment", "content_hash", "Kind"]
+
+#: What produced a segment: ``(agent, "assistant")`` for replies, ``("user", None)`` for user
+#: text, ``(tool_name, "tool")`` for tool results, ``("document", None)`` for ``add_segment``.
+Kind = tuple[str, Optional[str]]
+
+
+def content_hash(text: str, token_ids: tuple[int, ...] | list[int]) -> str:
+    """SHA-256 (hex, 32 chars) of a segment's text and token ids: an edited message never matches."""
+    digest = hashlib.sha256()
+    digest.update(text.encode("utf-8"))
+    digest.update(b"\x00")
+    digest.update(",".join(map(str, token_ids)).encode("ascii"))
+    return digest.hexdigest()[:32]
+
+
+class SegmentRef(BaseModel):
+    """Reference to a KV segment held by an engine's store; JSON-safe, small, immutable.
+
+    Put it in a message as ``{"role": ..., "content": ..., "segment": ref}`` (or its
+    ``model_dump()``) to tell the engine where the content came from.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(description="Unique id of the segment in its store.")
+    kind: tuple[str, Optional[str]] = Field(description="Producer and role, see ``Kind``.")
+    num_tokens: int = Field(ge=0, description="Token ids the segment holds KV for.")
+    text_hash: str = Field(description="Hash of the segment's text and ids (``content_hash``).")
+    model: str = Field(description="Fingerprint of the model and tokenizer that computed the KV.")
+
+    @classmethod
+    def coerce(cls, value: "SegmentRef | dict[str, Any]") -> "SegmentRef":
+        """Accept a ref or its ``model_dump()`` (as it comes back from JSON graph state)."""
+        return value if isinstance(value, cls) else cls.model_validate(value)
+
+
+@dataclass(eq=False)
+class KVSegment:
+    """KV of one shared text, in the canonical frame.
+
+    Attributes:
+        ref: the reference handed out for it.
+        text: the text the KV belongs to.
+        token_ids: ``T`` ids, the ones the producer computed KV for.
+        char_spans: for each id, its ``(start, end)`` character span in ``text``, or ``None``
+            for ids that do not map onto ``text`` exactly (never matched).
+        keys: one tensor per layer, ``[1, kv_heads, T, head_dim]``, post-RoPE keys de-rotated so
+            that token ``i`` sits at position ``i``; each on its layer's device.
+        values: one tensor per layer, ``[1, kv_heads, T, head_dim]``.
+    """
+
+    ref: SegmentRef
+    text: str
+    token_ids: tuple[int, ...]
+    char_spans: tuple[Optional[tuple[int, int]], ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    _index: dict[tuple[int, int], int] | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        kind: Kind,
+        text: str,
+        token_ids: list[int] | tuple[int, ...],
+        char_spans: list[Optional[tuple[int, int]]] | tuple[Optional[tuple[int, int]], ...],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        model_fingerprint: str,
+    ) -> "KVSegment":
+        """Build a segment and its reference (a fresh id)."""
+        token_ids = tuple(int(t) for t in token_ids)
+        if len(char_spans) != len(token_ids):
+            raise ValueError("char_spans must give one span (or None) per token id")
+        for k, v in zip(keys, values):
+            if k.shape[-2] != len(token_ids) or v.shape[-2] != len(token_ids):
+                raise ValueError(f"KV holds {k.shape[-2]} tokens, ids {len(token_ids)}")
+        ref = SegmentRef(
+            id=uuid.uuid4().hex,
+            kind=kind,
+            num_tokens=len(token_ids),
+            text_hash=content_hash(text, token_ids),
+            model=model_fingerprint,
+        )
+        return cls(ref, text, token_ids, tuple(char_spans), list(keys), list(values))
+
+    @property
+    def id(self) -> str:
+        return self.ref.id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the KV tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def index_of(self, char_start: int, token_id: int) -> int | None:
+        """Position of the token with this id starting at ``char_start`` of ``text``, if any."""
+        if self._index is None:
+            self._index = {}
+            for i, (span, tid) in enumerate(zip(self.char_spans, self.token_ids)):
+                if span is not None:
+                    self._index.setdefault((span[0], tid), i)
+        return self._index.get((char_start, token_id))

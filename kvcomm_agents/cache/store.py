@@ -1,0 +1,252 @@
+"""The segment store: KV segments and exact prefixes under one byte budget.
+
+Thread-safe. Entries are evicted least recently used first when the budget is exceeded, never
+while a running call has them pinned. Segments are found by reference (id) or by content (their
+text appearing verbatim in a message); exact prefixes by the longest common prefix of token ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+import torch
+from pydantic import BaseModel
+
+from .segments import KVSegment
+
+__all__ = ["SegmentStore", "PrefixEntry", "StoreStats"]
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    """Exact KV of a token sequence from position 0, as a dense prefill would compute it.
+
+    Attributes:
+        id: store key.
+        token_ids: ``[n]`` int64 tensor on the CPU.
+        keys, values: one tensor per layer, ``[1, kv_heads, n, head_dim]``, keys at their true
+            positions ``0..n-1`` (no re-rotation needed).
+        model: fingerprint of the model that computed them.
+    """
+
+    id: str
+    token_ids: torch.Tensor
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    model: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def common_prefix(self, ids: torch.Tensor) -> int:
+        """Length of the common prefix of this entry's ids and ``ids`` (``[n]`` int64, CPU)."""
+        n = min(self.token_ids.numel(), ids.numel())
+        if n == 0:
+            return 0
+        differ = (self.token_ids[:n] != ids[:n]).nonzero()
+        return int(differ[0, 0]) if differ.numel() else n
+
+
+class StoreStats(BaseModel):
+    """Counters of a :class:`SegmentStore`."""
+
+    segments: int
+    prefixes: int
+    bytes: int
+    max_bytes: int
+    evictions: int
+    pinned: int
+
+
+Entry = Union[KVSegment, PrefixEntry]
+_prefix_ids = itertools.count()
+
+
+class SegmentStore:
+    """In-process store of KV segments and exact prefixes with a byte budget.
+
+    Args:
+        max_bytes: budget for all KV held; least recently used entries go first beyond it.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
+        self._bytes = 0
+        self._pins: dict[str, int] = {}
+        self._evicted: deque[str] = deque(maxlen=4096)
+        self._evictions = 0
+
+    # ---- segments -------------------------------------------------------------------------
+    def put(self, segment: KVSegment) -> bool:
+        """Add a segment; returns False when it alone exceeds the budget (not stored)."""
+        return self._insert(segment.id, segment)
+
+    def get(self, segment_id: str) -> KVSegment | None:
+        """The segment with this id, or None if unknown or evicted. Marks it recently used."""
+        with self._lock:
+            entry = self._entries.get(segment_id)
+            if not isinstance(entry, KVSegment):
+                return None
+            self._entries.move_to_end(segment_id)
+            return entry
+
+    def was_evicted(self, segment_id: str) -> bool:
+        """True if this id was evicted recently (distinguishes 'evicted' from 'not_found')."""
+        with self._lock:
+            return segment_id in self._evicted
+
+    def find_by_hash(self, text_hash: str, model: str) -> KVSegment | None:
+        """A segment of ``model`` with exactly this text and ids hash."""
+        with self._lock:
+            for entry in reversed(self._entries.values()):
+                if isinstance(entry, KVSegment) and entry.ref.text_hash == text_hash:
+                    if entry.ref.model == model:
+                        return entry
+            return None
+
+    def find_text(self, text: str, model: str) -> KVSegment | None:
+        """The most recent segment of ``model`` whose text is exactly ``text``."""
+        with self._lock:
+            for entry in reversed(self._entries.values()):
+                if isinstance(entry, KVSegment) and entry.ref.model == model and entry.text == text:
+                    return entry
+            return None
+
+    def find_in_text(
+        self, text: str, model: str, *, min_chars: int = 1
+    ) -> list[tuple[KVSegment, int]]:
+        """Segments of ``model`` whose text appears verbatim in ``text``.
+
+        Returns:
+            ``(segment, char_offset)`` pairs that do not overlap, longest segments first, then
+            sorted by offset. Each text is taken once (the most recently used segment of it).
+        """
+        with self._lock:
+            candidates: dict[str, KVSegment] = {}
+            for entry in self._entries.values():  # later (more recent) wins
+                if isinstance(entry, KVSegment) and entry.ref.model == model:
+                    if len(entry.text) >= min_chars and entry.text in text:
+                        candidates[entry.text] = entry
+        taken: list[tuple[int, int]] = []
+        found: list[tuple[KVSegment, int]] = []
+        for seg_text, seg in sorted(candidates.items(), key=lambda kv: -len(kv[0])):
+            start = text.find(seg_text)
+            while start >= 0:
+                end = start + len(seg_text)
+                if all(end <= a or start >= b for a, b in taken):
+                    taken.append((start, end))
+                    found.append((seg, start))
+                start = text.find(seg_text, start + 1)
+        return sorted(found, key=lambda pair: pair[1])
+
+    # ---- exact prefixes -------------------------------------------------------------------
+    def put_prefix(
+        self,
+        token_ids: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        model: str,
+    ) -> bool:
+        """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers."""
+        ids = token_ids.detach().to("cpu", torch.long)
+        with self._lock:
+            hit = self.longest_prefix(ids, model)
+            if hit is not None and hit[1] == ids.numel():
+                return True  # already covered
+            for key, entry in list(self._entries.items()):
+                if isinstance(entry, PrefixEntry) and entry.model == model:
+                    n = entry.token_ids.numel()
+                    if n <= ids.numel() and entry.common_prefix(ids) == n:
+                        if not self._pins.get(key):
+                            self._remove(key)
+            entry = PrefixEntry(f"prefix-{next(_prefix_ids)}", ids, list(keys), list(values), model)
+            return self._insert(entry.id, entry)
+
+    def longest_prefix(self, token_ids: torch.Tensor, model: str) -> tuple[PrefixEntry, int] | None:
+        """The prefix entry sharing the longest common prefix with ``token_ids`` and its length."""
+        ids = token_ids.detach().to("cpu", torch.long)
+        best: tuple[PrefixEntry, int] | None = None
+        with self._lock:
+            for entry in self._entries.values():
+                if isinstance(entry, PrefixEntry) and entry.model == model:
+                    n = entry.common_prefix(ids)
+                    if n > 0 and (best is None or n > best[1]):
+                        best = (entry, n)
+            if best is not None:
+                self._entries.move_to_end(best[0].id)
+        return best
+
+    # ---- lifetime -------------------------------------------------------------------------
+    @contextmanager
+    def pinned(self, entries: list[Entry]) -> Iterator[None]:
+        """Keep ``entries`` from eviction for the duration of a call."""
+        keys = [e.id for e in entries]
+        with self._lock:
+            for key in keys:
+                self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for key in keys:
+                    self._pins[key] -= 1
+                    if not self._pins[key]:
+                        del self._pins[key]
+                self._evict()
+
+    def stats(self) -> StoreStats:
+        """Counts and bytes held."""
+        with self._lock:
+            segments = sum(isinstance(e, KVSegment) for e in self._entries.values())
+            return StoreStats(
+                segments=segments,
+                prefixes=len(self._entries) - segments,
+                bytes=self._bytes,
+                max_bytes=self.max_bytes,
+                evictions=self._evictions,
+                pinned=len(self._pins),
+            )
+
+    def clear(self) -> None:
+        """Drop every entry that no running call uses."""
+        with self._lock:
+            for key in list(self._entries):
+                if not self._pins.get(key):
+                    self._remove(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def _insert(self, key: str, entry: Entry) -> bool:
+        size = entry.nbytes
+        with self._lock:
+            if size > self.max_bytes:
+                return False
+            if key in self._entries:
+                self._remove(key)
+            self._entries[key] = entry
+            self._bytes += size
+            self._evict()
+            return key in self._entries
+
+    def _evict(self) -> None:
+        for key in list(self._entries):
+            if self._bytes <= self.max_bytes:
+                return
+            if not self._pins.get(key):
+                self._remove(key)
+                self._evicted.append(key)
+                self._evictions += 1
+
+    def _remove(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self._bytes -= entry.nbytes

@@ -1,0 +1,83 @@
+"""Token selection, stop strings and incremental detokenization for the decode loop."""
+
+from __future__ import annotations
+
+import random
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["TokenSampler", "TextAccumulator"]
+
+
+class TokenSampler:
+    """Greedy (``temperature == 0``) or nucleus sampling.
+
+    Args:
+        temperature: 0 for greedy, otherwise the softmax temperature.
+        top_p: nucleus mass kept when sampling (1.0 keeps everything).
+        seed: seeds the sampler's own generator; None draws a fresh seed.
+    """
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None):
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        self.temperature = temperature
+        self.top_p = top_p
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(seed if seed is not None else random.getrandbits(63))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """Pick the next token id from ``[vocab]`` logits."""
+        if self.temperature == 0.0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = sorted_probs.cumsum(-1) - sorted_probs < self.top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=self._generator))
+
+
+class TextAccumulator:
+    """Decodes generated ids incrementally, applies stop strings, and yields safe text pieces.
+
+    Text is held back while it ends in an incomplete UTF-8 sequence or could still become the
+    start of a stop string, so a streamed piece is never taken back.
+    """
+
+    def __init__(self, tokenizer, stop: Optional[Sequence[str]] = None):
+        self._tokenizer = tokenizer
+        self._stop = [s for s in (stop or []) if s]
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one id; returns the newly safe text (possibly empty)."""
+        self.ids.append(token_id)
+        text = self._tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = text[:cut]
+            self.stopped = True
+            return self.flush()
+        self.text = text
+        safe = len(text) - self._holdback
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text.rstrip("\ufffd")))
+        if safe <= self._emitted:
+            return ""
+        piece = text[self._emitted : safe]
+        self._emitted = safe
+        return piece
+
+    def flush(self) -> str:
+        """The text not yet emitted (call once generation ends)."""
+        piece = self.text[self._emitted :]
+        self._emitted = len(self.text)
+        return piece

@@ -1,0 +1,296 @@
+"""``KVCommEngine``: run a local causal LM for many agents, reusing KV across their prompts.
+
+One call: render the prompt with the chat template -> plan (exact prefix, re-rotated shared
+segments, the rest computed) -> one prefill forward -> decode -> package the reply's KV (and
+any user/tool message seen for the first time) as segments for the next agents.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .cache import hf_cache
+from .cache.assembly import PrefillResult, kv_at_positions, prefill
+from .cache.segments import Kind, SegmentRef
+from .cache.store import SegmentStore
+from .capture import align_ids_to_text, cut_segment, message_kind
+from .config import KVCommConfig
+from .decoding import TextAccumulator, TokenSampler
+from .errors import InvalidMessagesError
+from .models import load_model
+from .plan import CallPlan
+from .planner import plan_call
+from .prompt import PromptLayout, normalize_messages, render_prompt
+from .results import CallStats, ChatResult
+from .support import inspect_model
+
+__all__ = ["KVCommEngine"]
+
+logger = logging.getLogger("kvcomm_agents")
+Messages = Sequence[Mapping[str, Any]]
+
+
+class KVCommEngine:
+    """Serve several agents from one local model, reusing each other's KV caches.
+
+    Args:
+        model: a loaded causal LM (``PreTrainedModel``), on any device or ``device_map``.
+        tokenizer: its tokenizer, with a chat template (fast, for reuse).
+        config: settings; defaults to ``KVCommConfig()``.
+        store: a segment store to share between engines; a new one by default.
+
+    Raises:
+        UnsupportedModelError: the model cannot be re-rotated (the message says what is
+            supported and how to run with ``KVCommConfig(reuse=False)``).
+    """
+
+    def __init__(self, model, tokenizer, *, config: Optional[KVCommConfig] = None, store: Optional[SegmentStore] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or KVCommConfig()
+        self.info = inspect_model(model, tokenizer, reuse=self.config.reuse, verify_rope=self.config.verify_rope)
+        self._store = store if store is not None else SegmentStore(self.config.store_max_bytes)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: Optional[Union[str, os.PathLike]] = None,
+        *,
+        config: Optional[KVCommConfig] = None,
+        dtype=None,
+        device: Optional[str] = None,
+        device_map=None,
+        attn_implementation: Optional[str] = None,
+        cache_dir: Optional[Union[str, os.PathLike]] = None,
+    ) -> "KVCommEngine":
+        """Load a model and wrap it. ``model=None`` loads the embedded SmolLM2-135M-Instruct
+        offline; otherwise a local folder or a hub id. ``dtype=None`` means float32 on CPU and
+        the checkpoint's dtype on CUDA."""
+        loaded, tokenizer = load_model(
+            model, dtype=dtype, device=device, device_map=device_map,
+            attn_implementation=attn_implementation, cache_dir=cache_dir,
+        )
+        return cls(loaded, tokenizer, config=config)
+
+    @property
+    def store(self) -> SegmentStore:
+        """The segment store (``stats()``, ``clear()``)."""
+        return self._store
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies this engine's model, dtype and tokenizer."""
+        return self.info.fingerprint
+
+    # ---- public calls ---------------------------------------------------------------------
+    def chat(self, messages: Messages, *, agent: str, **options) -> ChatResult:
+        """Generate one agent's reply. Options as :meth:`stream`."""
+        result = None
+        for item in self.stream(messages, agent=agent, **options):
+            if isinstance(item, ChatResult):
+                result = item
+        assert result is not None
+        return result
+
+    def stream(
+        self,
+        messages: Messages,
+        *,
+        agent: str,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Optional[Sequence[str]] = None,
+        seed: Optional[int] = None,
+        reuse: Optional[bool] = None,
+        tools: Optional[list] = None,
+        force_reply_ids: Optional[Sequence[int]] = None,
+    ) -> Iterator[Union[str, ChatResult]]:
+        """Generate one agent's reply, yielding text pieces and finally the :class:`ChatResult`.
+
+        Args:
+            messages: ``{"role", "content"}`` dicts; a message may carry ``"segment"``
+                (a ``SegmentRef`` or its dict) naming the segment its content came from.
+            agent: the calling agent's name (its replies become segments of kind
+                ``(agent, "assistant")``).
+            max_new_tokens, temperature, top_p, stop, seed: decoding; temperature 0 is greedy.
+            reuse: False makes this call dense (it still packages its KV for others).
+            tools: passed to the chat template.
+            force_reply_ids: process these ids as the reply instead of sampling (measurement).
+        """
+        if not isinstance(agent, str) or not agent:
+            raise InvalidMessagesError("agent must be a non-empty string")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        sampler = TokenSampler(temperature, top_p, seed)
+        with self._lock:
+            yield from self._run(messages, agent, max_new_tokens, sampler, stop, reuse, tools, force_reply_ids)
+
+    def add_segment(self, text: str, *, kind: Optional[Kind] = None) -> SegmentRef:
+        """Register text no agent generated (a document, a tool result) so later prompts reuse it.
+
+        Its KV is computed as a user message of this model's chat template and cut out. With
+        reuse off nothing is computed or stored and later calls report ``reuse_off``.
+        """
+        if not isinstance(text, str) or not text:
+            raise ValueError("text must be a non-empty string")
+        kind = tuple(kind) if kind else ("document", None)  # type: ignore[assignment]
+        existing = self._store.find_text(text, self.fingerprint)
+        if existing is not None and existing.ref.kind == kind:
+            return existing.ref
+        messages = [{"role": "user", "content": text}]
+        layout = render_prompt(self.tokenizer, messages)
+        with self._lock, torch.inference_mode():
+            if not self.config.reuse:
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                return SegmentRef(id="reuse-off", kind=kind, num_tokens=len(ids), text_hash="", model=self.fingerprint)
+            pre = prefill(self.model, self.info.rotator, CallPlan(layout.ids))
+            segment = self._capture_message(layout, 0, text, kind, pre.cache, pre.slot_positions)
+        if segment is None:
+            raise ValueError("the text could not be located in its own prompt")
+        return segment
+
+    # ---- one call -------------------------------------------------------------------------
+    def _run(self, messages, agent, max_new_tokens, sampler, stop, reuse, tools, forced) -> Iterator:
+        started = time.perf_counter()
+        layout = render_prompt(self.tokenizer, messages, tools=tools)
+        plan = self._plan(layout, messages, reuse, max_new_tokens if forced is None else len(forced))
+        pinned = [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
+        with self._store.pinned(pinned):
+            with torch.inference_mode():
+                pre = prefill(self.model, self.info.rotator, plan)
+            prefill_done = time.perf_counter()
+            text = TextAccumulator(self.tokenizer, stop)
+            next_id = int(forced[0]) if forced else sampler(pre.logits)
+            ttft = time.perf_counter() - started
+            finish = None
+            position = plan.num_prompt
+            while finish is None:
+                piece = text.push(next_id)
+                if piece:
+                    yield piece
+                finish = self._finish_reason(next_id, text, max_new_tokens, forced)
+                if finish is not None:
+                    break
+                with torch.inference_mode():
+                    logits = hf_cache.run_forward(
+                        self.model, torch.tensor([[next_id]], device=self._device),
+                        pre.cache, position_ids=torch.tensor([[position]], device=self._device),
+                    )[0, -1].float()
+                position += 1
+                next_id = int(forced[len(text.ids)]) if forced else sampler(logits)
+            tail = text.flush()
+            if tail:
+                yield tail
+            with torch.inference_mode():
+                segment = self._package(layout, messages, plan, pre, agent, text)
+        stats = CallStats(
+            agent=agent,
+            prompt_tokens=plan.num_prompt,
+            reused_tokens=plan.reused_tokens,
+            computed_tokens=plan.num_prompt - plan.reused_tokens,
+            prefix_tokens=plan.prefix_length,
+            generated_tokens=len(text.ids),
+            ttft_s=ttft,
+            align_s=pre.align_s,
+            prefill_s=prefill_done - started - pre.align_s,
+            total_s=time.perf_counter() - started,
+            mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
+            dense_reason=plan.dense_reason,
+            decisions=plan.decisions,
+        )
+        yield ChatResult(text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def _plan(self, layout: PromptLayout, messages: Messages, reuse: Optional[bool], new_tokens: int) -> CallPlan:
+        if not self.config.reuse:
+            return CallPlan(layout.ids, dense_reason="reuse_off")
+        refuse = None
+        window = self.info.sliding_window
+        if reuse is False:
+            refuse = "reuse_off"
+        elif window is not None and layout.ids.numel() + new_tokens > window:
+            refuse = "sliding_window"
+        return plan_call(layout, messages, store=self._store, model=self.fingerprint, config=self.config, refuse_reason=refuse)
+
+    def _finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int, forced) -> Optional[str]:
+        if forced is not None:
+            return "forced" if len(text.ids) >= len(forced) or token_id in self.info.eos_ids else None
+        if token_id in self.info.eos_ids:
+            return "stop"
+        if text.stopped:
+            return "stop_string"
+        if len(text.ids) >= max_new_tokens:
+            return "length"
+        return None
+
+    # ---- packaging ------------------------------------------------------------------------
+    def _package(self, layout, messages, plan: CallPlan, pre: PrefillResult, agent: str, text: TextAccumulator) -> Optional[SegmentRef]:
+        """Store the reply's KV, first-seen user/tool messages and the exact prefix."""
+        if not self.config.reuse:
+            return None
+        n = plan.num_prompt
+        generated = text.ids[:-1]  # the last generated id was never fed: it has no KV
+        slots = torch.cat([pre.slot_positions, torch.arange(n, n + len(generated))])
+        self._store_prefix(plan, generated, pre.cache, slots)
+        if self.config.capture_messages:
+            reused = {d.message_index for d in plan.decisions if d.status == "reused"}
+            clean = normalize_messages(messages)
+            for index, message in enumerate(clean):
+                kind = message_kind(message)
+                content = message.get("content")
+                if kind is None or index in reused or not isinstance(content, str):
+                    continue
+                if self._store.find_text(content, self.fingerprint) is None:
+                    self._capture_message(layout, index, content, kind, pre.cache, slots)
+        return self._capture_reply(n, generated, text.text, agent, pre.cache, slots)
+
+    def _store_prefix(self, plan: CallPlan, generated: list[int], cache, slots: torch.Tensor) -> None:
+        if not self.config.prefix_cache:
+            return
+        ids = torch.cat([plan.prompt_ids, torch.tensor(generated, dtype=torch.long)])
+        exact = plan.first_reused_run_start() if plan.runs else ids.numel()
+        if exact < self.config.min_prefix_tokens:
+            return
+        hit = self._store.longest_prefix(ids[:exact], self.fingerprint)
+        if hit is not None and hit[1] >= exact:
+            return
+        keys, values = kv_at_positions(cache, slots, torch.arange(exact))
+        self._store.put_prefix(ids[:exact], keys, values, self.fingerprint)
+
+    def _capture_message(self, layout: PromptLayout, index: int, content: str, kind: Kind, cache, slots) -> Optional[SegmentRef]:
+        span = layout.content_spans[index]
+        if span is None:
+            return None
+        tokens = layout.tokens_within(*span)
+        if len(tokens) < self.config.min_match_tokens:
+            return None
+        char_spans = [(s - span[0], e - span[0]) for s, e in layout.offsets[tokens.start : tokens.stop]]
+        segment = cut_segment(
+            cache=cache, slot_positions=slots, rotator=self.info.rotator, start=tokens.start,
+            token_ids=layout.ids[tokens.start : tokens.stop].tolist(), char_spans=char_spans,
+            text=content, kind=kind, model_fingerprint=self.fingerprint,
+        )
+        return segment.ref if self._store.put(segment) else None
+
+    def _capture_reply(self, start: int, generated: list[int], text: str, agent: str, cache, slots) -> Optional[SegmentRef]:
+        spans = align_ids_to_text(self.tokenizer, generated, text)
+        last = max((i for i, span in enumerate(spans) if span is not None), default=-1)
+        if last < 0 or not text:
+            return None
+        segment = cut_segment(
+            cache=cache, slot_positions=slots, rotator=self.info.rotator, start=start,
+            token_ids=generated[: last + 1], char_spans=spans[: last + 1], text=text,
+            kind=(agent, "assistant"), model_fingerprint=self.fingerprint,
+        )
+        return segment.ref if self._store.put(segment) else None

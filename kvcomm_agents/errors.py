@@ -1,0 +1,55 @@
+"""Exceptions raised by kvcomm-agents.
+
+The tree::
+
+    KVCommError                      base class; catch this to handle every library error
+    ├── UnsupportedModelError        the model cannot run with KV reuse (raised at load)
+    ├── RopeCheckError               the load-time re-rotation self-check failed
+    │                                (subclass of UnsupportedModelError)
+    ├── ModelNotAvailableError       the model or the embedded default cannot be found offline
+    └── InvalidMessagesError         the messages given to ``chat`` are malformed
+
+A missing, evicted, stale or foreign cache segment is *not* an error: the engine prefills that
+text instead and records the reason in ``ChatResult.stats.decisions``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVCommError",
+    "UnsupportedModelError",
+    "RopeCheckError",
+    "ModelNotAvailableError",
+    "InvalidMessagesError",
+]
+
+SUPPORTED_MODELS_HINT = (
+    "kvcomm-agents reuses KV caches of decoder-only models with rotary position embeddings of "
+    "rope_type 'default', 'linear' or 'llama3' (Llama, Qwen2, Mistral families and the like), "
+    "loaded with attn_implementation 'sdpa' or 'eager', with a chat template and a fast tokenizer. "
+    "To run any other causal LM without reuse, pass config=KVCommConfig(reuse=False)."
+)
+
+
+class KVCommError(Exception):
+    """Base class of every exception raised by kvcomm-agents."""
+
+
+class UnsupportedModelError(KVCommError):
+    """The model cannot be used with KV reuse; the message says why and what is supported."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}. {SUPPORTED_MODELS_HINT}")
+
+
+class RopeCheckError(UnsupportedModelError):
+    """Re-rotating the model's own layer-0 keys did not reproduce the keys it computes."""
+
+
+class ModelNotAvailableError(KVCommError):
+    """The requested model (or the embedded default) is not available on this machine."""
+
+
+class InvalidMessagesError(KVCommError, ValueError):
+    """``messages`` is not a list of ``{"role": ..., "content": ...}`` dicts."""

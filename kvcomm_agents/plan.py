@@ -1,0 +1,114 @@
+"""Typed results of planning one call: what is reused exactly, what is re-rotated, what is computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, Field
+
+from .cache.segments import KVSegment, SegmentRef
+from .cache.store import PrefixEntry
+
+__all__ = ["SegmentDecision", "ReusedRun", "PrefixHit", "CallPlan", "DecisionReason"]
+
+DecisionReason = Literal[
+    "reference",  # reused: found by the message's SegmentRef
+    "content",  # reused: found by its text inside a message
+    "exact_prefix",  # reused: it lies inside the exact prefix
+    "not_found",  # prefilled: the referenced segment is not in the store
+    "evicted",  # prefilled: the referenced segment was evicted for the byte budget
+    "not_in_prompt",  # prefilled: the message's content could not be located in the prompt
+    "stale",  # prefilled: the message was edited; too little of the segment still matches
+    "foreign_model",  # prefilled: the segment was computed by another model or tokenizer
+    "too_short",  # prefilled: fewer than min_match_tokens ids matched
+    "reuse_off",  # prefilled: reuse disabled for this call or engine
+    "sliding_window",  # prefilled: prompt plus reply exceed the model's sliding window
+]
+
+
+class SegmentDecision(BaseModel):
+    """What the engine did with one shared segment found in a prompt."""
+
+    segment: Optional[SegmentRef] = Field(description="The segment (None if only its id was known).")
+    segment_id: str
+    message_index: int = Field(description="Index of the message it was found in.")
+    span: tuple[int, int] = Field(description="Token span [start, end) in the prompt.")
+    status: Literal["reused", "prefilled"]
+    reason: DecisionReason
+    reused_tokens: int = Field(default=0, description="Prompt tokens served from this segment.")
+
+
+@dataclass
+class ReusedRun:
+    """A run of prompt tokens served from a stored segment, re-rotated to its new position.
+
+    Prompt positions ``prompt_start .. prompt_start + length`` take the segment's tokens
+    ``segment_start .. segment_start + length`` (same ids).
+    """
+
+    segment: KVSegment
+    prompt_start: int
+    segment_start: int
+    length: int
+
+    @property
+    def prompt_end(self) -> int:
+        return self.prompt_start + self.length
+
+    @property
+    def shift(self) -> int:
+        """Rotation that moves the canonical-frame keys to their prompt positions."""
+        return self.prompt_start - self.segment_start
+
+
+@dataclass
+class PrefixHit:
+    """The first ``length`` prompt tokens are served, exactly, from a stored prefix."""
+
+    entry: PrefixEntry
+    length: int
+
+
+@dataclass
+class CallPlan:
+    """How one prompt is prefilled.
+
+    Attributes:
+        prompt_ids: ``[N]`` int64 on the CPU, exactly the chat template's ids.
+        prefix: exact-prefix hit, or None.
+        runs: re-rotated runs, sorted, disjoint, all after the prefix and before the last token.
+        decisions: one per shared segment found.
+        dense_reason: why the call runs fully dense, or None.
+    """
+
+    prompt_ids: torch.Tensor
+    prefix: Optional[PrefixHit] = None
+    runs: list[ReusedRun] = field(default_factory=list)
+    decisions: list[SegmentDecision] = field(default_factory=list)
+    dense_reason: Optional[str] = None
+
+    @property
+    def num_prompt(self) -> int:
+        return int(self.prompt_ids.numel())
+
+    @property
+    def prefix_length(self) -> int:
+        return self.prefix.length if self.prefix else 0
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.prefix_length + sum(run.length for run in self.runs)
+
+    def computed_positions(self) -> torch.Tensor:
+        """``[Q]`` int64 positions the model computes (everything not reused), ascending."""
+        keep = torch.ones(self.num_prompt, dtype=torch.bool)
+        keep[: self.prefix_length] = False
+        for run in self.runs:
+            keep[run.prompt_start : run.prompt_end] = False
+        return keep.nonzero().flatten()
+
+    def first_reused_run_start(self) -> int:
+        """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""
+        return self.runs[0].prompt_start if self.runs else self.num_prompt

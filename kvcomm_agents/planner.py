@@ -1,0 +1,216 @@
+"""Plan one call: find shared segments in the prompt and decide, per segment, reuse or prefill.
+
+Order of business:
+
+1. the longest exact prefix the store holds (any earlier prompt plus its reply) is reused as is;
+2. each message's shared text is found by its ``SegmentRef`` or verbatim by content, and located
+   as runs of the prompt's own ids (a token matches when its id and its character offset inside
+   the shared text agree with the segment's); edge tokens that tokenize differently in context
+   do not match and are computed;
+3. runs of at least ``min_match_tokens`` after the prefix (and before the last prompt token, whose
+   logits start the reply) are re-rotated; everything else is computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from .cache.segments import KVSegment, SegmentRef
+from .cache.store import SegmentStore
+from .config import KVCommConfig
+from .plan import CallPlan, PrefixHit, ReusedRun, SegmentDecision
+from .prompt import PromptLayout
+
+__all__ = ["plan_call", "match_runs"]
+
+logger = logging.getLogger("kvcomm_agents")
+
+
+@dataclass
+class _Occurrence:
+    """Shared text located in one message: characters ``[start, start + limit)`` of the prompt
+    text hold the segment's characters ``[0, limit)``."""
+
+    message_index: int
+    segment: Optional[KVSegment]
+    segment_id: str
+    ref: Optional[SegmentRef]
+    start: int = 0
+    limit: int = 0
+    found_by: str = "content"
+    failure: Optional[str] = None
+    edited: bool = False
+
+
+def match_runs(
+    layout: PromptLayout, segment: KVSegment, start: int, limit: int
+) -> list[tuple[int, int, int]]:
+    """Runs of prompt tokens that are the segment's own tokens.
+
+    Args:
+        layout: the prompt.
+        segment: the stored segment.
+        start: character offset in ``layout.text`` where the segment's text begins.
+        limit: only the segment's characters ``[0, limit)`` may match (less than its length when
+            the message was edited after the segment was made).
+
+    Returns:
+        ``(prompt_start, segment_start, length)`` for each maximal run of consecutive matches.
+    """
+    runs: list[list[int]] = []
+    for j in layout.tokens_within(start, start + limit):
+        s, e = layout.offsets[j]
+        i = segment.index_of(s - start, int(layout.ids[j]))
+        if i is None or segment.char_spans[i][1] != e - start:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == i:
+            runs[-1][2] += 1
+        else:
+            runs.append([j, i, 1])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def _common_prefix_chars(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _locate_reference(
+    index: int, message: Mapping[str, Any], layout: PromptLayout, store: SegmentStore, model: str
+) -> _Occurrence:
+    ref = SegmentRef.coerce(message["segment"])
+    occ = _Occurrence(index, None, ref.id, ref, found_by="reference")
+    if ref.model != model:
+        occ.failure = "foreign_model"
+        return occ
+    segment = store.get(ref.id)
+    if segment is None:
+        occ.failure = "evicted" if store.was_evicted(ref.id) else "not_found"
+        return occ
+    occ.segment = segment
+    span = layout.content_spans[index]
+    if span is None:
+        occ.failure = "not_in_prompt"
+        return occ
+    content = message["content"]
+    offset = content.find(segment.text)
+    if offset >= 0:
+        occ.start, occ.limit = span[0] + offset, len(segment.text)
+    else:
+        occ.start, occ.limit = span[0], _common_prefix_chars(segment.text, content)
+        occ.edited = True
+    return occ
+
+
+def _find_occurrences(
+    messages: Sequence[Mapping[str, Any]], layout: PromptLayout, store: SegmentStore, model: str
+) -> list[_Occurrence]:
+    found = []
+    for index, message in enumerate(messages):
+        if message.get("segment") is not None:
+            found.append(_locate_reference(index, message, layout, store, model))
+            continue
+        span = layout.content_spans[index]
+        if span is None:
+            continue
+        for segment, offset in store.find_in_text(message["content"], model, min_chars=2):
+            found.append(
+                _Occurrence(index, segment, segment.id, segment.ref, span[0] + offset, len(segment.text))
+            )
+    return found
+
+
+def plan_call(
+    layout: PromptLayout,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    store: SegmentStore,
+    model: str,
+    config: KVCommConfig,
+    refuse_reason: Optional[str] = None,
+) -> CallPlan:
+    """Plan the prefill of one prompt.
+
+    Args:
+        layout: the receiver's tokenized prompt.
+        messages: the messages it was rendered from (with their optional ``segment`` refs).
+        store: where segments and exact prefixes live.
+        model: the engine's model fingerprint.
+        config: the engine's settings.
+        refuse_reason: if set (``"reuse_off"``, ``"sliding_window"``), nothing is reused and every
+            segment found is reported as prefilled for this reason.
+    """
+    plan = CallPlan(layout.ids)
+    n = plan.num_prompt
+    if refuse_reason is None and config.prefix_cache and n > 1:
+        hit = store.longest_prefix(layout.ids, model)
+        if hit is not None:
+            plan.prefix = PrefixHit(hit[0], min(hit[1], n - 1))
+    prefix_len = plan.prefix_length
+    for occ in _find_occurrences(messages, layout, store, model):
+        tokens = layout.tokens_within(occ.start, occ.start + occ.limit)
+        decision = SegmentDecision(
+            segment=occ.ref,
+            segment_id=occ.segment_id,
+            message_index=occ.message_index,
+            span=(tokens.start, tokens.stop) if occ.failure is None else _message_tokens(layout, occ),
+            status="prefilled",
+            reason=refuse_reason or occ.failure or occ.found_by,
+        )
+        if refuse_reason is None and occ.failure is None:
+            _decide_runs(plan, layout, occ, decision, config, prefix_len, n)
+        plan.decisions.append(decision)
+        logger.debug("segment %s: %s (%s)", occ.segment_id, decision.status, decision.reason)
+    plan.runs.sort(key=lambda run: run.prompt_start)
+    if refuse_reason is not None:
+        plan.dense_reason = refuse_reason
+    elif plan.reused_tokens == 0:
+        plan.dense_reason = "nothing_to_reuse"
+    return plan
+
+
+def _message_tokens(layout: PromptLayout, occ: _Occurrence) -> tuple[int, int]:
+    span = layout.content_spans[occ.message_index]
+    if span is None:
+        return (0, 0)
+    tokens = layout.tokens_within(*span)
+    return (tokens.start, tokens.stop)
+
+
+def _decide_runs(
+    plan: CallPlan,
+    layout: PromptLayout,
+    occ: _Occurrence,
+    decision: SegmentDecision,
+    config: KVCommConfig,
+    prefix_len: int,
+    n: int,
+) -> None:
+    assert occ.segment is not None
+    runs = [r for r in match_runs(layout, occ.segment, occ.start, occ.limit) if r[2] >= config.min_match_tokens]
+    if not runs:
+        decision.reason = "stale" if occ.edited else "too_short"
+        return
+    in_prefix = 0
+    for prompt_start, segment_start, length in runs:
+        clipped_start = max(prompt_start, prefix_len)
+        clipped_end = min(prompt_start + length, n - 1)
+        in_prefix += max(0, min(prompt_start + length, prefix_len) - prompt_start)
+        if clipped_end > clipped_start:
+            plan.runs.append(
+                ReusedRun(occ.segment, clipped_start, segment_start + clipped_start - prompt_start,
+                          clipped_end - clipped_start)
+            )
+            decision.reused_tokens += clipped_end - clipped_start
+    decision.reused_tokens += in_prefix
+    if decision.reused_tokens:
+        decision.status = "reused"
+        if decision.reused_tokens == in_prefix:
+            decision.reason = "exact_prefix"
+    else:
+        decision.reason = "too_short"

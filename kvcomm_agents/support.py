@@ -1,0 +1,191 @@
+"""What models kvcomm-agents can reuse KV for, checked at load time.
+
+Config checks refuse what re-rotation cannot handle (dynamic NTK, YaRN, partial or interleaved
+rotary dimensions, per-layer rope bases, MLA, attention kernels that ignore 4-D masks); then a
+numerical self-check re-rotates the model's own layer-0 keys from positions ``0..n`` to
+``δ..δ+n`` and compares them with the keys the model computes there. It fails loudly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import PreTrainedModel
+
+from .cache import hf_cache
+from .cache.rope import RopeRotator
+from .errors import RopeCheckError, UnsupportedModelError
+
+__all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint"]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+REUSE_ATTENTION = ("sdpa", "eager")
+#: Architectures refused outright: per-layer rope bases / sliding layers (Gemma 2/3), MLA with
+#: decoupled rotary keys (DeepSeek V2/V3).
+REFUSED_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "deepseek_v2", "deepseek_v3", "cohere2")
+_CHECK_SHIFT = 29
+
+
+@dataclass
+class ModelInfo:
+    """What the engine needs to know about a supported model.
+
+    Attributes:
+        rotator: re-rotates this model's keys (None when reuse is off).
+        sliding_window: the attention window in tokens, or None for full attention.
+        fingerprint: identifies model, dtype and tokenizer; segments of other fingerprints are
+            never used.
+        eos_ids: token ids that end a reply.
+    """
+
+    rotator: Optional[RopeRotator]
+    sliding_window: Optional[int]
+    fingerprint: str
+    eos_ids: frozenset[int]
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return dict(params)
+
+
+def _sliding_window(config) -> Optional[int]:
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def _check_config(model: PreTrainedModel) -> RopeRotator:
+    config = model.config
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"'{model_type}' is an encoder-decoder model")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"'{model_type}' uses per-layer rope bases, sliding-window layers or MLA, "
+            "which re-rotation does not support yet"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention", "sliding_attention"}:
+        raise UnsupportedModelError(f"layer types {sorted(layer_types)} are not supported")
+    params = _rope_parameters(config)
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModelError("per-layer-type rope parameters are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "dynamic":
+        raise UnsupportedModelError(
+            "rope_type 'dynamic' (dynamic NTK) changes frequencies with sequence length, so "
+            "cached keys cannot be re-rotated exactly"
+        )
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_type '{rope_type}' is not supported")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings (factor {partial}) are not supported")
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in REUSE_ATTENTION:
+        raise UnsupportedModelError(
+            f"attn_implementation '{attention}' ignores custom 4-D attention masks, which reuse "
+            "needs; load the model with attn_implementation='sdpa'"
+        )
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise UnsupportedModelError(
+            f"'{model_type}' has no rotary embedding module with inv_freq (absolute or ALiBi positions)"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if 2 * inv_freq.numel() != head_dim:
+        raise UnsupportedModelError(
+            f"rotary embeddings cover {2 * inv_freq.numel()} of {head_dim} head channels (partial rotary)"
+        )
+    if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise UnsupportedModelError("rotary attention scaling != 1 (YaRN, longrope) is not supported")
+    return RopeRotator(inv_freq)
+
+
+@torch.no_grad()
+def check_rerotation(model: PreTrainedModel, rotator: RopeRotator, tokenizer=None) -> float:
+    """Re-rotate layer-0 keys computed at positions ``0..n`` by δ and compare with the model's
+    own keys at ``δ..δ+n``. Returns the relative error; raises :class:`RopeCheckError` if too big.
+    """
+    device = model.get_input_embeddings().weight.device
+    ids = None
+    if tokenizer is not None:
+        ids = tokenizer("Re-rotation check: the quick brown fox.", add_special_tokens=False)["input_ids"][:8]
+    if not ids or len(ids) < 4:
+        ids = list(range(3, 11))
+    input_ids = torch.tensor([ids], device=device)
+    layer_keys = []
+    layer_values = []
+    for start in (0, _CHECK_SHIFT):
+        cache = hf_cache.new_cache(model)
+        positions = torch.arange(start, start + len(ids), device=device)[None]
+        hf_cache.run_forward(model, input_ids, cache, position_ids=positions)
+        keys, values = hf_cache.layer_kv(cache, 0)
+        layer_keys.append(keys.float())
+        layer_values.append(values.float())
+    moved = rotator.shift(layer_keys[0], _CHECK_SHIFT)
+    scale = layer_keys[1].abs().max().clamp_min(1e-6)
+    error = float((moved - layer_keys[1]).abs().max() / scale)
+    value_error = float((layer_values[0] - layer_values[1]).abs().max() / layer_values[1].abs().max().clamp_min(1e-6))
+    tolerance = 1e-4 if model.dtype in (torch.float32, torch.float64) else 3e-2
+    if error > tolerance or value_error > tolerance:
+        raise RopeCheckError(
+            f"load-time RoPE check failed: re-rotated layer-0 keys differ from the model's own by "
+            f"{error:.2e} (values {value_error:.2e}, tolerance {tolerance:.0e}); this model's "
+            "rotary embedding is interleaved, partial or scaled in a way re-rotation does not model"
+        )
+    return error
+
+
+def model_fingerprint(model: PreTrainedModel, tokenizer) -> str:
+    """A short hash of what makes KV compatible: architecture, RoPE, dtype, weights, tokenizer."""
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    summary = {
+        "type": getattr(config, "model_type", None),
+        "name": getattr(config, "_name_or_path", None),
+        "layers": config.num_hidden_layers,
+        "kv_heads": getattr(config, "num_key_value_heads", None),
+        "hidden": config.hidden_size,
+        "rope": _rope_parameters(config),
+        "dtype": str(model.dtype),
+        "weights": embedding.detach().flatten()[:32].float().cpu().tolist(),
+        "vocab": len(tokenizer),
+    }
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    tokenizer_text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    digest = hashlib.sha256(json.dumps(summary, sort_keys=True, default=str).encode())
+    digest.update(tokenizer_text.encode())
+    return digest.hexdigest()[:16]
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, verify_rope: bool) -> ModelInfo:
+    """Check ``model`` and ``tokenizer`` and describe them, or raise :class:`UnsupportedModelError`."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UnsupportedModelError("the tokenizer has no chat template")
+    rotator = None
+    if reuse:
+        if not getattr(tokenizer, "is_fast", False):
+            raise UnsupportedModelError("reuse needs a fast tokenizer (character offsets)")
+        rotator = _check_config(model)
+        if verify_rope:
+            check_rerotation(model, rotator, tokenizer)
+    return ModelInfo(rotator, _sliding_window(model.config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer))
