@@ -242,6 +242,9 @@ class KVCommEngine:
         n = plan.num_prompt
         generated = text.ids[:-1]  # the last generated id was never fed: it has no KV
         slots = torch.cat([pre.slot_positions, torch.arange(n, n + len(generated))])
+        if hf_cache.num_cached(pre.cache) != slots.numel():  # a sliding window dropped early KV
+            logger.debug("cache holds %d of %d tokens; nothing packaged", hf_cache.num_cached(pre.cache), slots.numel())
+            return None
         self._store_prefix(plan, generated, pre.cache, slots)
         if self.config.capture_messages:
             reused = {d.message_index for d in plan.decisions if d.status == "reused"}

@@ -158,7 +158,7 @@ def plan_call(
             segment=occ.ref,
             segment_id=occ.segment_id,
             message_index=occ.message_index,
-            span=(tokens.start, tokens.stop) if occ.failure is None else _message_tokens(layout, occ),
+            span=(tokens.start, tokens.stop) if len(tokens) else _message_tokens(layout, occ),
             status="prefilled",
             reason=refuse_reason or occ.failure or occ.found_by,
         )

@@ -52,8 +52,8 @@ def num_layers(cache: DynamicCache) -> int:
 
 
 def num_cached(cache: DynamicCache) -> int:
-    """Tokens held by the cache (layer 0)."""
-    return cache.get_seq_length()
+    """Tokens whose KV every layer still holds (a sliding-window layer may have dropped some)."""
+    return min(layer.keys.shape[-2] if layer.keys is not None else 0 for layer in cache.layers)
 
 
 @lru_cache(maxsize=None)

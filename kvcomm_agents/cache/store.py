@@ -202,6 +202,12 @@ class SegmentStore:
                         del self._pins[key]
                 self._evict()
 
+    def resize(self, max_bytes: int) -> None:
+        """Change the budget, evicting unpinned entries (least recently used first) to fit."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._evict()
+
     def stats(self) -> StoreStats:
         """Counts and bytes held."""
         with self._lock:

@@ -1,0 +1,200 @@
+"""The engine on tiny real models: dense equivalence, reuse, visible fallbacks, decoding options."""
+
+import pytest
+import torch
+
+from kvcomm_agents import ChatResult, InvalidMessagesError, KVCommConfig, KVCommEngine, SegmentRef
+from kvcomm_agents.testing import tiny_llama
+
+from .conftest import QUESTION, solver_messages
+
+REPLY = "The answer is 72 because 48 plus 24 equals 72."
+
+
+def forced(tokenizer, text=REPLY):
+    return tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def generate_text(model, tokenizer, messages, max_new_tokens):
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, ids["input_ids"].shape[1]:]
+    return new.tolist(), tokenizer.decode(new, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("how", ["engine", "call"])
+def test_reuse_off_is_plain_generate(model, tokenizer, make_engine, how):
+    engine = make_engine(model, reuse=(how == "call"))
+    engine.chat(solver_messages("You are solver one."), agent="s1", max_new_tokens=8)  # fills the store
+    messages = solver_messages("You are solver two.", REPLY)
+    result = engine.chat(messages, agent="s2", max_new_tokens=16, reuse=(False if how == "call" else None))
+    ids, text = generate_text(model, tokenizer, messages, 16)
+    assert result.token_ids == ids and result.text == text
+    assert result.stats.reused_tokens == 0 and result.stats.mode == "dense"
+    assert result.stats.dense_reason == "reuse_off"
+    if how == "call":  # the question is found, and reported as not reused
+        assert [d.reason for d in result.stats.decisions] == ["reuse_off"]
+    else:
+        assert result.segment is None and len(engine.store) == 0
+
+
+def test_second_agent_reuses_question_and_reply(model, tokenizer, make_engine):
+    engine = make_engine(model)
+    first = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer))
+    assert first.segment is not None and first.segment.kind == ("s1", "assistant")
+    messages = solver_messages("You are solver two.") + [
+        {"role": "user", "content": first.text, "segment": first.segment.model_dump()}  # as JSON state gives it
+    ]
+    second = engine.chat(messages, agent="s2", max_new_tokens=8)
+    stats = second.stats
+    assert stats.reused_tokens + stats.computed_tokens == stats.prompt_tokens
+    assert stats.mode == "reuse" and stats.reused_tokens > 0
+    reasons = {d.segment.kind: (d.status, d.reason) for d in stats.decisions}
+    assert reasons == {("user", None): ("reused", "content"), ("s1", "assistant"): ("reused", "reference")}
+    assert sum(d.reused_tokens for d in stats.decisions) + stats.prefix_tokens >= stats.reused_tokens
+
+
+def _dense_result(model, tokenizer, messages, max_new_tokens=12):
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(reuse=False))
+    return dense.chat(messages, agent="x", max_new_tokens=max_new_tokens)
+
+
+def _receiver(ref_or_dict, content=REPLY):
+    return [
+        {"role": "system", "content": "You are the judge."},
+        {"role": "user", "content": content, "segment": ref_or_dict},
+    ]
+
+
+def test_missing_segment_falls_back_to_dense(model, tokenizer, make_engine):
+    producer = make_engine(model)
+    ref = producer.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    fresh = make_engine(model)  # e.g. after a restart: the reference survives, the KV does not
+    result = fresh.chat(_receiver(ref), agent="judge", max_new_tokens=12)
+    assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "not_found")]
+    assert result.text == _dense_result(model, tokenizer, _receiver(ref)).text
+
+
+def test_evicted_segment_falls_back_to_dense(model, tokenizer, make_engine):
+    engine = make_engine(model)
+    ref = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    engine.store.resize(0)  # everything unpinned is evicted
+    assert engine.store.stats().evictions > 0
+    result = engine.chat(_receiver(ref), agent="judge", max_new_tokens=12)
+    assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "evicted")]
+    assert result.stats.mode != "reuse"  # an exact prefix (the system header) may still be reused
+    assert result.text == _dense_result(model, tokenizer, _receiver(ref)).text
+
+
+def test_foreign_model_segment_is_never_used(tokenizer, llama):
+    other = tiny_llama(tokenizer, seed=7)
+    engine_a = KVCommEngine(llama, tokenizer)
+    engine_b = KVCommEngine(other, tokenizer, store=engine_a.store)  # one store, two models
+    ref = engine_a.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    result = engine_b.chat(_receiver(ref), agent="judge", max_new_tokens=12)
+    assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "foreign_model")]
+    assert result.stats.mode != "reuse"  # an exact prefix (the system header) may still be reused
+    assert result.text == _dense_result(other, tokenizer, _receiver(ref)).text
+
+
+def test_message_edited_from_first_token_is_stale(model, tokenizer, make_engine):
+    engine = make_engine(model)
+    ref = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    edited = "Actually, " + REPLY.lower()
+    result = engine.chat(_receiver(ref, edited), agent="judge", max_new_tokens=12)
+    assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "stale")]
+    assert result.stats.mode != "reuse"  # an exact prefix (the system header) may still be reused
+    assert result.text == _dense_result(model, tokenizer, _receiver(ref, edited)).text
+
+
+def test_message_edited_at_the_end_reuses_only_the_unchanged_start(model, tokenizer, make_engine):
+    engine = make_engine(model)
+    ref = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    edited = REPLY.replace("equals 72.", "makes 73!")
+    result = engine.chat(_receiver(ref, edited), agent="judge", max_new_tokens=4)
+    (decision,) = result.stats.decisions
+    assert decision.status == "reused" and decision.reason == "reference"
+    segment = engine.store.get(ref.id)
+    unchanged = len(REPLY) - len(" equals 72.")
+    spans = [s for s in segment.char_spans[: decision.reused_tokens]]
+    assert all(span is not None and span[1] <= unchanged + 1 for span in spans)
+
+
+def test_stats_add_up_over_a_three_agent_chain(model, tokenizer, make_engine):
+    engine = make_engine(model)
+    replies = []
+    for k in range(3):
+        result = engine.chat(solver_messages(f"You are solver {k + 1}.", *replies), agent=f"s{k}", max_new_tokens=10)
+        s = result.stats
+        assert s.reused_tokens + s.computed_tokens == s.prompt_tokens
+        assert s.ttft_s > 0 and 0 <= s.align_s <= s.ttft_s
+        if k:
+            assert s.reused_tokens > 0
+        replies.append(REPLY if k == 0 else result.text)
+
+
+def test_stream_yields_the_text_then_the_result(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    items = list(engine.stream(solver_messages("You are solver one."), agent="s1", max_new_tokens=12))
+    assert isinstance(items[-1], ChatResult)
+    assert "".join(items[:-1]) == items[-1].text
+    assert all(isinstance(piece, str) and piece for piece in items[:-1])
+
+
+def test_stop_strings_cut_the_reply(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    full = engine.chat(solver_messages("You are solver one."), agent="s1", max_new_tokens=20, reuse=False)
+    stop = full.text[5:8]
+    assert stop
+    cut = engine.chat(solver_messages("You are solver one."), agent="s1", max_new_tokens=20, stop=[stop], reuse=False)
+    assert cut.finish_reason == "stop_string" and cut.text == full.text[: full.text.find(stop)]
+
+
+def test_sampling_is_reproducible_with_a_seed(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    messages = solver_messages("You are solver one.")
+    runs = [engine.chat(messages, agent="s", max_new_tokens=12, temperature=1.0, top_p=0.9, seed=s).token_ids for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_add_segment_is_reused_by_content(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    document = "The quick brown fox jumps over the lazy dog while the agents debate the answer."
+    ref = engine.add_segment(document)
+    assert ref.kind == ("document", None) and ref.num_tokens > 8
+    assert engine.add_segment(document) == ref
+    messages = [{"role": "system", "content": "Answer from the document."},
+                {"role": "user", "content": f"Document:\n{document}\n\nWho jumps?"}]
+    result = engine.chat(messages, agent="reader", max_new_tokens=4)
+    (decision,) = result.stats.decisions
+    assert decision.segment_id == ref.id and decision.status == "reused" and decision.reason == "content"
+
+
+def test_second_round_reuses_the_exact_prefix(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    history = solver_messages("You are solver one.")
+    first = engine.chat(history, agent="s1", max_new_tokens=10)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now check your answer."}]
+    second = engine.chat(history, agent="s1", max_new_tokens=10)
+    assert second.stats.mode == "prefix" and second.stats.prefix_tokens > 30
+    assert second.token_ids == _dense_result(llama, tokenizer, history, 10).token_ids
+
+
+def test_bad_messages_get_clear_errors(llama, make_engine):
+    engine = make_engine(llama)
+    with pytest.raises(InvalidMessagesError):
+        engine.chat("hello", agent="a")
+    with pytest.raises(InvalidMessagesError):
+        engine.chat([{"content": "no role"}], agent="a")
+    with pytest.raises(InvalidMessagesError):
+        engine.chat([{"role": "user", "content": "hi"}], agent="")
+
+
+def test_engine_calls_are_thread_safe(llama, tokenizer, make_engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = make_engine(llama)
+    serial = [engine.chat(solver_messages(f"You are solver {k}."), agent=f"s{k}", max_new_tokens=6, reuse=False).text for k in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        parallel = list(pool.map(lambda k: engine.chat(solver_messages(f"You are solver {k}."), agent=f"s{k}", max_new_tokens=6, reuse=False).text, range(4)))
+    assert parallel == serial
