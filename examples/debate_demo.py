@@ -102,12 +102,16 @@ def run_agent(reuse: KVCommEngine, dense: KVCommEngine, k: int, messages: list[d
 
 
 def summarize_decisions(records: list[dict]) -> str:
+    """Segment decisions over all questions, e.g. '6x reused:content'; exact-prefix hits too."""
     counts = Counter((x["status"], x["reason"]) for rec in records for x in rec["decisions"])
-    return ", ".join(f"{n}x {status}:{reason}" for (status, reason), n in sorted(counts.items())) or "-"
+    parts = [f"{n}x {status}:{reason}" for (status, reason), n in sorted(counts.items())]
+    prefix = sum(rec["prefix_tokens"] > 0 for rec in records)
+    return ", ".join(parts + ([f"{prefix}x exact prefix"] if prefix else [])) or "-"
 
 
 def print_table(records: list[dict], n_agents: int) -> None:
-    head = ("agent", "prompt tok", "reused %", "TTFT reuse ms", "TTFT dense ms", "speed-up", "first-8", "decisions (all questions)")
+    head = ("agent", "prompt tok", "reused %", "TTFT reuse ms", "TTFT dense ms", "speed-up", "first-8",
+            "decisions (all questions)")
     print("\n" + "  ".join(f"{h:>{w}}" for h, w in zip(head, (5, 10, 8, 13, 13, 8, 7, 0))))
     for k in range(1, n_agents + 1):
         rows = [r for r in records if r["agent"] == k]
@@ -120,14 +124,15 @@ def print_table(records: list[dict], n_agents: int) -> None:
 
 
 NOTE = """
-Notes. Solver 1 has nothing upstream to reuse: at most the exact prefix of its prompt (its system
-prompt, left by the previous question) comes from the store, so its first question is dense.
-Later solvers reuse the question and earlier solvers' replies, found verbatim inside their
-messages. TTFT speed-ups here are bounded: a 135M model with prompts of a few hundred tokens on a
-couple of CPU cores prefills fast anyway, and re-rotation and cache assembly have fixed costs.
-This core release re-rotates reused keys to their new positions exactly, but does not yet correct
+Notes. Solver 1 has nothing upstream to reuse: at most the exact prefix of its prompt (its own
+system prompt, left by the previous question) comes from the store; on the first question it
+runs dense. Later solvers reuse the question and the earlier solvers' replies, found verbatim
+inside their messages. Speed-ups are bounded: a 135M model on a couple of CPU cores with prompts
+of a few hundred tokens, where the computed remainder, re-rotation and cache assembly still cost
+time, and CPU timings are noisy (other busy processes distort them; rerun on an idle machine).
+This core release re-rotates reused keys to their new positions exactly but does not yet correct
 for the context they were computed in (KVCOMM's anchor offsets come next), so reuse outputs only
-approximately match dense ones: 'first-8' counts the calls whose first 8 greedy tokens equal
+approximately match dense ones: 'first-8' counts the calls whose first 8 greedy token ids equal
 dense's."""
 
 
@@ -142,15 +147,18 @@ def print_answers(answers: list[tuple[int, str | None, str | None]]) -> None:
 
 
 def warm_up(*engines: KVCommEngine) -> None:
+    """One tiny call per engine, so first-call overheads do not land on solver 1; then empty the
+    stores so the demo starts with nothing cached."""
     for engine in engines:
         engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
+        engine.store.clear()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
     questions, source = load_questions(args.data, args.questions)
-    print(f"Loading the embedded SmolLM2-135M-Instruct (first run converts it, ~40 s) ...")
+    print("Loading the embedded SmolLM2-135M-Instruct (first run converts it, ~40 s) ...")
     reuse = KVCommEngine.from_pretrained()
     dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(reuse=False))
     warm_up(reuse, dense)

@@ -1,0 +1,31 @@
+"""Prompt layout: the chat template's exact ids, offsets and content spans."""
+
+from kvcomm_agents.prompt import render_prompt, token_span
+
+from .conftest import solver_messages
+
+
+def test_ids_are_exactly_the_chat_templates(tokenizer):
+    messages = solver_messages("You are solver two.", "the answer is 72")
+    layout = render_prompt(tokenizer, messages)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert layout.ids.tolist() == list(expected)
+
+
+def test_content_spans_point_at_each_message(tokenizer):
+    messages = solver_messages("You are solver two.", "the answer is 72")
+    layout = render_prompt(tokenizer, messages)
+    for message, span in zip(messages, layout.content_spans):
+        assert layout.text[span[0] : span[1]] == message["content"]
+
+
+def test_segment_key_is_not_passed_to_the_template(tokenizer):
+    messages = [{"role": "user", "content": "hello there", "segment": {"id": "x"}}]
+    assert "segment" not in render_prompt(tokenizer, messages).text
+
+
+def test_token_span_keeps_only_tokens_inside():
+    offsets = [(0, 3), (3, 5), (5, 9), (9, 10)]
+    assert token_span(offsets, 3, 9) == range(1, 3)
+    assert token_span(offsets, 4, 9) == range(2, 3)  # the token straddling the start is left out
+    assert token_span(offsets, 4, 8) == range(2, 2)
