@@ -24,6 +24,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from kvcomm_agents import KVCommConfig, KVCommEngine
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k-dev.jsonl"
@@ -43,9 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="GSM8K jsonl (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write per-call results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if min(args.questions, args.agents, args.max_new_tokens) < 1:
+        p.error("--questions, --agents and --max-new-tokens must be at least 1")
+    return args
 
 
 def load_questions(path: Path, n: int) -> tuple[list[dict], str]:
@@ -93,7 +98,8 @@ def run_agent(reuse: KVCommEngine, dense: KVCommEngine, k: int, messages: list[d
         "agent": k, "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
         "prefix_tokens": s.prefix_tokens, "reused_share": s.reused_share, "mode": s.mode,
         "dense_reason": s.dense_reason, "ttft_reuse_s": s.ttft_s, "ttft_dense_s": d.stats.ttft_s,
-        "speedup": d.stats.ttft_s / s.ttft_s, "first8_agree": first_tokens_agree(r.token_ids, d.token_ids),
+        "speedup": d.stats.ttft_s / s.ttft_s,
+        "first8_agree": first_tokens_agree(r.token_ids, d.token_ids),
         "decisions": [{"segment_id": x.segment_id, "span": list(x.span), "status": x.status,
                        "reason": x.reason, "reused_tokens": x.reused_tokens} for x in s.decisions],
         "reply": r.text, "finish_reason": r.finish_reason,
@@ -117,21 +123,23 @@ def print_table(records: list[dict], n_agents: int) -> None:
         rows = [r for r in records if r["agent"] == k]
         mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
         agree = sum(r["first8_agree"] for r in rows)
+        reuse_ms, dense_ms = 1000 * mean("ttft_reuse_s"), 1000 * mean("ttft_dense_s")
         print(f"{k:>5}  {mean('prompt_tokens'):>10.0f}  {100 * mean('reused_share'):>8.1f}  "
-              f"{1000 * mean('ttft_reuse_s'):>13.1f}  {1000 * mean('ttft_dense_s'):>13.1f}  "
-              f"{mean('speedup'):>7.2f}x  {agree:>3}/{len(rows):<3}  {summarize_decisions(rows)}")
-    print("(means over questions; speed-up is the mean of per-call dense/reuse TTFT ratios)")
+              f"{reuse_ms:>13.1f}  {dense_ms:>13.1f}  {dense_ms / reuse_ms:>7.2f}x  "
+              f"{agree:>3}/{len(rows):<3}  {summarize_decisions(rows)}")
+    print("(means over questions; speed-up = mean TTFT dense / mean TTFT reuse; --json has each call)")
 
 
 NOTE = """
 Notes. Solver 1 has nothing upstream to reuse: at most the exact prefix of its prompt (its own
-system prompt, left by the previous question) comes from the store; on the first question it
-runs dense. Later solvers reuse the question and the earlier solvers' replies, found verbatim
-inside their messages. Speed-ups are bounded: a 135M model on a couple of CPU cores with prompts
-of a few hundred tokens, where the computed remainder, re-rotation and cache assembly still cost
-time, and CPU timings are noisy (other busy processes distort them; rerun on an idle machine).
-This core release re-rotates reused keys to their new positions exactly but does not yet correct
-for the context they were computed in (KVCOMM's anchor offsets come next), so reuse outputs only
+system prompt, left by the previous question) comes from the store; on the first question it runs
+dense. Later solvers reuse the question and the earlier solvers' replies, found verbatim inside
+their messages. Reuse shortens the prefill (time to first token), not decoding, which dominates
+the wall time here. Speed-ups are bounded: a 135M model on a couple of CPU cores with prompts of a
+few hundred tokens, where the computed remainder, re-rotation and cache assembly still cost time,
+and CPU timings are noisy (other busy processes distort them; rerun on an idle machine). This core
+release re-rotates reused keys to their new positions exactly but does not yet correct for the
+context they were computed in (KVCOMM's anchor offsets come next), so reuse outputs only
 approximately match dense ones: 'first-8' counts the calls whose first 8 greedy token ids equal
 dense's."""
 
@@ -144,6 +152,11 @@ def print_answers(answers: list[tuple[int, str | None, str | None]]) -> None:
     right = sum(same_number(g, t) for _, g, t in answers)
     print(f"  {right}/{len(answers)} correct. SmolLM2-135M is a tiny model: expect low GSM8K accuracy;"
           " the demo is about KV reuse, not math.")
+
+
+def describe_device(engine: KVCommEngine) -> str:
+    device = engine.model.device
+    return f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
 
 
 def warm_up(*engines: KVCommEngine) -> None:
@@ -162,8 +175,8 @@ def main(argv=None) -> None:
     reuse = KVCommEngine.from_pretrained()
     dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(reuse=False))
     warm_up(reuse, dense)
-    print(f"{len(questions)} questions from {source}, {args.agents} solvers, greedy, "
-          f"max {args.max_new_tokens} new tokens")
+    print(f"{len(questions)} question(s) from {source}, {args.agents} solvers, greedy, "
+          f"max {args.max_new_tokens} new tokens, on {describe_device(reuse)}")
     records, answers = [], []
     for qi, row in enumerate(questions, start=1):
         replies = []

@@ -162,6 +162,7 @@ class KVCommEngine:
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         plan = self._plan(layout, messages, reuse, max_new_tokens if forced is None else len(forced))
+        planned = time.perf_counter()
         pinned = [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
         with self._store.pinned(pinned):
             with torch.inference_mode():
@@ -200,7 +201,8 @@ class KVCommEngine:
             generated_tokens=len(text.ids),
             ttft_s=ttft,
             align_s=pre.align_s,
-            prefill_s=prefill_done - started - pre.align_s,
+            plan_s=planned - started,
+            prefill_s=prefill_done - planned - pre.align_s,
             total_s=time.perf_counter() - started,
             mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
             dense_reason=plan.dense_reason,

@@ -23,7 +23,8 @@ class CallStats(BaseModel):
     generated_tokens: int = 0
     ttft_s: float = Field(description="From entering chat to the first generated token id.")
     align_s: float = Field(description="Re-rotation, offsets and cache assembly.")
-    prefill_s: float = Field(default=0.0, description="The prefill forward pass.")
+    plan_s: float = Field(default=0.0, description="Rendering the prompt and planning reuse.")
+    prefill_s: float = Field(default=0.0, description="The prefill forward pass alone.")
     total_s: float = 0.0
     mode: Literal["dense", "prefix", "reuse"] = Field(
         description="dense: full prefill; prefix: exact prefix only; reuse: re-rotated segments."
