@@ -16,17 +16,17 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from .cache import hf_cache
-from .cache.assembly import PrefillResult, kv_at_positions, prefill
+from .cache.assembly import prefill
 from .cache.segments import Kind, SegmentRef
 from .cache.store import SegmentStore
-from .capture import align_ids_to_text, cut_segment, message_kind
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .errors import InvalidMessagesError
 from .models import load_model
+from .packaging import CallPackager
 from .plan import CallPlan
 from .planner import plan_call
-from .prompt import PromptLayout, normalize_messages, render_prompt
+from .prompt import PromptLayout, render_prompt
 from .results import CallStats, ChatResult
 from .support import inspect_model
 
@@ -57,6 +57,7 @@ class KVCommEngine:
         self.info = inspect_model(model, tokenizer, reuse=self.config.reuse, verify_rope=self.config.verify_rope)
         self._store = store if store is not None else SegmentStore(self.config.store_max_bytes)
         self._lock = threading.RLock()
+        self._packager = CallPackager(self._store, tokenizer, self.info.rotator, self.info.fingerprint, self.config)
 
     @classmethod
     def from_pretrained(
@@ -152,10 +153,10 @@ class KVCommEngine:
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 return SegmentRef(id="reuse-off", kind=kind, num_tokens=len(ids), text_hash="", model=self.fingerprint)
             pre = prefill(self.model, self.info.rotator, CallPlan(layout.ids))
-            segment = self._capture_message(layout, 0, text, kind, pre.cache, pre.slot_positions)
-        if segment is None:
-            raise ValueError("the text could not be located in its own prompt")
-        return segment
+            ref = self._packager.capture_message(layout, 0, kind, pre.cache, pre.slot_positions)
+        if ref is None:
+            raise ValueError(f"the text is shorter than min_match_tokens ({self.config.min_match_tokens}) or exceeds the store's budget")
+        return ref
 
     # ---- one call -------------------------------------------------------------------------
     def _run(self, messages, agent, max_new_tokens, sampler, stop, reuse, tools, forced) -> Iterator:
@@ -191,7 +192,9 @@ class KVCommEngine:
             if tail:
                 yield tail
             with torch.inference_mode():
-                segment = self._package(layout, messages, plan, pre, agent, text)
+                segment = None
+                if self.config.reuse:
+                    segment = self._packager.package(layout, messages, plan, pre, agent, text.ids, text.text)
         stats = CallStats(
             agent=agent,
             prompt_tokens=plan.num_prompt,
@@ -235,67 +238,3 @@ class KVCommEngine:
         if len(text.ids) >= max_new_tokens:
             return "length"
         return None
-
-    # ---- packaging ------------------------------------------------------------------------
-    def _package(self, layout, messages, plan: CallPlan, pre: PrefillResult, agent: str, text: TextAccumulator) -> Optional[SegmentRef]:
-        """Store the reply's KV, first-seen user/tool messages and the exact prefix."""
-        if not self.config.reuse:
-            return None
-        n = plan.num_prompt
-        generated = text.ids[:-1]  # the last generated id was never fed: it has no KV
-        slots = torch.cat([pre.slot_positions, torch.arange(n, n + len(generated))])
-        if hf_cache.num_cached(pre.cache) != slots.numel():  # a sliding window dropped early KV
-            logger.debug("cache holds %d of %d tokens; nothing packaged", hf_cache.num_cached(pre.cache), slots.numel())
-            return None
-        self._store_prefix(plan, generated, pre.cache, slots)
-        if self.config.capture_messages:
-            reused = {d.message_index for d in plan.decisions if d.status == "reused"}
-            clean = normalize_messages(messages)
-            for index, message in enumerate(clean):
-                kind = message_kind(message)
-                content = message.get("content")
-                if kind is None or index in reused or not isinstance(content, str):
-                    continue
-                if self._store.find_text(content, self.fingerprint) is None:
-                    self._capture_message(layout, index, content, kind, pre.cache, slots)
-        return self._capture_reply(n, generated, text.text, agent, pre.cache, slots)
-
-    def _store_prefix(self, plan: CallPlan, generated: list[int], cache, slots: torch.Tensor) -> None:
-        if not self.config.prefix_cache:
-            return
-        ids = torch.cat([plan.prompt_ids, torch.tensor(generated, dtype=torch.long)])
-        exact = plan.first_reused_run_start() if plan.runs else ids.numel()
-        if exact < self.config.min_prefix_tokens:
-            return
-        hit = self._store.longest_prefix(ids[:exact], self.fingerprint)
-        if hit is not None and hit[1] >= exact:
-            return
-        keys, values = kv_at_positions(cache, slots, torch.arange(exact))
-        self._store.put_prefix(ids[:exact], keys, values, self.fingerprint)
-
-    def _capture_message(self, layout: PromptLayout, index: int, content: str, kind: Kind, cache, slots) -> Optional[SegmentRef]:
-        span = layout.content_spans[index]
-        if span is None:
-            return None
-        tokens = layout.tokens_within(*span)
-        if len(tokens) < self.config.min_match_tokens:
-            return None
-        char_spans = [(s - span[0], e - span[0]) for s, e in layout.offsets[tokens.start : tokens.stop]]
-        segment = cut_segment(
-            cache=cache, slot_positions=slots, rotator=self.info.rotator, start=tokens.start,
-            token_ids=layout.ids[tokens.start : tokens.stop].tolist(), char_spans=char_spans,
-            text=content, kind=kind, model_fingerprint=self.fingerprint,
-        )
-        return segment.ref if self._store.put(segment) else None
-
-    def _capture_reply(self, start: int, generated: list[int], text: str, agent: str, cache, slots) -> Optional[SegmentRef]:
-        spans = align_ids_to_text(self.tokenizer, generated, text)
-        last = max((i for i, span in enumerate(spans) if span is not None), default=-1)
-        if last < 0 or not text:
-            return None
-        segment = cut_segment(
-            cache=cache, slot_positions=slots, rotator=self.info.rotator, start=start,
-            token_ids=generated[: last + 1], char_spans=spans[: last + 1], text=text,
-            kind=(agent, "assistant"), model_fingerprint=self.fingerprint,
-        )
-        return segment.ref if self._store.put(segment) else None

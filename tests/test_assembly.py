@@ -6,13 +6,13 @@ import torch
 from kvcomm_agents.cache import hf_cache
 from kvcomm_agents.cache.assembly import prefill
 from kvcomm_agents.cache.store import SegmentStore
-from kvcomm_agents.capture import cut_segment
+from kvcomm_agents.packaging import cut_segment
 from kvcomm_agents.plan import CallPlan, PrefixHit, ReusedRun
 from kvcomm_agents.planner import plan_call
 from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.support import inspect_model
 
-from .conftest import QUESTION, solver_messages
+from .conftest import solver_messages
 
 
 @torch.inference_mode()

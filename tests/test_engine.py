@@ -1,12 +1,11 @@
 """The engine on tiny real models: dense equivalence, reuse, visible fallbacks, decoding options."""
 
 import pytest
-import torch
 
-from kvcomm_agents import ChatResult, InvalidMessagesError, KVCommConfig, KVCommEngine, SegmentRef
+from kvcomm_agents import ChatResult, InvalidMessagesError, KVCommConfig, KVCommEngine
 from kvcomm_agents.testing import tiny_llama
 
-from .conftest import QUESTION, solver_messages
+from .conftest import solver_messages
 
 REPLY = "The answer is 72 because 48 plus 24 equals 72."
 
@@ -198,3 +197,17 @@ def test_engine_calls_are_thread_safe(llama, tokenizer, make_engine):
     with ThreadPoolExecutor(4) as pool:
         parallel = list(pool.map(lambda k: engine.chat(solver_messages(f"You are solver {k}."), agent=f"s{k}", max_new_tokens=6, reuse=False).text, range(4)))
     assert parallel == serial
+
+
+def test_tool_results_become_segments_that_other_agents_reuse(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    tool_output = "def add(a, b):\n    return a + b\n# tests passed: 3 of 3, the answer is 72"
+    caller = [{"role": "system", "content": "You are the tester."},
+              {"role": "tool", "name": "run_tests", "content": tool_output}]
+    engine.chat(caller, agent="tester", max_new_tokens=2)
+    segment = engine.store.find_text(tool_output, engine.fingerprint)
+    assert segment is not None and segment.ref.kind == ("run_tests", "tool")
+    reader = [{"role": "system", "content": "You are the planner."},
+              {"role": "user", "content": f"The tester reported:\n{tool_output}"}]
+    result = engine.chat(reader, agent="planner", max_new_tokens=2)
+    assert [(d.segment_id, d.status) for d in result.stats.decisions] == [(segment.id, "reused")]

@@ -29,3 +29,14 @@ def test_token_span_keeps_only_tokens_inside():
     assert token_span(offsets, 3, 9) == range(1, 3)
     assert token_span(offsets, 4, 9) == range(2, 3)  # the token straddling the start is left out
     assert token_span(offsets, 4, 8) == range(2, 2)
+
+
+def test_tools_are_passed_to_the_chat_template():
+    from kvcomm_agents.testing import tiny_tokenizer
+
+    template = "{% if tools %}{{ 'TOOLS: ' + (tools | map(attribute='name') | join(',')) + '\n' }}{% endif %}" \
+               "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    tokenizer = tiny_tokenizer(chat_template=template)
+    layout = render_prompt(tokenizer, [{"role": "user", "content": "add 2 and 3"}], tools=[{"name": "add"}])
+    assert layout.text.startswith("TOOLS: add\n")
+    assert layout.text[slice(*layout.content_spans[0])] == "add 2 and 3"

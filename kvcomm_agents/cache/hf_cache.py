@@ -20,7 +20,6 @@ __all__ = [
     "num_cached",
     "num_layers",
     "run_forward",
-    "layer_devices",
 ]
 
 
@@ -97,11 +96,3 @@ def run_forward(
     if last_logits_only and _accepts_logits_to_keep(type(model)):
         kwargs["logits_to_keep"] = 1
     return model(input_ids=input_ids, **kwargs).logits
-
-
-def layer_devices(model: PreTrainedModel) -> list[torch.device]:
-    """The device of each decoder layer's attention (where its cache tensors must live)."""
-    devices = []
-    for layer in model.get_decoder().layers:
-        devices.append(next(layer.self_attn.parameters()).device)
-    return devices
