@@ -113,6 +113,7 @@ class KVCommEngine:
         reuse: Optional[bool] = None,
         tools: Optional[list] = None,
         force_reply_ids: Optional[Sequence[int]] = None,
+        return_logits: bool = False,
     ) -> Iterator[Union[str, ChatResult]]:
         """Generate one agent's reply, yielding text pieces and finally the :class:`ChatResult`.
 
@@ -125,6 +126,7 @@ class KVCommEngine:
             reuse: False makes this call dense (it still packages its KV for others).
             tools: passed to the chat template.
             force_reply_ids: process these ids as the reply instead of sampling (measurement).
+            return_logits: keep the first token's logits in ``ChatResult.first_token_logits``.
         """
         if not isinstance(agent, str) or not agent:
             raise InvalidMessagesError("agent must be a non-empty string")
@@ -132,7 +134,10 @@ class KVCommEngine:
             raise ValueError("max_new_tokens must be >= 1")
         sampler = TokenSampler(temperature, top_p, seed)
         with self._lock:
-            yield from self._run(messages, agent, max_new_tokens, sampler, stop, reuse, tools, force_reply_ids)
+            for item in self._run(messages, agent, max_new_tokens, sampler, stop, reuse, tools, force_reply_ids):
+                if isinstance(item, ChatResult) and not return_logits:
+                    item.first_token_logits = None
+                yield item
 
     def add_segment(self, text: str, *, kind: Optional[Kind] = None) -> SegmentRef:
         """Register text no agent generated (a document, a tool result) so later prompts reuse it.
@@ -172,6 +177,8 @@ class KVCommEngine:
             text = TextAccumulator(self.tokenizer, stop)
             next_id = int(forced[0]) if forced else sampler(pre.logits)
             ttft = time.perf_counter() - started
+            greedy_agrees = forced is not None and int(torch.argmax(pre.logits)) == next_id
+            greedy_prefix = int(greedy_agrees)
             finish = None
             position = plan.num_prompt
             while finish is None:
@@ -188,6 +195,8 @@ class KVCommEngine:
                     )[0, -1].float()
                 position += 1
                 next_id = int(forced[len(text.ids)]) if forced else sampler(logits)
+                greedy_agrees = greedy_agrees and int(torch.argmax(logits)) == next_id
+                greedy_prefix += int(greedy_agrees)
             tail = text.flush()
             if tail:
                 yield tail
@@ -211,7 +220,10 @@ class KVCommEngine:
             dense_reason=plan.dense_reason,
             decisions=plan.decisions,
         )
-        yield ChatResult(text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats)
+        yield ChatResult(
+            text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats,
+            first_token_logits=pre.logits, forced_greedy_tokens=greedy_prefix if forced is not None else None,
+        )
 
     @property
     def _device(self) -> torch.device:

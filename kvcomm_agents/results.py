@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cache.segments import SegmentRef
 from .plan import SegmentDecision
@@ -49,8 +49,21 @@ class CallStats(BaseModel):
 class ChatResult(BaseModel):
     """The reply of one agent call."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     text: str
     token_ids: list[int] = Field(description="Generated ids only (eos included, as generate does).")
     segment: Optional[SegmentRef] = Field(description="Reference to the reply's KV, or None.")
     finish_reason: Literal["stop", "length", "stop_string", "forced"]
     stats: CallStats
+    forced_greedy_tokens: Optional[int] = Field(
+        default=None,
+        description=(
+            "With force_reply_ids: how many leading forced ids greedy decoding would also have "
+            "produced (teacher forcing), so k-token agreement needs no second run."
+        ),
+    )
+    first_token_logits: Optional[Any] = Field(
+        default=None, exclude=True, repr=False,
+        description="``[vocab]`` float32 logits of the last prompt token, with ``return_logits=True``.",
+    )

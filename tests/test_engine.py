@@ -211,3 +211,15 @@ def test_tool_results_become_segments_that_other_agents_reuse(llama, tokenizer, 
               {"role": "user", "content": f"The tester reported:\n{tool_output}"}]
     result = engine.chat(reader, agent="planner", max_new_tokens=2)
     assert [(d.segment_id, d.status) for d in result.stats.decisions] == [(segment.id, "reused")]
+
+
+def test_forced_reply_reports_greedy_agreement_and_logits(llama, tokenizer, make_engine):
+    engine = make_engine(llama, reuse=False)
+    messages = solver_messages("You are solver one.")
+    free = engine.chat(messages, agent="s1", max_new_tokens=10, return_logits=True)
+    assert free.first_token_logits is not None and free.first_token_logits.shape == (len(tokenizer),)
+    same = engine.chat(messages, agent="s1", force_reply_ids=free.token_ids)
+    assert same.token_ids == free.token_ids and same.forced_greedy_tokens == 10 and same.finish_reason == "forced"
+    altered = free.token_ids[:4] + [(free.token_ids[4] + 1) % 300] + free.token_ids[5:]
+    assert engine.chat(messages, agent="s1", force_reply_ids=altered).forced_greedy_tokens == 4
+    assert same.first_token_logits is None  # only kept when asked
