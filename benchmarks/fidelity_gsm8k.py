@@ -100,7 +100,10 @@ def main(argv=None) -> None:
     model, tokenizer = base.model, base.tokenizer
     print(f"{len(questions)} questions x {args.agents} solvers, replies <= {args.reply_tokens} tokens, fp32 CPU")
     refs = dense_references(base, questions, args.agents, args.reply_tokens)
-    strategies = {"rerotate-only": lambda: KVCommEngine(model, tokenizer)}
+    strategies = {
+        "rerotate-only": lambda: KVCommEngine(model, tokenizer),
+        "kvcomm-mean (min_anchors=2)": lambda: KVCommEngine(model, tokenizer, config=KVCommConfig(offsets="mean")),
+    }
     summaries, all_records = [], {}
     for name, make in strategies.items():
         all_records[name] = evaluate(make(), questions, refs, args.agents)
@@ -110,10 +113,10 @@ def main(argv=None) -> None:
     all_records["noise-floor (dense bf16)"] = evaluate(bf16, questions, refs, args.agents)
     summaries.append(summarize("noise-floor (dense bf16)", all_records["noise-floor (dense bf16)"]))
     model.to(torch.float32)
-    print(f"\n{'strategy':<26} {'calls':>5} {'KL mean':>8} {'32-agree':>8} {'reuse rate':>10} {'token share':>11}")
+    print(f"\n{'strategy':<28} {'calls':>5} {'KL mean':>8} {'32-agree':>8} {'reuse rate':>10} {'token share':>11}")
     for s in summaries:
         rate = "-" if s["reuse_rate"] is None else f"{100 * s['reuse_rate']:.0f}%"
-        print(f"{s['strategy']:<26} {s['calls']:>5} {s['kl_mean']:>8.4f} {100 * s['agree_32']:>7.0f}% {rate:>10} {100 * s['token_share']:>10.0f}%")
+        print(f"{s['strategy']:<28} {s['calls']:>5} {s['kl_mean']:>8.4f} {100 * s['agree_32']:>7.0f}% {rate:>10} {100 * s['token_share']:>10.0f}%")
     print("(solvers 2..N; KL = KL(dense || strategy) of the first token, nats; 32-agree = greedy runs equal to dense over 32 tokens)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summaries,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["KVCommConfig"]
@@ -60,6 +62,30 @@ class KVCommConfig(BaseModel):
             "recently used entries are evicted beyond it, never one that a running call uses. "
             "Without a budget, per-call KV grows without bound over a dataset."
         ),
+    )
+    offsets: Literal["none", "mean"] = Field(
+        default="none",
+        description=(
+            "Context correction added to reused segments above layer 0. 'none': re-rotation only "
+            "(positions exact, context not corrected). 'mean': KVCOMM-style offsets learned online, "
+            "the running mean of (real - base) KV per receiver agent and segment kind, in the "
+            "canonical frame; segments of a kind a receiver has seen fewer than min_anchors times "
+            "are prefilled densely (from there on) to record them."
+        ),
+    )
+    min_anchors: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "With offsets='mean': observations of a (receiver, kind) needed before its segments "
+            "are reused; before that they are prefilled, which keeps them exact and records them. "
+            "The paper's gate also treats fewer than two anchors as 'new anchor'."
+        ),
+    )
+    anchor_max_bytes: int = Field(
+        default=512 * 1024**2,
+        ge=0,
+        description="Byte budget of all learned offsets; least recently used pools go beyond it.",
     )
     verify_rope: bool = Field(
         default=True,

@@ -50,6 +50,8 @@ class TextAccumulator:
 
     def __init__(self, tokenizer, stop: Optional[Sequence[str]] = None):
         self._tokenizer = tokenizer
+        if isinstance(stop, str):
+            stop = [stop]
         self._stop = [s for s in (stop or []) if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.ids: list[int] = []
@@ -67,9 +69,8 @@ class TextAccumulator:
             self.stopped = True
             return self.flush()
         self.text = text
-        safe = len(text) - self._holdback
-        if text.endswith("\ufffd"):
-            safe = min(safe, len(text.rstrip("\ufffd")))
+        # an unfinished multi-byte character (U+FFFD) must not use up the stop-string holdback
+        safe = len(text.rstrip("\ufffd")) - self._holdback
         if safe <= self._emitted:
             return ""
         piece = text[self._emitted : safe]

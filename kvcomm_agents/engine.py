@@ -11,12 +11,14 @@ import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .cache import hf_cache
 from .cache.assembly import prefill
+from .cache.offsets import OffsetPool
 from .cache.segments import Kind, SegmentRef
 from .cache.store import SegmentStore
 from .config import KVCommConfig
@@ -57,7 +59,10 @@ class KVCommEngine:
         self.info = inspect_model(model, tokenizer, reuse=self.config.reuse, verify_rope=self.config.verify_rope)
         self._store = store if store is not None else SegmentStore(self.config.store_max_bytes)
         self._lock = threading.RLock()
-        self._packager = CallPackager(self._store, tokenizer, self.info.rotator, self.info.fingerprint, self.config)
+        self._offsets = OffsetPool(self.config.anchor_max_bytes)
+        self._packager = CallPackager(
+            self._store, tokenizer, self.info.rotator, self.info.fingerprint, self.config, self._offsets
+        )
 
     @classmethod
     def from_pretrained(
@@ -84,6 +89,21 @@ class KVCommEngine:
     def store(self) -> SegmentStore:
         """The segment store (``stats()``, ``clear()``)."""
         return self._store
+
+    @property
+    def offsets(self) -> OffsetPool:
+        """Learned context offsets (``nbytes()``, ``clear()``, ``anchors(agent, kind)``)."""
+        return self._offsets
+
+    @contextmanager
+    def freeze_anchors(self) -> Iterator[None]:
+        """Stop learned offsets from changing inside the block (reproducible runs)."""
+        with self._lock:
+            was, self._offsets.frozen = self._offsets.frozen, True
+        try:
+            yield
+        finally:
+            self._offsets.frozen = was
 
     @property
     def fingerprint(self) -> str:
@@ -133,11 +153,12 @@ class KVCommEngine:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         sampler = TokenSampler(temperature, top_p, seed)
-        with self._lock:
-            for item in self._run(messages, agent, max_new_tokens, sampler, stop, reuse, tools, force_reply_ids):
-                if isinstance(item, ChatResult) and not return_logits:
-                    item.first_token_logits = None
-                yield item
+        # The engine lock is taken around each compute step inside _run, never across a yield:
+        # a paused or cross-thread-resumed stream (LangChain's async streaming) blocks nobody.
+        for item in self._run(messages, agent, max_new_tokens, sampler, stop, reuse, tools, force_reply_ids):
+            if isinstance(item, ChatResult) and not return_logits:
+                item.first_token_logits = None
+            yield item
 
     def add_segment(self, text: str, *, kind: Optional[Kind] = None) -> SegmentRef:
         """Register text no agent generated (a document, a tool result) so later prompts reuse it.
@@ -158,20 +179,26 @@ class KVCommEngine:
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 return SegmentRef(id="reuse-off", kind=kind, num_tokens=len(ids), text_hash="", model=self.fingerprint)
             pre = prefill(self.model, self.info.rotator, CallPlan(layout.ids))
+            if layout.content_spans[0] is None:
+                raise ValueError("the chat template altered the text (e.g. trimmed its whitespace); pass it stripped")
             ref = self._packager.capture_message(layout, 0, kind, pre.cache, pre.slot_positions)
         if ref is None:
-            raise ValueError(f"the text is shorter than min_match_tokens ({self.config.min_match_tokens}) or exceeds the store's budget")
+            raise ValueError(
+                f"the text is shorter than min_match_tokens ({self.config.min_match_tokens} tokens) "
+                "or larger than the store's byte budget"
+            )
         return ref
 
     # ---- one call -------------------------------------------------------------------------
     def _run(self, messages, agent, max_new_tokens, sampler, stop, reuse, tools, forced) -> Iterator:
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
-        plan = self._plan(layout, messages, reuse, max_new_tokens if forced is None else len(forced))
+        with self._lock:
+            plan = self._plan(layout, messages, agent, reuse, max_new_tokens if forced is None else len(forced))
         planned = time.perf_counter()
         pinned = [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
         with self._store.pinned(pinned):
-            with torch.inference_mode():
+            with self._lock, torch.inference_mode():
                 pre = prefill(self.model, self.info.rotator, plan)
             prefill_done = time.perf_counter()
             text = TextAccumulator(self.tokenizer, stop)
@@ -188,7 +215,7 @@ class KVCommEngine:
                 finish = self._finish_reason(next_id, text, max_new_tokens, forced)
                 if finish is not None:
                     break
-                with torch.inference_mode():
+                with self._lock, torch.inference_mode():
                     logits = hf_cache.run_forward(
                         self.model, torch.tensor([[next_id]], device=self._device),
                         pre.cache, position_ids=torch.tensor([[position]], device=self._device),
@@ -200,7 +227,7 @@ class KVCommEngine:
             tail = text.flush()
             if tail:
                 yield tail
-            with torch.inference_mode():
+            with self._lock, torch.inference_mode():
                 segment = None
                 if self.config.reuse:
                     segment = self._packager.package(layout, messages, plan, pre, agent, text.ids, text.text)
@@ -229,7 +256,7 @@ class KVCommEngine:
     def _device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
-    def _plan(self, layout: PromptLayout, messages: Messages, reuse: Optional[bool], new_tokens: int) -> CallPlan:
+    def _plan(self, layout: PromptLayout, messages: Messages, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         if not self.config.reuse:
             return CallPlan(layout.ids, dense_reason="reuse_off")
         refuse = None
@@ -238,7 +265,10 @@ class KVCommEngine:
             refuse = "reuse_off"
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
-        return plan_call(layout, messages, store=self._store, model=self.fingerprint, config=self.config, refuse_reason=refuse)
+        return plan_call(
+            layout, messages, store=self._store, model=self.fingerprint, config=self.config,
+            refuse_reason=refuse, agent=agent, offsets=self._offsets,
+        )
 
     def _finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int, forced) -> Optional[str]:
         if forced is not None:

@@ -16,6 +16,7 @@ import torch
 
 from .cache import hf_cache
 from .cache.assembly import PrefillResult, kv_at_positions
+from .cache.offsets import OffsetPool
 from .cache.rope import RopeRotator
 from .cache.segments import Kind, KVSegment, SegmentRef
 from .cache.store import SegmentStore
@@ -95,8 +96,12 @@ class CallPackager:
         config: ``prefix_cache``, ``capture_messages``, ``min_match_tokens``, ``min_prefix_tokens``.
     """
 
-    def __init__(self, store: SegmentStore, tokenizer, rotator: RopeRotator, fingerprint: str, config: KVCommConfig):
+    def __init__(
+        self, store: SegmentStore, tokenizer, rotator: RopeRotator, fingerprint: str, config: KVCommConfig,
+        offsets: Optional[OffsetPool] = None,
+    ):
         self.store = store
+        self.offsets = offsets
         self.tokenizer = tokenizer
         self.rotator = rotator
         self.fingerprint = fingerprint
@@ -122,16 +127,34 @@ class CallPackager:
             logger.debug("cache holds %d of %d tokens; nothing packaged", hf_cache.num_cached(cache), slots.numel())
             return None
         self.store_prefix(plan, generated, cache, slots)
+        self.record_offsets(plan, agent, cache, slots)
         if self.config.capture_messages:
-            reused = {d.message_index for d in plan.decisions if d.status == "reused"}
+            # a message holding a known segment (e.g. "Agent 1 said: <reply>") is not stored again
+            found = {d.message_index for d in plan.decisions}
             for index, message in enumerate(normalize_messages(messages)):
                 kind = message_kind(message)
                 content = message.get("content")
-                if kind is None or index in reused or not isinstance(content, str):
+                if kind is None or index in found or not isinstance(content, str):
                     continue
                 if self.store.find_text(content, self.fingerprint) is None:
                     self.capture_message(layout, index, kind, cache, slots)
         return self.capture_reply(n, generated, reply_text, agent, cache, slots)
+
+    def record_offsets(self, plan: CallPlan, agent: str, cache, slots: torch.Tensor) -> None:
+        """Record ``real - base`` KV of segment tokens computed with exact context before them."""
+        if self.offsets is None or self.config.offsets == "none" or self.offsets.frozen:
+            return
+        exact_until = plan.first_reused_run_start()
+        for seen in plan.observations:
+            if seen.length <= 0 or seen.prompt_start + seen.length > exact_until:
+                continue
+            keys, values = kv_at_positions(cache, slots, torch.arange(seen.prompt_start, seen.prompt_start + seen.length))
+            shift = seen.prompt_start - seen.segment_start
+            window = slice(seen.segment_start, seen.segment_start + seen.length)
+            key_offsets = [self.rotator.shift(k, -shift).float() - base[:, :, window].float()
+                           for k, base in zip(keys, seen.segment.keys)]
+            value_offsets = [v.float() - base[:, :, window].float() for v, base in zip(values, seen.segment.values)]
+            self.offsets.record(agent, seen.segment.ref.kind, seen.segment_start, key_offsets, value_offsets)
 
     def store_prefix(self, plan: CallPlan, generated: list[int], cache, slots: torch.Tensor) -> None:
         """Keep the exact KV of the prompt plus reply, up to the first re-rotated token."""
@@ -167,8 +190,8 @@ class CallPackager:
         """Store the reply's KV (the ids that map onto its text) as an ``(agent, "assistant")`` segment."""
         spans = align_ids_to_text(self.tokenizer, generated, text)
         last = max((i for i, span in enumerate(spans) if span is not None), default=-1)
-        if last < 0 or not text:
-            return None
+        if last + 1 < self.config.min_match_tokens or not text:
+            return None  # too short to ever be reused
         segment = cut_segment(
             cache=cache, slot_positions=slots, rotator=self.rotator, start=start,
             token_ids=generated[: last + 1], char_spans=spans[: last + 1], text=text,

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from .cache.segments import KVSegment, SegmentRef
 from .cache.store import PrefixEntry
 
-__all__ = ["SegmentDecision", "ReusedRun", "PrefixHit", "CallPlan", "DecisionReason"]
+__all__ = ["SegmentDecision", "ReusedRun", "Observation", "PrefixHit", "CallPlan", "DecisionReason"]
 
 DecisionReason = Literal[
     "reference",  # reused: found by the message's SegmentRef
@@ -25,6 +25,8 @@ DecisionReason = Literal[
     "too_short",  # prefilled: fewer than min_match_tokens ids matched
     "reuse_off",  # prefilled: reuse disabled for this call or engine
     "sliding_window",  # prefilled: prompt plus reply exceed the model's sliding window
+    "new_anchor",  # prefilled: too few observations of this kind for this receiver (recorded now)
+    "after_new_anchor",  # prefilled: it follows a new-anchor segment, computed densely from there
 ]
 
 
@@ -52,6 +54,8 @@ class ReusedRun:
     prompt_start: int
     segment_start: int
     length: int
+    key_offsets: Optional[list[Optional[torch.Tensor]]] = None
+    value_offsets: Optional[list[Optional[torch.Tensor]]] = None
 
     @property
     def prompt_end(self) -> int:
@@ -61,6 +65,18 @@ class ReusedRun:
     def shift(self) -> int:
         """Rotation that moves the canonical-frame keys to their prompt positions."""
         return self.prompt_start - self.segment_start
+
+
+@dataclass
+class Observation:
+    """Segment tokens the receiver computes itself in this call (same ids as the segment's):
+    where the context before them is exact, their real KV minus the segment's base KV is an
+    offset observation (recorded after the call)."""
+
+    segment: KVSegment
+    prompt_start: int
+    segment_start: int
+    length: int
 
 
 @dataclass
@@ -81,6 +97,7 @@ class CallPlan:
         runs: re-rotated runs, sorted, disjoint, all after the prefix and before the last token.
         decisions: one per shared segment found.
         dense_reason: why the call runs fully dense, or None.
+        observations: matched segment tokens computed in this call (offset observations).
     """
 
     prompt_ids: torch.Tensor
@@ -88,6 +105,7 @@ class CallPlan:
     runs: list[ReusedRun] = field(default_factory=list)
     decisions: list[SegmentDecision] = field(default_factory=list)
     dense_reason: Optional[str] = None
+    observations: list[Observation] = field(default_factory=list)
 
     @property
     def num_prompt(self) -> int:

@@ -17,10 +17,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from .cache.offsets import OffsetPool
 from .cache.segments import KVSegment, SegmentRef
 from .cache.store import SegmentStore
 from .config import KVCommConfig
-from .plan import CallPlan, PrefixHit, ReusedRun, SegmentDecision
+from .plan import CallPlan, Observation, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
 
 __all__ = ["plan_call", "match_runs"]
@@ -133,6 +134,8 @@ def plan_call(
     model: str,
     config: KVCommConfig,
     refuse_reason: Optional[str] = None,
+    agent: str = "default",
+    offsets: Optional[OffsetPool] = None,
 ) -> CallPlan:
     """Plan the prefill of one prompt.
 
@@ -144,6 +147,9 @@ def plan_call(
         config: the engine's settings.
         refuse_reason: if set (``"reuse_off"``, ``"sliding_window"``), nothing is reused and every
             segment found is reported as prefilled for this reason.
+        agent: the receiving agent (offsets are learned per receiver).
+        offsets: learned offsets; with ``config.offsets == "mean"`` reused runs carry estimates,
+            and kinds with fewer than ``min_anchors`` observations are prefilled (new anchors).
     """
     plan = CallPlan(layout.ids)
     n = plan.num_prompt
@@ -151,7 +157,7 @@ def plan_call(
         hit = store.longest_prefix(layout.ids, model)
         if hit is not None:
             plan.prefix = PrefixHit(hit[0], min(hit[1], n - 1))
-    prefix_len = plan.prefix_length
+    deciding = _RunDecider(plan, layout, config, agent, offsets if config.offsets == "mean" else None)
     for occ in _find_occurrences(messages, layout, store, model):
         tokens = layout.tokens_within(occ.start, occ.start + occ.limit)
         decision = SegmentDecision(
@@ -163,7 +169,7 @@ def plan_call(
             reason=refuse_reason or occ.failure or occ.found_by,
         )
         if refuse_reason is None and occ.failure is None:
-            _decide_runs(plan, layout, occ, decision, config, prefix_len, n)
+            deciding.decide(occ, decision)
         plan.decisions.append(decision)
         logger.debug("segment %s: %s (%s)", occ.segment_id, decision.status, decision.reason)
     plan.runs.sort(key=lambda run: run.prompt_start)
@@ -182,35 +188,57 @@ def _message_tokens(layout: PromptLayout, occ: _Occurrence) -> tuple[int, int]:
     return (tokens.start, tokens.stop)
 
 
-def _decide_runs(
-    plan: CallPlan,
-    layout: PromptLayout,
-    occ: _Occurrence,
-    decision: SegmentDecision,
-    config: KVCommConfig,
-    prefix_len: int,
-    n: int,
-) -> None:
-    assert occ.segment is not None
-    runs = [r for r in match_runs(layout, occ.segment, occ.start, occ.limit) if r[2] >= config.min_match_tokens]
-    if not runs:
-        decision.reason = "stale" if occ.edited else "too_short"
-        return
-    in_prefix = 0
-    for prompt_start, segment_start, length in runs:
-        clipped_start = max(prompt_start, prefix_len)
-        clipped_end = min(prompt_start + length, n - 1)
-        in_prefix += max(0, min(prompt_start + length, prefix_len) - prompt_start)
-        if clipped_end > clipped_start:
-            plan.runs.append(
-                ReusedRun(occ.segment, clipped_start, segment_start + clipped_start - prompt_start,
-                          clipped_end - clipped_start)
-            )
-            decision.reused_tokens += clipped_end - clipped_start
-    decision.reused_tokens += in_prefix
-    if decision.reused_tokens:
-        decision.status = "reused"
-        if decision.reused_tokens == in_prefix:
-            decision.reason = "exact_prefix"
-    else:
-        decision.reason = "too_short"
+class _RunDecider:
+    """Turns matched runs into reused runs or observations, occurrence by occurrence, in prompt
+    order. Once a new-anchor segment is met, everything after it is computed (dense from there),
+    so its context stays exact and the observations after it can be recorded too."""
+
+    def __init__(self, plan: CallPlan, layout: PromptLayout, config: KVCommConfig, agent: str, offsets: Optional[OffsetPool]):
+        self.plan, self.layout, self.config, self.agent, self.offsets = plan, layout, config, agent, offsets
+        self.dense_from: Optional[int] = None
+
+    def decide(self, occ: _Occurrence, decision: SegmentDecision) -> None:
+        assert occ.segment is not None
+        runs = [r for r in match_runs(self.layout, occ.segment, occ.start, occ.limit) if r[2] >= self.config.min_match_tokens]
+        if not runs:
+            decision.reason = "stale" if occ.edited else "too_short"
+            return
+        prefix_len, n = self.plan.prefix_length, self.plan.num_prompt
+        beyond_prefix = [(max(p, prefix_len), s + max(p, prefix_len) - p, p + length - max(p, prefix_len))
+                         for p, s, length in runs if p + length > prefix_len]
+        in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
+        reason = self._refusal(occ, beyond_prefix)
+        if reason is not None:
+            decision.reason = reason
+            self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
+            for p, s, length in beyond_prefix:
+                self.plan.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
+            decision.reused_tokens = in_prefix  # status stays "prefilled": the rest is computed
+            return
+        for p, s, length in beyond_prefix:
+            length = min(length, n - 1 - p)
+            if length > 0:
+                run = ReusedRun(occ.segment, p, s, length)
+                if self.offsets is not None:
+                    estimate = self.offsets.estimate(self.agent, occ.segment.ref.kind, s, s + length)
+                    if estimate is not None:
+                        run.key_offsets, run.value_offsets = estimate
+                self.plan.runs.append(run)
+                decision.reused_tokens += length
+        decision.reused_tokens += in_prefix
+        if decision.reused_tokens:
+            decision.status = "reused"
+            if decision.reused_tokens == in_prefix:
+                decision.reason = "exact_prefix"
+        else:
+            decision.reason = "too_short"
+
+    def _refusal(self, occ: _Occurrence, beyond_prefix: list) -> Optional[str]:
+        """Why this occurrence's runs after the prefix must be computed, or None."""
+        if not beyond_prefix or self.offsets is None:
+            return None
+        if self.dense_from is not None:
+            return "after_new_anchor"
+        if self.offsets.anchors(self.agent, occ.segment.ref.kind) < self.config.min_anchors:
+            return "new_anchor"
+        return None

@@ -223,3 +223,45 @@ def test_forced_reply_reports_greedy_agreement_and_logits(llama, tokenizer, make
     altered = free.token_ids[:4] + [(free.token_ids[4] + 1) % 300] + free.token_ids[5:]
     assert engine.chat(messages, agent="s1", force_reply_ids=altered).forced_greedy_tokens == 4
     assert same.first_token_logits is None  # only kept when asked
+
+
+def test_streamed_pieces_never_include_a_cut_stop_string():
+    from kvcomm_agents.decoding import TextAccumulator
+
+    tokenizer = __import__("kvcomm_agents.testing", fromlist=["tiny_tokenizer"]).tiny_tokenizer()
+    ids = tokenizer("The answer is 72.\n用户：next", add_special_tokens=False)["input_ids"]
+    for stop in (["用户："], ["\n用户："], "用户："):
+        text = TextAccumulator(tokenizer, stop)
+        pieces = []
+        for token in ids:
+            pieces.append(text.push(token))
+            if text.stopped:
+                break
+        pieces.append(text.flush())
+        assert "".join(pieces) == text.text and text.stopped and "用" not in text.text
+
+
+def test_a_paused_stream_does_not_block_other_calls(llama, tokenizer, make_engine):
+    import threading
+
+    engine = make_engine(llama)
+    stream = engine.stream(solver_messages("You are solver one."), agent="s1", max_new_tokens=8)
+    next(stream)  # paused mid-reply
+    done = []
+    worker = threading.Thread(target=lambda: done.append(engine.chat(solver_messages("You are solver two."), agent="s2", max_new_tokens=3)))
+    worker.start()
+    worker.join(timeout=60)
+    assert done and done[0].stats.generated_tokens == 3
+    result = [item for item in threading_resume(stream) if isinstance(item, ChatResult)]
+    assert result and result[0].stats.generated_tokens <= 8
+
+
+def threading_resume(generator):
+    """Finish a generator from another thread (as LangChain's async streaming does)."""
+    import threading
+
+    items = []
+    worker = threading.Thread(target=lambda: items.extend(generator))
+    worker.start()
+    worker.join(timeout=60)
+    return items

@@ -69,8 +69,14 @@ def _assemble_layers(
             values.append(plan.prefix.entry.values[layer][:, :, :prefix_len])
         for run in plan.runs:
             start, end = run.segment_start, run.segment_start + run.length
-            keys.append(rotator.shift(run.segment.keys[layer][:, :, start:end], run.shift))
-            values.append(run.segment.values[layer][:, :, start:end])
+            run_keys = run.segment.keys[layer][:, :, start:end]
+            run_values = run.segment.values[layer][:, :, start:end]
+            if run.key_offsets is not None and run.key_offsets[layer] is not None:
+                # learned context offsets are added in the canonical frame, before rotation
+                run_keys = (run_keys.float() + run.key_offsets[layer].to(run_keys.device)).to(run_keys.dtype)
+                run_values = (run_values.float() + run.value_offsets[layer].to(run_values.device)).to(run_values.dtype)
+            keys.append(rotator.shift(run_keys, run.shift))
+            values.append(run_values)
         layers.append((torch.cat(keys, dim=2), torch.cat(values, dim=2)))
     return layers
 

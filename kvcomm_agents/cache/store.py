@@ -192,6 +192,8 @@ class SegmentStore:
         with self._lock:
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
+                if key in self._entries:  # used by a call: most recently used, however it was found
+                    self._entries.move_to_end(key)
         try:
             yield
         finally:

@@ -81,3 +81,20 @@ def test_load_time_check_fails_for_interleaved_rotation(model, tokenizer):
 
     with pytest.raises(RopeCheckError):
         check_rerotation(model, Interleaved(model.model.rotary_emb.inv_freq), tokenizer)
+
+
+def test_load_time_check_covers_layers_without_rope(tokenizer):
+    """A model whose last layer has no rotary embedding (SmolLM3-style) must not pass."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    from kvcomm_agents import KVCommEngine, UnsupportedModelError
+
+    torch.manual_seed(0)
+    config = SmolLM3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 1, 1, 0],
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = SmolLM3ForCausalLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match="without rotary"):
+        KVCommEngine(model, tokenizer)
+    with pytest.raises(RopeCheckError, match="layer-3"):
+        check_rerotation(model, RopeRotator(model.model.rotary_emb.inv_freq), tokenizer)
