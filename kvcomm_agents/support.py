@@ -153,6 +153,13 @@ def check_rerotation(model: PreTrainedModel, rotator: RopeRotator, tokenizer=Non
     return worst
 
 
+def _weight_samples(model: PreTrainedModel, embedding: torch.Tensor) -> list[torch.Tensor]:
+    """The embedding and the first and last other weight matrices (fine-tunes and adapters that
+    keep the embedding still change these)."""
+    matrices = [p for p in model.parameters() if p.dim() == 2 and p is not embedding and p.device.type != "meta"]
+    return [embedding] + matrices[:1] + matrices[-1:]
+
+
 def model_fingerprint(model: PreTrainedModel, tokenizer) -> str:
     """A short hash of what makes KV compatible: architecture, RoPE, dtype, weights, tokenizer."""
     config = model.config
@@ -165,7 +172,7 @@ def model_fingerprint(model: PreTrainedModel, tokenizer) -> str:
         "hidden": config.hidden_size,
         "rope": _rope_parameters(config),
         "dtype": str(model.dtype),
-        "weights": embedding.detach().flatten()[:32].float().cpu().tolist(),
+        "weights": [p.detach().flatten()[:32].float().cpu().tolist() for p in _weight_samples(model, embedding)],
         "vocab": len(tokenizer),
     }
     backend = getattr(tokenizer, "backend_tokenizer", None)

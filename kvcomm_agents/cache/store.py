@@ -165,8 +165,7 @@ class SegmentStore:
                 if isinstance(entry, PrefixEntry) and entry.model == model:
                     n = entry.token_ids.numel()
                     if n <= ids.numel() and entry.common_prefix(ids) == n:
-                        if not self._pins.get(key):
-                            self._remove(key)
+                        self._remove(key)  # covered; a running call keeps its own tensors
             entry = PrefixEntry(f"prefix-{next(_prefix_ids)}", ids, list(keys), list(values), model)
             return self._insert(entry.id, entry)
 
