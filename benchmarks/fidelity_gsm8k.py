@@ -69,6 +69,7 @@ def evaluate(engine: KVCommEngine, questions, refs, agents: int) -> list[dict]:
                 "agree": result.forced_greedy_tokens >= agreement_window(ref["ids"], engine.info.eos_ids),
                 "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
                 "segments_found": len(found), "segments_prefilled": sum(d.status == "prefilled" for d in found),
+                "prefilled_reasons": [d.reason for d in found if d.status == "prefilled"],
                 "ttft_s": s.ttft_s, "align_s": s.align_s,
             })
     return records
