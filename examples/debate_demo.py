@@ -26,17 +26,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.workloads import DEFAULT_GSM8K, debate_messages, gsm8k_questions
 from kvcomm_agents import KVCommConfig, KVCommEngine
 
-DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k-dev.jsonl"
-BUILTIN = [  # used when the data file is absent
-    {"question": "A baker makes 12 loaves in the morning and 9 in the afternoon. He sells 15. "
-                 "How many loaves are left?", "answer": "12 + 9 - 15 = 6\n#### 6"},
-    {"question": "Tom has 3 boxes with 8 pencils each. He gives away 5 pencils. How many pencils "
-                 "does he have now?", "answer": "3 * 8 - 5 = 19\n#### 19"},
-    {"question": "A ticket costs $7. How much do 6 tickets cost if there is a $4 discount on the "
-                 "total?", "answer": "6 * 7 - 4 = 38\n#### 38"},
-]
 COMPARE = 8  # first generated token ids compared with dense
 
 
@@ -45,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="GSM8K jsonl (default: %(default)s)")
+    p.add_argument("--data", type=Path, default=DEFAULT_GSM8K, help="GSM8K jsonl (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write per-call results here")
     args = p.parse_args(argv)
     if min(args.questions, args.agents, args.max_new_tokens) < 1:
@@ -54,11 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_questions(path: Path, n: int) -> tuple[list[dict], str]:
-    if not path.is_file():
-        return BUILTIN[:n], f"built-in questions ({path} not found)"
-    with path.open() as f:
-        rows = [json.loads(line) for line, _ in zip(f, range(n))]
-    return rows, str(path)
+    source = str(path) if path.is_file() else f"built-in questions ({path} not found)"
+    return gsm8k_questions(n, path), source
 
 
 def last_number(text: str) -> str | None:
@@ -71,15 +60,6 @@ def same_number(a: str | None, b: str | None) -> bool:
         return a is not None and b is not None and float(a) == float(b)
     except ValueError:
         return False
-
-
-def agent_messages(k: int, n: int, question: str, replies: list[str]) -> list[dict]:
-    system = (f"You are solver {k} of {n} in a team solving a math word problem. Reason step by "
-              "step, check the other solvers' answers, and end with the final number.")
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    for j, reply in enumerate(replies, start=1):
-        messages.append({"role": "user", "content": f"Solver {j} answered:\n{reply}"})
-    return messages
 
 
 def first_tokens_agree(reuse_ids: list[int], dense_ids: list[int]) -> bool:
@@ -181,7 +161,7 @@ def main(argv=None) -> None:
     for qi, row in enumerate(questions, start=1):
         replies = []
         for k in range(1, args.agents + 1):
-            messages = agent_messages(k, args.agents, row["question"], replies)
+            messages = debate_messages(k, args.agents, row["question"], replies)
             reply, record = run_agent(reuse, dense, k, messages, args.max_new_tokens)
             records.append({"question": qi, **record})
             replies.append(reply)

@@ -152,6 +152,8 @@ class KVCommEngine:
             raise InvalidMessagesError("agent must be a non-empty string")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if force_reply_ids is not None and len(force_reply_ids) == 0:
+            raise ValueError("force_reply_ids must hold at least one token id")
         sampler = TokenSampler(temperature, top_p, seed)
         # The engine lock is taken around each compute step inside _run, never across a yield:
         # a paused or cross-thread-resumed stream (LangChain's async streaming) blocks nobody.

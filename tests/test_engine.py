@@ -265,3 +265,8 @@ def threading_resume(generator):
     worker.start()
     worker.join(timeout=60)
     return items
+
+
+def test_empty_forced_reply_is_a_clear_error(llama, make_engine):
+    with pytest.raises(ValueError, match="force_reply_ids"):
+        make_engine(llama).chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=[])
