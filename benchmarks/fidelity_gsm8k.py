@@ -2,16 +2,17 @@
 
 Protocol (identical ids for every strategy):
 1. Dense, on its own engine, answers every question: solver k sees the question and the dense
-   replies of solvers 1..k-1. Its replies, first-token logits and ids are the reference.
-2. Each strategy runs on a fresh engine over the same questions in order, learning only from its
-   own calls. Each solver call gets dense's reply forced (``force_reply_ids``), so the upstream
-   KV it reuses is what this engine would have made for that reply and only the KV approximation
-   differs. The call reports its first-token logits (-> KL against dense) and how many leading
-   reply tokens greedy decoding would also have produced (-> 32-token agreement, exactly, by
-   teacher forcing).
+   replies of solvers 1..k-1. Its reply ids and first-token logits are the reference (cached on
+   disk, so later runs and extra strategies skip this step).
+2. Each strategy runs on a fresh engine over the same questions in order, learning anchors only
+   from its own calls on earlier questions. Each solver call gets dense's reply forced
+   (``force_reply_ids``), so the upstream KV it reuses is what this engine would have made for
+   that reply and only the KV approximation differs. The call reports its first-token logits
+   (-> KL against dense) and how many leading reply tokens greedy decoding would also have
+   produced (-> 32-token agreement, exactly, by teacher forcing).
 3. The noise floor: dense in bf16 against dense in fp32, same protocol.
 
-    python -m benchmarks.fidelity_gsm8k --questions 40 [--reply-tokens 48] [--out PATH]
+    python -m benchmarks.fidelity_gsm8k --questions 40 [--reply-tokens 48] [--strategies a,b] [--out PATH]
 """
 
 from __future__ import annotations
@@ -23,16 +24,35 @@ from pathlib import Path
 
 import torch
 
-from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
 from kvcomm_agents.fidelity import first_token_kl, mean
 
 from .workloads import debate_messages, gsm8k_questions
 
 AGREE_K = 32
+WARMUP_QUESTIONS = 10
+
+#: name -> settings; every strategy sees the same ids, only the KV approximation differs
+STRATEGIES: dict[str, dict] = {
+    "rerotate-only": {},
+    "kvcomm-mean/entropy": {"offsets": "mean"},
+    "kvcomm-weighted/entropy": {"offsets": "weighted"},
+    "kvcomm-mean/error": {"offsets": "mean", "gate": "error"},
+    "kvcomm-weighted/error": {"offsets": "weighted", "gate": "error"},
+    "rerotate-only+template": {"template": "reuse"},
+    "kvcomm-mean/error+template": {"offsets": "mean", "gate": "error", "template": "reuse"},
+    "kvcomm-mean/entropy(gamma=0.9)": {"offsets": "mean", "gamma": 0.9},
+    "kvcomm-mean/error(max=0.3)": {"offsets": "mean", "gate": "error", "max_error": 0.3},
+    "kvcomm-mean/error(max=0.7)": {"offsets": "mean", "gate": "error", "max_error": 0.7},
+}
 
 
-def dense_references(engine: KVCommEngine, questions: list[dict], agents: int, reply_tokens: int) -> list[list[dict]]:
-    """Per question, per solver: dense reply ids, text and first-token logits."""
+def dense_references(engine: KVCommEngine, questions: list[dict], agents: int, reply_tokens: int, path: Path) -> list[list[dict]]:
+    """Per question, per solver: dense reply ids, text and first-token logits (cached at ``path``)."""
+    if path.is_file():
+        refs = torch.load(path)
+        if len(refs) >= len(questions):
+            return refs[: len(questions)]
     refs = []
     for qi, row in enumerate(questions):
         replies, calls = [], []
@@ -43,6 +63,8 @@ def dense_references(engine: KVCommEngine, questions: list[dict], agents: int, r
             replies.append(result.text)
         refs.append(calls)
         print(f"  dense reference {qi + 1}/{len(questions)}", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(refs, path)
     return refs
 
 
@@ -53,9 +75,9 @@ def agreement_window(ids: list[int], eos_ids) -> int:
     return min(AGREE_K, len(ids))
 
 
-def evaluate(engine: KVCommEngine, questions, refs, agents: int) -> list[dict]:
-    """Run one strategy with dense's replies forced; one record per solver call."""
-    records = []
+def evaluate(engine: KVCommEngine, questions, refs, agents: int) -> tuple[list[dict], list]:
+    """Run one strategy with dense's replies forced; one record (and CallStats) per solver call."""
+    records, stats = [], []
     for qi, row in enumerate(questions):
         replies = [call["text"] for call in refs[qi]]
         for k in range(1, agents + 1):
@@ -63,29 +85,48 @@ def evaluate(engine: KVCommEngine, questions, refs, agents: int) -> list[dict]:
             messages = debate_messages(k, agents, row["question"], replies[: k - 1])
             result = engine.chat(messages, agent=f"solver-{k}", force_reply_ids=ref["ids"], return_logits=True)
             s = result.stats
-            found = [d for d in s.decisions if d.reason != "exact_prefix"]
+            stats.append(s)
+            shared = s.shared_decisions
             records.append({
                 "question": qi, "agent": k, "kl": first_token_kl(ref["logits"], result.first_token_logits),
                 "agree": result.forced_greedy_tokens >= agreement_window(ref["ids"], engine.info.eos_ids),
-                "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
-                "segments_found": len(found), "segments_prefilled": sum(d.status == "prefilled" for d in found),
-                "prefilled_reasons": [d.reason for d in found if d.status == "prefilled"],
-                "ttft_s": s.ttft_s, "align_s": s.align_s,
+                "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens, "template_tokens": s.template_tokens,
+                "segments_found": len(shared), "segments_prefilled": sum(d.status == "prefilled" for d in shared),
+                "prefilled_reasons": [d.reason for d in shared if d.status == "prefilled"],
+                "gates": [d.gate.model_dump() if d.gate else None for d in shared],
+                "ttft_s": s.ttft_s, "align_s": s.align_s, "plan_s": s.plan_s, "anchor_bytes": s.anchor_bytes,
             })
-    return records
+    return records, stats
 
 
-def summarize(name: str, records: list[dict]) -> dict:
-    downstream = [r for r in records if r["agent"] > 1]
-    eligible = [r for r in downstream if r["segments_found"]]
+def summarize(name: str, records: list[dict], stats: list) -> dict:
+    down = [i for i, r in enumerate(records) if r["agent"] > 1]
+    late = [i for i in down if records[i]["question"] >= WARMUP_QUESTIONS]
+    overall, after = ReuseSummary.of(stats[i] for i in down), ReuseSummary.of(stats[i] for i in late)
     return {
-        "strategy": name, "calls": len(downstream),
-        "kl_mean": mean(r["kl"] for r in downstream),
-        "agree_32": mean(float(r["agree"]) for r in downstream),
-        "reuse_rate": mean(float(r["segments_prefilled"] == 0) for r in eligible),
-        "token_share": sum(r["reused_tokens"] for r in downstream) / max(1, sum(r["prompt_tokens"] for r in downstream)),
+        "strategy": name, "calls": len(down),
+        "kl_mean": mean(records[i]["kl"] for i in down),
+        "kl_mean_reused": mean(records[i]["kl"] for i in down if records[i]["segments_prefilled"] == 0),
+        "agree_32": mean(float(records[i]["agree"]) for i in down),
+        "reuse_rate": overall.reuse_rate, "reuse_rate_after_warmup": after.reuse_rate,
+        "token_share": overall.token_share,
+        "plan_align_ms": 1000 * mean(records[i]["plan_s"] + records[i]["align_s"] for i in down),
+        "anchor_mib": max((records[i]["anchor_bytes"] for i in down), default=0) / 2**20,
         "agent1_kl_mean": mean(r["kl"] for r in records if r["agent"] == 1),
     }
+
+
+def print_table(summaries: list[dict]) -> None:
+    print(f"\n{'strategy':<34} {'calls':>5} {'KL mean':>8} {'32-agree':>8} {'reuse rate':>10} {'after w-up':>10} "
+          f"{'tokens':>6} {'plan+align':>10} {'anchors':>8}")
+    for s in summaries:
+        def pct(x):
+            return "-" if x is None else f"{100 * x:.0f}%"
+        print(f"{s['strategy']:<34} {s['calls']:>5} {s['kl_mean']:>8.4f} {pct(s['agree_32']):>8} {pct(s['reuse_rate']):>10} "
+              f"{pct(s['reuse_rate_after_warmup']):>10} {pct(s['token_share']):>6} {s['plan_align_ms']:>8.1f}ms "
+              f"{s['anchor_mib']:>6.0f}MiB")
+    print("(solvers 2..N; KL = KL(dense || strategy) of the first token, nats; 32-agree = greedy runs equal to dense "
+          f"over 32 tokens; reuse rate = calls with no shared segment prefilled; after w-up = questions >= {WARMUP_QUESTIONS})")
 
 
 def main(argv=None) -> None:
@@ -93,32 +134,32 @@ def main(argv=None) -> None:
     parser.add_argument("--questions", type=int, default=40)
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--reply-tokens", type=int, default=48)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated names from STRATEGIES")
+    parser.add_argument("--no-noise-floor", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/fidelity_gsm8k.json"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    torch.manual_seed(0)
     questions = gsm8k_questions(args.questions)
     base = KVCommEngine.from_pretrained(device="cpu", config=KVCommConfig(reuse=False))
     model, tokenizer = base.model, base.tokenizer
-    print(f"{len(questions)} questions x {args.agents} solvers, replies <= {args.reply_tokens} tokens, fp32 CPU")
-    refs = dense_references(base, questions, args.agents, args.reply_tokens)
-    strategies = {
-        "rerotate-only": lambda: KVCommEngine(model, tokenizer),
-        "kvcomm-mean (min_anchors=2)": lambda: KVCommEngine(model, tokenizer, config=KVCommConfig(offsets="mean")),
-    }
+    print(f"{len(questions)} questions x {args.agents} solvers, replies <= {args.reply_tokens} tokens, fp32 CPU, "
+          f"torch threads {torch.get_num_threads()}")
+    cache = args.out.parent / f"dense_refs_{args.agents}x{args.reply_tokens}.pt"
+    refs = dense_references(base, questions, args.agents, args.reply_tokens, cache)
     summaries, all_records = [], {}
-    for name, make in strategies.items():
-        all_records[name] = evaluate(make(), questions, refs, args.agents)
-        summaries.append(summarize(name, all_records[name]))
-        print(f"  {name} done", flush=True)
-    bf16 = KVCommEngine(model.to(torch.bfloat16), tokenizer, config=KVCommConfig(reuse=False))
-    all_records["noise-floor (dense bf16)"] = evaluate(bf16, questions, refs, args.agents)
-    summaries.append(summarize("noise-floor (dense bf16)", all_records["noise-floor (dense bf16)"]))
-    model.to(torch.float32)
-    print(f"\n{'strategy':<28} {'calls':>5} {'KL mean':>8} {'32-agree':>8} {'reuse rate':>10} {'token share':>11}")
-    for s in summaries:
-        rate = "-" if s["reuse_rate"] is None else f"{100 * s['reuse_rate']:.0f}%"
-        print(f"{s['strategy']:<28} {s['calls']:>5} {s['kl_mean']:>8.4f} {100 * s['agree_32']:>7.0f}% {rate:>10} {100 * s['token_share']:>10.0f}%")
-    print("(solvers 2..N; KL = KL(dense || strategy) of the first token, nats; 32-agree = greedy runs equal to dense over 32 tokens)")
+    for name in args.strategies.split(","):
+        engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**STRATEGIES[name]))
+        t0 = time.perf_counter()
+        all_records[name], stats = evaluate(engine, questions, refs, args.agents)
+        summaries.append(summarize(name, all_records[name], stats))
+        print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    if not args.no_noise_floor:
+        bf16 = KVCommEngine(model.to(torch.bfloat16), tokenizer, config=KVCommConfig(reuse=False))
+        all_records["noise-floor (dense bf16)"], stats = evaluate(bf16, questions, refs, args.agents)
+        summaries.append(summarize("noise-floor (dense bf16)", all_records["noise-floor (dense bf16)"], stats))
+        model.to(torch.float32)
+    print_table(summaries)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summaries,
                                     "records": all_records}, indent=1))

@@ -11,8 +11,8 @@ from .errors import (
     RopeCheckError,
     UnsupportedModelError,
 )
-from .plan import SegmentDecision
-from .results import CallStats, ChatResult
+from .plan import GateRecord, SegmentDecision
+from .results import CallStats, ChatResult, ReuseSummary
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,8 @@ __all__ = [
     "ChatResult",
     "CallStats",
     "SegmentDecision",
+    "GateRecord",
+    "ReuseSummary",
     "StoreStats",
     "KVCommError",
     "UnsupportedModelError",

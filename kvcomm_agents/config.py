@@ -63,29 +63,80 @@ class KVCommConfig(BaseModel):
             "Without a budget, per-call KV grows without bound over a dataset."
         ),
     )
-    offsets: Literal["none", "mean"] = Field(
+    offsets: Literal["none", "mean", "weighted"] = Field(
         default="none",
         description=(
-            "Context correction added to reused segments above layer 0. 'none': re-rotation only "
-            "(positions exact, context not corrected). 'mean': KVCOMM-style offsets learned online, "
-            "the running mean of (real - base) KV per receiver agent and segment kind, in the "
-            "canonical frame; segments of a kind a receiver has seen fewer than min_anchors times "
-            "are prefilled densely (from there on) to record them."
+            "Context correction added to reused segments above layer 0 (KVCOMM's anchors). "
+            "'none': re-rotation only (positions exact, context not corrected, every found segment "
+            "reused). 'mean': the average offset (real - base KV) of the anchors the gate "
+            "consulted, per token, in the canonical frame. 'weighted': the paper's similarity "
+            "weights over those anchors. With either, a segment the gate judges new is prefilled "
+            "(densely from there on) and becomes an anchor."
         ),
+    )
+    template: Literal["in_context", "reuse"] = Field(
+        default="in_context",
+        description=(
+            "The receiver's own text after a reused segment (role headers, connective text). "
+            "'in_context': computed in the prefill forward (exact given the reused KV before it). "
+            "'reuse': its KV from the agent's earlier calls, re-rotated, plus the anchors' estimated "
+            "prefix offsets (zero with offsets='none'); pieces without an estimate are computed."
+        ),
+    )
+    gate: Literal["entropy", "error"] = Field(
+        default="entropy",
+        description=(
+            "Shareability gate. 'entropy' (the paper): p = softmax(-||V_new - V_i||) over the "
+            "consulted anchors, reuse if H(p) <= gamma * log2 N. 'error': reuse if the measured "
+            "relative KV error of this receiver's estimates for the kind (checked against dense "
+            "each time an anchor is recorded) is at most max_error."
+        ),
+    )
+    gamma: float = Field(default=0.3, ge=0.0, le=1.0, description="Entropy gate threshold (paper: 0.3).")
+    max_error: float = Field(
+        default=0.5, gt=0.0,
+        description="Error gate threshold: ||estimate - real|| / ||real|| of the offsets, keys and values together.",
     )
     min_anchors: int = Field(
         default=2,
         ge=1,
         description=(
-            "With offsets='mean': observations of a (receiver, kind) needed before its segments "
-            "are reused; before that they are prefilled, which keeps them exact and records them. "
-            "The paper's gate also treats fewer than two anchors as 'new anchor'."
+            "Consulted anchors needed before a segment may be reused; fewer means 'new anchor' "
+            "(the paper uses two; the entropy gate needs at least two)."
         ),
     )
+    max_anchors: int = Field(default=20, ge=1, description="Anchors per segment kind (paper: 20).")
+    eviction_window: int = Field(
+        default=5, ge=1,
+        description="When a pool is full, the least-activated of this many oldest anchors is replaced.",
+    )
+    activation_top_p: float = Field(
+        default=0.9, gt=0.0, le=1.0,
+        description="A reuse decision credits the nearest anchors holding this share of the weight.",
+    )
+    anchor_temperature: float = Field(default=1.0, gt=0.0, description="Softmax temperature of the anchor weights.")
     anchor_max_bytes: int = Field(
-        default=512 * 1024**2,
+        default=1024**3,
         ge=0,
-        description="Byte budget of all learned offsets; least recently used pools go beyond it.",
+        description="Byte budget of all anchor pools together; anchors are evicted beyond it.",
+    )
+    template_max_bytes: int = Field(
+        default=64 * 1024**2, ge=0, description="Byte budget of the agents' template KV (template='reuse')."
+    )
+    dense_agents: frozenset[str] = Field(
+        default=frozenset(),
+        description=(
+            "Agents that never reuse (judges, aggregators: reuse is known to perturb their "
+            "decisions, arXiv 2601.08343). Their calls are dense and still share their KV."
+        ),
+    )
+    audit_every: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Also prefill every N-th reused call densely and record the first-token KL(dense || "
+            "reuse) in its stats (0 = off), so a deployment can watch its own drift."
+        ),
     )
     verify_rope: bool = Field(
         default=True,

@@ -18,12 +18,14 @@ import torch
 
 from .cache import hf_cache
 from .cache.assembly import prefill
-from .cache.offsets import OffsetPool
+from .cache.anchors import AnchorRegistry
 from .cache.segments import Kind, SegmentRef
 from .cache.store import SegmentStore
+from .cache.templates import TemplateStore
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .errors import InvalidMessagesError
+from .fidelity import first_token_kl
 from .models import load_model
 from .packaging import CallPackager
 from .plan import CallPlan
@@ -59,10 +61,18 @@ class KVCommEngine:
         self.info = inspect_model(model, tokenizer, reuse=self.config.reuse, verify_rope=self.config.verify_rope)
         self._store = store if store is not None else SegmentStore(self.config.store_max_bytes)
         self._lock = threading.RLock()
-        self._offsets = OffsetPool(self.config.anchor_max_bytes)
-        self._packager = CallPackager(
-            self._store, tokenizer, self.info.rotator, self.info.fingerprint, self.config, self._offsets
+        c = self.config
+        self._anchors = AnchorRegistry(
+            max_anchors=c.max_anchors, eviction_window=c.eviction_window, max_bytes=c.anchor_max_bytes,
+            estimator="weighted" if c.offsets == "weighted" else "mean", gate=c.gate, gamma=c.gamma,
+            max_error=c.max_error, min_anchors=c.min_anchors, temperature=c.anchor_temperature,
+            activation_top_p=c.activation_top_p,
         )
+        self._templates = TemplateStore(c.template_max_bytes)
+        self._packager = CallPackager(
+            self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._anchors, self._templates
+        )
+        self._reused_calls = 0
 
     @classmethod
     def from_pretrained(
@@ -91,19 +101,26 @@ class KVCommEngine:
         return self._store
 
     @property
-    def offsets(self) -> OffsetPool:
-        """Learned context offsets (``nbytes()``, ``clear()``, ``anchors(agent, kind)``)."""
-        return self._offsets
+    def anchors(self) -> AnchorRegistry:
+        """KVCOMM anchor pools (``nbytes()``, ``clear()``, ``anchors(kind)``, ``pool(kind)``)."""
+        return self._anchors
+
+    @property
+    def templates(self) -> TemplateStore:
+        """The agents' template KV (``config.template == "reuse"``)."""
+        return self._templates
 
     @contextmanager
     def freeze_anchors(self) -> Iterator[None]:
-        """Stop learned offsets from changing inside the block (reproducible runs)."""
+        """Stop anchor pools and template KV from changing inside the block (reproducible runs:
+        no anchor is added, evicted, credited or given offsets)."""
         with self._lock:
-            was, self._offsets.frozen = self._offsets.frozen, True
+            was = self._anchors.frozen, self._templates.frozen
+            self._anchors.frozen = self._templates.frozen = True
         try:
             yield
         finally:
-            self._offsets.frozen = was
+            self._anchors.frozen, self._templates.frozen = was
 
     @property
     def fingerprint(self) -> str:
@@ -204,28 +221,35 @@ class KVCommEngine:
                 pre = prefill(self.model, self.info.rotator, plan)
             prefill_done = time.perf_counter()
             text = TextAccumulator(self.tokenizer, stop)
-            next_id = int(forced[0]) if forced else sampler(pre.logits)
-            ttft = time.perf_counter() - started
-            greedy_agrees = forced is not None and int(torch.argmax(pre.logits)) == next_id
-            greedy_prefix = int(greedy_agrees)
-            finish = None
-            position = plan.num_prompt
-            while finish is None:
-                piece = text.push(next_id)
-                if piece:
-                    yield piece
-                finish = self._finish_reason(next_id, text, max_new_tokens, forced)
-                if finish is not None:
-                    break
-                with self._lock, torch.inference_mode():
-                    logits = hf_cache.run_forward(
-                        self.model, torch.tensor([[next_id]], device=self._device),
-                        pre.cache, position_ids=torch.tensor([[position]], device=self._device),
-                    )[0, -1].float()
-                position += 1
-                next_id = int(forced[len(text.ids)]) if forced else sampler(logits)
-                greedy_agrees = greedy_agrees and int(torch.argmax(logits)) == next_id
-                greedy_prefix += int(greedy_agrees)
+            if forced is not None:
+                ids, logits = self._force(plan, pre, forced)
+                ttft = time.perf_counter() - started
+                greedy_prefix = _greedy_prefix(logits, ids)
+                finish = "forced"
+                for token in ids:
+                    piece = text.push(token)
+                    if piece:
+                        yield piece
+            else:
+                greedy_prefix = None
+                next_id = sampler(pre.logits)
+                ttft = time.perf_counter() - started
+                finish = None
+                position = plan.num_prompt
+                while finish is None:
+                    piece = text.push(next_id)
+                    if piece:
+                        yield piece
+                    finish = self._finish_reason(next_id, text, max_new_tokens)
+                    if finish is not None:
+                        break
+                    with self._lock, torch.inference_mode():
+                        logits = hf_cache.run_forward(
+                            self.model, torch.tensor([[next_id]], device=self._device),
+                            pre.cache, position_ids=torch.tensor([[position]], device=self._device),
+                        )[0, -1].float()
+                    position += 1
+                    next_id = sampler(logits)
             tail = text.flush()
             if tail:
                 yield tail
@@ -233,6 +257,7 @@ class KVCommEngine:
                 segment = None
                 if self.config.reuse:
                     segment = self._packager.package(layout, messages, plan, pre, agent, text.ids, text.text)
+                audit_kl = self._audit(plan, pre.logits)
         stats = CallStats(
             agent=agent,
             prompt_tokens=plan.num_prompt,
@@ -248,11 +273,44 @@ class KVCommEngine:
             mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
             dense_reason=plan.dense_reason,
             decisions=plan.decisions,
+            opted_out=self.config.reuse and (reuse is False or agent in self.config.dense_agents),
+            template_tokens=plan.template_tokens,
+            anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
+            anchor_bytes=self._anchors.nbytes() if self.config.offsets != "none" else 0,
+            audit_kl=audit_kl,
         )
         yield ChatResult(
             text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats,
-            first_token_logits=pre.logits, forced_greedy_tokens=greedy_prefix if forced is not None else None,
+            first_token_logits=pre.logits, forced_greedy_tokens=greedy_prefix,
         )
+
+    def _force(self, plan: CallPlan, pre, forced: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """Process forced reply ids (up to the first end-of-sequence) in one forward, as decoding
+        would have cached them. Returns the ids and ``[k, vocab]`` logits predicting each of them
+        (row 0: the prompt's last token)."""
+        ids = [int(t) for t in forced]
+        ends = [i for i, t in enumerate(ids) if t in self.info.eos_ids]
+        ids = ids[: ends[0] + 1] if ends else ids
+        rows = [pre.logits[None]]
+        if len(ids) > 1:
+            n = plan.num_prompt
+            with self._lock, torch.inference_mode():
+                rows.append(hf_cache.run_forward(
+                    self.model, torch.tensor([ids[:-1]], device=self._device), pre.cache,
+                    position_ids=torch.arange(n, n + len(ids) - 1, device=self._device)[None],
+                    last_logits_only=False,
+                )[0].float())
+        return ids, torch.cat([r.to(rows[0].device) for r in rows])
+
+    def _audit(self, plan: CallPlan, logits: torch.Tensor) -> Optional[float]:
+        """Every ``audit_every``-th reused call: prefill densely and return KL(dense || reuse)."""
+        if not self.config.audit_every or not plan.runs:
+            return None
+        self._reused_calls += 1
+        if self._reused_calls % self.config.audit_every:
+            return None
+        dense = prefill(self.model, self.info.rotator, CallPlan(plan.prompt_ids))
+        return first_token_kl(dense.logits, logits)
 
     @property
     def _device(self) -> torch.device:
@@ -263,18 +321,16 @@ class KVCommEngine:
             return CallPlan(layout.ids, dense_reason="reuse_off")
         refuse = None
         window = self.info.sliding_window
-        if reuse is False:
+        if reuse is False or agent in self.config.dense_agents:
             refuse = "reuse_off"
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
         return plan_call(
             layout, messages, store=self._store, model=self.fingerprint, config=self.config,
-            refuse_reason=refuse, agent=agent, offsets=self._offsets,
+            refuse_reason=refuse, agent=agent, anchors=self._anchors, templates=self._templates,
         )
 
-    def _finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int, forced) -> Optional[str]:
-        if forced is not None:
-            return "forced" if len(text.ids) >= len(forced) or token_id in self.info.eos_ids else None
+    def _finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int) -> Optional[str]:
         if token_id in self.info.eos_ids:
             return "stop"
         if text.stopped:
@@ -282,3 +338,9 @@ class KVCommEngine:
         if len(text.ids) >= max_new_tokens:
             return "length"
         return None
+
+
+def _greedy_prefix(logits: torch.Tensor, ids: list[int]) -> int:
+    """How many leading ``ids`` greedy decoding would also produce (``logits[i]`` predicts ``ids[i]``)."""
+    agree = (logits.argmax(dim=-1).cpu() == torch.tensor(ids)).long()
+    return int(agree.cumprod(0).sum())

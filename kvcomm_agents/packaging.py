@@ -16,10 +16,11 @@ import torch
 
 from .cache import hf_cache
 from .cache.assembly import PrefillResult, kv_at_positions
-from .cache.offsets import OffsetPool
+from .cache.anchors import AnchorRegistry
 from .cache.rope import RopeRotator
 from .cache.segments import Kind, KVSegment, SegmentRef
 from .cache.store import SegmentStore
+from .cache.templates import TemplateStore
 from .config import KVCommConfig
 from .plan import CallPlan
 from .prompt import PromptLayout, normalize_messages
@@ -94,14 +95,17 @@ class CallPackager:
         rotator: de-rotates keys to the canonical frame.
         fingerprint: the engine's model fingerprint, stamped on every segment.
         config: ``prefix_cache``, ``capture_messages``, ``min_match_tokens``, ``min_prefix_tokens``.
+        anchors: where observed offsets go (``config.offsets`` other than ``"none"``).
+        templates: where the agents' template KV goes (``config.template == "reuse"``).
     """
 
     def __init__(
         self, store: SegmentStore, tokenizer, rotator: RopeRotator, fingerprint: str, config: KVCommConfig,
-        offsets: Optional[OffsetPool] = None,
+        anchors: Optional[AnchorRegistry] = None, templates: Optional[TemplateStore] = None,
     ):
         self.store = store
-        self.offsets = offsets
+        self.anchors = anchors if config.offsets != "none" else None
+        self.templates = templates if config.template == "reuse" else None
         self.tokenizer = tokenizer
         self.rotator = rotator
         self.fingerprint = fingerprint
@@ -141,20 +145,50 @@ class CallPackager:
         return self.capture_reply(n, generated, reply_text, agent, cache, slots)
 
     def record_offsets(self, plan: CallPlan, agent: str, cache, slots: torch.Tensor) -> None:
-        """Record ``real - base`` KV of segment tokens computed with exact context before them."""
-        if self.offsets is None or self.config.offsets == "none" or self.offsets.frozen:
-            return
+        """Record anchors: ``real - base`` KV of segment tokens computed with exact context before
+        them, and of the template piece after each; keep template KV first seen in this call."""
         exact_until = plan.first_reused_run_start()
-        for seen in plan.observations:
-            if seen.length <= 0 or seen.prompt_start + seen.length > exact_until:
+        if self.anchors is not None and not self.anchors.frozen:
+            for seen in plan.observations:
+                if seen.length <= 0 or seen.prompt_start + seen.length > exact_until:
+                    continue
+                keys, values = self._offsets_from(cache, slots, seen.prompt_start, seen.length,
+                                                  seen.segment, seen.segment_start)
+                self.anchors.record(agent, seen.segment, seen.segment_start, keys, values)
+        for piece in plan.pieces:
+            if piece.reused:
                 continue
-            keys, values = kv_at_positions(cache, slots, torch.arange(seen.prompt_start, seen.prompt_start + seen.length))
-            shift = seen.prompt_start - seen.segment_start
-            window = slice(seen.segment_start, seen.segment_start + seen.length)
-            key_offsets = [self.rotator.shift(k, -shift).float() - base[:, :, window].float()
-                           for k, base in zip(keys, seen.segment.keys)]
-            value_offsets = [v.float() - base[:, :, window].float() for v, base in zip(values, seen.segment.values)]
-            self.offsets.record(agent, seen.segment.ref.kind, seen.segment_start, key_offsets, value_offsets)
+            template = self._template(agent, piece, cache, slots)
+            if self.anchors is not None and template is not None and piece.observed and piece.end <= exact_until:
+                keys, values = self._offsets_from(cache, slots, piece.start, piece.end - piece.start, template, 0)
+                self.anchors.record_prefix(agent, piece.after, piece.key, keys, values)
+
+    def _offsets_from(self, cache, slots, prompt_start: int, length: int, base: KVSegment, base_start: int):
+        """``[L-1, H, n, D]`` float32 ``real - base`` for prompt positions ``prompt_start..+length``
+        against ``base``'s tokens ``base_start..+length`` (keys compared in the canonical frame)."""
+        keys, values = kv_at_positions(cache, slots, torch.arange(prompt_start, prompt_start + length))
+        shift = prompt_start - base_start
+        window = slice(base_start, base_start + length)
+        key_offsets = torch.stack([(self.rotator.shift(k, -shift).float() - b[:, :, window].float().to(k.device))[0]
+                                   for k, b in zip(keys[1:], base.keys[1:])])
+        value_offsets = torch.stack([(v.float() - b[:, :, window].float().to(v.device))[0]
+                                     for v, b in zip(values[1:], base.values[1:])])
+        return key_offsets, value_offsets
+
+    def _template(self, agent: str, piece, cache, slots) -> Optional[KVSegment]:
+        """The agent's template KV of ``piece``: the stored one, else this call's (stored now)."""
+        if self.templates is None:
+            return None
+        template = self.templates.get(agent, piece.key)
+        if template is None and not self.templates.frozen:
+            template = cut_segment(
+                cache=cache, slot_positions=slots, rotator=self.rotator, start=piece.start,
+                token_ids=piece.token_ids, char_spans=[None] * len(piece.token_ids), text="",
+                kind=(agent, "template"), model_fingerprint=self.fingerprint,
+            )
+            if not self.templates.put(agent, piece.key, template):
+                return None
+        return template
 
     def store_prefix(self, plan: CallPlan, generated: list[int], cache, slots: torch.Tensor) -> None:
         """Keep the exact KV of the prompt plus reply, up to the first re-rotated token."""

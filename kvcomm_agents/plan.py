@@ -11,7 +11,10 @@ from pydantic import BaseModel, Field
 from .cache.segments import KVSegment, SegmentRef
 from .cache.store import PrefixEntry
 
-__all__ = ["SegmentDecision", "ReusedRun", "Observation", "PrefixHit", "CallPlan", "DecisionReason"]
+__all__ = [
+    "SegmentDecision", "GateRecord", "ReusedRun", "Observation", "TemplatePiece", "PrefixHit", "CallPlan",
+    "DecisionReason",
+]
 
 DecisionReason = Literal[
     "reference",  # reused: found by the message's SegmentRef
@@ -25,9 +28,19 @@ DecisionReason = Literal[
     "too_short",  # prefilled: fewer than min_match_tokens ids matched
     "reuse_off",  # prefilled: reuse disabled for this call or engine
     "sliding_window",  # prefilled: prompt plus reply exceed the model's sliding window
-    "new_anchor",  # prefilled: too few observations of this kind for this receiver (recorded now)
+    "new_anchor",  # prefilled: the anchor gate judged it new (too few or too dissimilar anchors); recorded now
     "after_new_anchor",  # prefilled: it follows a new-anchor segment, computed densely from there
 ]
+
+
+class GateRecord(BaseModel):
+    """The anchor gate's verdict on one segment for one receiver (KVCOMM offsets only)."""
+
+    decision: Literal["reuse", "new_anchor"]
+    anchors: int = Field(description="Length-compatible anchors holding this receiver's offsets (consulted).")
+    score: Optional[float] = Field(default=None, description="The score the configured gate compared with its threshold.")
+    entropy: Optional[float] = Field(default=None, description="The paper's H / log2 N over the consulted anchors.")
+    error: Optional[float] = Field(default=None, description="Measured relative KV error of this receiver's estimates for the kind.")
 
 
 class SegmentDecision(BaseModel):
@@ -40,6 +53,7 @@ class SegmentDecision(BaseModel):
     status: Literal["reused", "prefilled"]
     reason: DecisionReason
     reused_tokens: int = Field(default=0, description="Prompt tokens served from this segment.")
+    gate: Optional[GateRecord] = Field(default=None, description="The anchor gate's verdict, if it ran.")
 
 
 @dataclass
@@ -56,6 +70,8 @@ class ReusedRun:
     length: int
     key_offsets: Optional[list[Optional[torch.Tensor]]] = None
     value_offsets: Optional[list[Optional[torch.Tensor]]] = None
+    template: bool = False  # a piece of the receiver's own template, not a shared segment
+    verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
 
     @property
     def prompt_end(self) -> int:
@@ -78,6 +94,28 @@ class Observation:
     segment_start: int
     length: int
 
+    @property
+    def reaches_end(self) -> bool:
+        """Whether the observed tokens run to the segment's last token."""
+        return self.segment_start + self.length == self.segment.num_tokens
+
+
+@dataclass
+class TemplatePiece:
+    """The receiver's own text right after a shared segment, up to the next segment or the last
+    prompt token: prompt positions ``start .. end``, ids keyed by ``key``.
+
+    ``reused``: served from the agent's template KV. ``observed``: the segment before it was
+    computed in this call (its prefix offsets can be recorded if the context is exact)."""
+
+    start: int
+    end: int
+    key: str
+    token_ids: tuple[int, ...]
+    after: KVSegment
+    reused: bool = False
+    observed: bool = False
+
 
 @dataclass
 class PrefixHit:
@@ -98,6 +136,7 @@ class CallPlan:
         decisions: one per shared segment found.
         dense_reason: why the call runs fully dense, or None.
         observations: matched segment tokens computed in this call (offset observations).
+        pieces: template pieces after shared segments (reused or to be recorded).
     """
 
     prompt_ids: torch.Tensor
@@ -106,6 +145,7 @@ class CallPlan:
     decisions: list[SegmentDecision] = field(default_factory=list)
     dense_reason: Optional[str] = None
     observations: list[Observation] = field(default_factory=list)
+    pieces: list[TemplatePiece] = field(default_factory=list)
 
     @property
     def num_prompt(self) -> int:
@@ -118,6 +158,11 @@ class CallPlan:
     @property
     def reused_tokens(self) -> int:
         return self.prefix_length + sum(run.length for run in self.runs)
+
+    @property
+    def template_tokens(self) -> int:
+        """Reused tokens that are the receiver's own template text."""
+        return sum(run.length for run in self.runs if run.template)
 
     def computed_positions(self) -> torch.Tensor:
         """``[Q]`` int64 positions the model computes (everything not reused), ascending."""

@@ -8,7 +8,12 @@ Order of business:
    the shared text agree with the segment's); edge tokens that tokenize differently in context
    do not match and are computed;
 3. runs of at least ``min_match_tokens`` after the prefix (and before the last prompt token, whose
-   logits start the reply) are re-rotated; everything else is computed.
+   logits start the reply) are re-rotated; everything else is computed;
+4. with KVCOMM offsets, each segment first passes the anchor gate: a segment judged new is
+   computed, and so is everything after it (its context stays exact, so its offsets and those
+   after it can be recorded); reused segments get offsets estimated from the anchors;
+5. with template reuse, the receiver's own text after a reused segment comes from its template KV
+   (plus the estimated prefix offsets) when the agent has computed that piece before.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from .cache.offsets import OffsetPool
+from .cache.anchors import AnchorRegistry, OffsetEstimate
 from .cache.segments import KVSegment, SegmentRef
 from .cache.store import SegmentStore
+from .cache.templates import TemplateStore, piece_key
 from .config import KVCommConfig
-from .plan import CallPlan, Observation, PrefixHit, ReusedRun, SegmentDecision
+from .plan import CallPlan, GateRecord, Observation, PrefixHit, ReusedRun, SegmentDecision, TemplatePiece
 from .prompt import PromptLayout
 
 __all__ = ["plan_call", "match_runs"]
@@ -135,7 +141,8 @@ def plan_call(
     config: KVCommConfig,
     refuse_reason: Optional[str] = None,
     agent: str = "default",
-    offsets: Optional[OffsetPool] = None,
+    anchors: Optional[AnchorRegistry] = None,
+    templates: Optional[TemplateStore] = None,
 ) -> CallPlan:
     """Plan the prefill of one prompt.
 
@@ -147,9 +154,9 @@ def plan_call(
         config: the engine's settings.
         refuse_reason: if set (``"reuse_off"``, ``"sliding_window"``), nothing is reused and every
             segment found is reported as prefilled for this reason.
-        agent: the receiving agent (offsets are learned per receiver).
-        offsets: learned offsets; with ``config.offsets == "mean"`` reused runs carry estimates,
-            and kinds with fewer than ``min_anchors`` observations are prefilled (new anchors).
+        agent: the receiving agent (anchors and templates are per receiver).
+        anchors: the anchor pools; used when ``config.offsets`` is not ``"none"``.
+        templates: the agents' template KV; used when ``config.template == "reuse"``.
     """
     plan = CallPlan(layout.ids)
     n = plan.num_prompt
@@ -157,7 +164,7 @@ def plan_call(
         hit = store.longest_prefix(layout.ids, model)
         if hit is not None:
             plan.prefix = PrefixHit(hit[0], min(hit[1], n - 1))
-    deciding = _RunDecider(plan, layout, config, agent, offsets if config.offsets == "mean" else None)
+    deciding = _RunDecider(plan, layout, config, agent, anchors if config.offsets != "none" else None)
     for occ in _find_occurrences(messages, layout, store, model):
         tokens = layout.tokens_within(occ.start, occ.start + occ.limit)
         decision = SegmentDecision(
@@ -173,6 +180,9 @@ def plan_call(
         plan.decisions.append(decision)
         logger.debug("segment %s: %s (%s)", occ.segment_id, decision.status, decision.reason)
     plan.runs.sort(key=lambda run: run.prompt_start)
+    if refuse_reason is None:
+        _plan_templates(plan, agent, config, templates if config.template == "reuse" else None)
+        deciding.estimate_offsets()
     if refuse_reason is not None:
         plan.dense_reason = refuse_reason
     elif plan.reused_tokens == 0:
@@ -188,13 +198,45 @@ def _message_tokens(layout: PromptLayout, occ: _Occurrence) -> tuple[int, int]:
     return (tokens.start, tokens.stop)
 
 
+def _plan_templates(plan: CallPlan, agent: str, config: KVCommConfig, templates: Optional[TemplateStore]) -> None:
+    """Find the template piece after each segment that runs to its last token: the text up to the
+    next shared segment (reused or observed) or the last prompt token. Reuse it from the agent's
+    template KV when there is one (``templates`` given)."""
+    n = plan.num_prompt
+    ends = [(run.prompt_start, run.prompt_end, run, None) for run in plan.runs]
+    ends += [(seen.prompt_start, seen.prompt_start + seen.length, None, seen) for seen in plan.observations]
+    ends.sort(key=lambda item: item[0])
+    new_runs = []
+    for i, (_, end, run, seen) in enumerate(ends):
+        segment = run.segment if run is not None else seen.segment
+        if run is not None and run.segment_start + run.length != segment.num_tokens:
+            continue
+        if seen is not None and not seen.reaches_end:
+            continue
+        stop = ends[i + 1][0] if i + 1 < len(ends) else n - 1
+        if stop <= end:
+            continue
+        ids = tuple(plan.prompt_ids[end:stop].tolist())
+        piece = TemplatePiece(end, stop, piece_key(ids), ids, segment, observed=seen is not None)
+        plan.pieces.append(piece)
+        if run is None or templates is None or stop - end < 1:
+            continue
+        kv = templates.get(agent, piece.key)
+        if kv is not None and kv.num_tokens == stop - end:
+            piece.reused = True
+            new_runs.append(ReusedRun(kv, end, 0, stop - end, template=True, verdict=run.verdict))
+    plan.runs = sorted(plan.runs + new_runs, key=lambda r: r.prompt_start)
+
+
 class _RunDecider:
     """Turns matched runs into reused runs or observations, occurrence by occurrence, in prompt
     order. Once a new-anchor segment is met, everything after it is computed (dense from there),
-    so its context stays exact and the observations after it can be recorded too."""
+    so its context stays exact: it and every segment after it are recorded as anchors (computing
+    them costs the same either way, and each observation is data for the next gate)."""
 
-    def __init__(self, plan: CallPlan, layout: PromptLayout, config: KVCommConfig, agent: str, offsets: Optional[OffsetPool]):
-        self.plan, self.layout, self.config, self.agent, self.offsets = plan, layout, config, agent, offsets
+    def __init__(self, plan: CallPlan, layout: PromptLayout, config: KVCommConfig, agent: str,
+                 anchors: Optional[AnchorRegistry]):
+        self.plan, self.layout, self.config, self.agent, self.anchors = plan, layout, config, agent, anchors
         self.dense_from: Optional[int] = None
 
     def decide(self, occ: _Occurrence, decision: SegmentDecision) -> None:
@@ -207,23 +249,28 @@ class _RunDecider:
         beyond_prefix = [(max(p, prefix_len), s + max(p, prefix_len) - p, p + length - max(p, prefix_len))
                          for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
-        reason = self._refusal(occ, beyond_prefix)
-        if reason is not None:
-            decision.reason = reason
-            self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
-            for p, s, length in beyond_prefix:
-                self.plan.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
-            decision.reused_tokens = in_prefix  # status stays "prefilled": the rest is computed
-            return
+        verdict = None
+        if beyond_prefix and self.anchors is not None:
+            if self.dense_from is not None:
+                decision.reason = "after_new_anchor"
+            else:
+                verdict = self.anchors.judge(self.agent, occ.segment)
+                decision.gate = GateRecord(
+                    decision="reuse" if verdict.reuse else "new_anchor", anchors=verdict.anchors,
+                    score=verdict.score, entropy=verdict.entropy, error=verdict.error,
+                )
+                if not verdict.reuse:
+                    decision.reason = "new_anchor"
+            if decision.reason in ("after_new_anchor", "new_anchor"):
+                self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
+                for p, s, length in beyond_prefix:
+                    self.plan.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
+                decision.reused_tokens = in_prefix  # status stays "prefilled": the rest is computed
+                return
         for p, s, length in beyond_prefix:
             length = min(length, n - 1 - p)
             if length > 0:
-                run = ReusedRun(occ.segment, p, s, length)
-                if self.offsets is not None:
-                    estimate = self.offsets.estimate(self.agent, occ.segment.ref.kind, s, s + length)
-                    if estimate is not None:
-                        run.key_offsets, run.value_offsets = estimate
-                self.plan.runs.append(run)
+                self.plan.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict))
                 decision.reused_tokens += length
         decision.reused_tokens += in_prefix
         if decision.reused_tokens:
@@ -233,12 +280,35 @@ class _RunDecider:
         else:
             decision.reason = "too_short"
 
-    def _refusal(self, occ: _Occurrence, beyond_prefix: list) -> Optional[str]:
-        """Why this occurrence's runs after the prefix must be computed, or None."""
-        if not beyond_prefix or self.offsets is None:
-            return None
-        if self.dense_from is not None:
-            return "after_new_anchor"
-        if self.offsets.anchors(self.agent, occ.segment.ref.kind) < self.config.min_anchors:
-            return "new_anchor"
-        return None
+    def estimate_offsets(self) -> None:
+        """Attach estimated offsets to every reused run (once per segment); template runs get the
+        prefix offsets of the segment before them, or are computed if the anchors hold none."""
+        if self.anchors is None:
+            return
+        estimates: dict[str, OffsetEstimate] = {}
+        pieces = {piece.start: piece for piece in self.plan.pieces if piece.reused}
+        kept = []
+        for run in self.plan.runs:
+            if run.verdict is None:
+                kept.append(run)
+                continue
+            if not run.template:
+                est = estimates.get(run.segment.id)
+                if est is None:
+                    after = [p for p in self.plan.pieces if p.after is run.segment and p.reused]
+                    est = self.anchors.estimate(self.agent, run.segment, run.verdict, after[0].key if after else None)
+                    estimates[run.segment.id] = est
+                end = run.segment_start + run.length
+                run.key_offsets = OffsetEstimate.per_layer(est.keys, run.segment_start, end)
+                run.value_offsets = OffsetEstimate.per_layer(est.values, run.segment_start, end)
+                kept.append(run)
+                continue
+            piece = pieces[run.prompt_start]
+            est = estimates.get(piece.after.id)
+            if est is None or est.prefix_keys is None:
+                piece.reused = False  # no prefix offsets for this piece yet: compute it
+                continue
+            run.key_offsets = OffsetEstimate.per_layer(est.prefix_keys, 0, run.length)
+            run.value_offsets = OffsetEstimate.per_layer(est.prefix_values, 0, run.length)
+            kept.append(run)
+        self.plan.runs = kept

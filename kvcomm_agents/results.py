@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cache.segments import SegmentRef
 from .plan import SegmentDecision
 
-__all__ = ["CallStats", "ChatResult"]
+__all__ = ["CallStats", "ChatResult", "ReuseSummary"]
 
 
 class CallStats(BaseModel):
@@ -33,6 +33,13 @@ class CallStats(BaseModel):
         default=None, description="Why nothing was reused (reuse_off, nothing_to_reuse, ...)."
     )
     decisions: list[SegmentDecision] = Field(default_factory=list)
+    opted_out: bool = Field(default=False, description="Reuse switched off for this call or agent.")
+    template_tokens: int = Field(default=0, description="Of the reused tokens, the agent's own template text.")
+    anchors_consulted: int = Field(default=0, description="Anchors the gate consulted, over all segments.")
+    anchor_bytes: int = Field(default=0, description="Bytes held by all anchor pools after the call.")
+    audit_kl: Optional[float] = Field(
+        default=None, description="With audit_every: first-token KL(dense || this call) in nats, if audited."
+    )
 
     @model_validator(mode="after")
     def _tokens_add_up(self) -> "CallStats":
@@ -44,6 +51,45 @@ class CallStats(BaseModel):
     def reused_share(self) -> float:
         """Share of the prompt's tokens served from the store."""
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def shared_decisions(self) -> list[SegmentDecision]:
+        """Decisions on shared segments outside the exact prefix (the ones reuse can miss)."""
+        return [d for d in self.decisions if d.reason != "exact_prefix"]
+
+    @property
+    def fully_reused(self) -> bool:
+        """No shared segment of this call was prefilled (the paper's agent-level reuse)."""
+        return all(d.status == "reused" for d in self.shared_decisions)
+
+
+class ReuseSummary(BaseModel):
+    """The agent-level reuse rate and the token share over a set of calls.
+
+    Reuse rate: among calls with at least one shared segment found and reuse allowed, the share
+    in which no shared segment was prefilled (template text and edge tokens computed in context
+    do not count against it). Opted-out calls are counted apart.
+    """
+
+    calls: int
+    eligible: int = Field(description="Calls with a shared segment found and reuse allowed.")
+    fully_reused: int
+    opted_out: int
+    reuse_rate: Optional[float] = Field(description="fully_reused / eligible (None if no call was eligible).")
+    token_share: float = Field(description="Reused prompt tokens / prompt tokens, over calls not opted out.")
+
+    @classmethod
+    def of(cls, stats: Iterable[CallStats]) -> "ReuseSummary":
+        stats = list(stats)
+        allowed = [s for s in stats if not s.opted_out]
+        eligible = [s for s in allowed if s.shared_decisions]
+        full = sum(s.fully_reused for s in eligible)
+        prompt = sum(s.prompt_tokens for s in allowed)
+        return cls(
+            calls=len(stats), eligible=len(eligible), fully_reused=full, opted_out=len(stats) - len(allowed),
+            reuse_rate=full / len(eligible) if eligible else None,
+            token_share=sum(s.reused_tokens for s in allowed) / prompt if prompt else 0.0,
+        )
 
 
 class ChatResult(BaseModel):

@@ -6,7 +6,7 @@ import sys
 import kvcomm_agents
 
 EXPECTED = {
-    "KVCommEngine", "KVCommConfig", "SegmentRef", "ChatResult", "CallStats", "SegmentDecision",
+    "KVCommEngine", "KVCommConfig", "SegmentRef", "ChatResult", "CallStats", "SegmentDecision", "GateRecord", "ReuseSummary",
     "StoreStats", "KVCommError", "UnsupportedModelError", "RopeCheckError",
     "ModelNotAvailableError", "InvalidMessagesError",
 }

@@ -57,7 +57,7 @@ class PrefillResult:
 
 
 def _assemble_layers(
-    plan: CallPlan, rotator: RopeRotator, num_layers: int
+    plan: CallPlan, rotator: RopeRotator, num_layers: int, position_offset: int = 0
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer ``(keys, values)`` ``[1, kv_heads, reused, head_dim]`` of the reused slots."""
     layers = []
@@ -65,7 +65,8 @@ def _assemble_layers(
     for layer in range(num_layers):
         keys, values = [], []
         if plan.prefix is not None:
-            keys.append(plan.prefix.entry.keys[layer][:, :, :prefix_len])
+            prefix_keys = plan.prefix.entry.keys[layer][:, :, :prefix_len]
+            keys.append(rotator.shift(prefix_keys, position_offset) if position_offset else prefix_keys)
             values.append(plan.prefix.entry.values[layer][:, :, :prefix_len])
         for run in plan.runs:
             start, end = run.segment_start, run.segment_start + run.length
@@ -75,20 +76,24 @@ def _assemble_layers(
                 # learned context offsets are added in the canonical frame, before rotation
                 run_keys = (run_keys.float() + run.key_offsets[layer].to(run_keys.device)).to(run_keys.dtype)
                 run_values = (run_values.float() + run.value_offsets[layer].to(run_values.device)).to(run_values.dtype)
-            keys.append(rotator.shift(run_keys, run.shift))
+            keys.append(rotator.shift(run_keys, run.shift + position_offset))
             values.append(run_values)
         layers.append((torch.cat(keys, dim=2), torch.cat(values, dim=2)))
     return layers
 
 
 def prefill(
-    model: PreTrainedModel, rotator: RopeRotator, plan: CallPlan, *, clock=None
+    model: PreTrainedModel, rotator: RopeRotator, plan: CallPlan, *, clock=None, position_offset: int = 0
 ) -> PrefillResult:
     """Build the cache of ``plan``'s reused pieces and compute everything else in one forward.
 
     With nothing reused this is a plain forward over the whole prompt (transformers' own mask);
     with an exact prefix only, a plain forward over the tail. Otherwise the computed tokens go
     through one forward with :func:`position_mask`.
+
+    ``position_offset`` runs the whole prompt ``c`` positions later (its first token at ``c``);
+    RoPE attention is relative, so the logits must not change: the canonical-frame check.
+    ``slot_positions`` stay prompt indices.
     """
     import time
 
@@ -102,7 +107,7 @@ def prefill(
         mask = None
         cached_positions = torch.empty(0, dtype=torch.long)
     else:
-        layers = _assemble_layers(plan, rotator, model.config.num_hidden_layers)
+        layers = _assemble_layers(plan, rotator, model.config.num_hidden_layers, position_offset)
         cache = hf_cache.cache_from_layers(model, layers)
         cached_positions = torch.cat(
             [torch.arange(plan.prefix_length)]
@@ -113,7 +118,7 @@ def prefill(
             slots = torch.cat([cached_positions, computed])
             mask = position_mask(computed, slots, dtype=model.dtype, device=device)
     align_s = clock() - started
-    position_ids = computed[None].to(device) if plan.reused_tokens else None
+    position_ids = (computed[None] + position_offset).to(device) if plan.reused_tokens or position_offset else None
     logits = hf_cache.run_forward(
         model,
         ids[computed][None].to(device),

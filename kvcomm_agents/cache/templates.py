@@ -1,0 +1,69 @@
+"""Per-agent template KV: the canonical KV of the receiver's own text around shared segments.
+
+A receiver's prompt is ``seg_0 | ph_1 | seg_1 | ... | ph_m | seg_m``: its template pieces
+``seg_j`` (role headers, connective text such as "Solver 2 answered:") recur call after call with
+the same ids. The first time a piece is computed with exact context, its KV (keys de-rotated to
+the canonical frame) is kept here, keyed by the agent and the piece's ids; in template mode
+``"reuse"`` later calls re-rotate it instead of computing it, adding the anchors' estimated
+prefix offsets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from .segments import KVSegment
+
+__all__ = ["TemplateStore", "piece_key"]
+
+
+def piece_key(ids: Sequence[int]) -> str:
+    """Stable key of a template piece's token ids."""
+    return hashlib.sha256(",".join(map(str, ids)).encode("ascii")).hexdigest()[:24]
+
+
+class TemplateStore:
+    """Template pieces per agent, least recently used beyond ``max_bytes``.
+
+    Pieces are :class:`KVSegment` of kind ``(agent, "template")``; they are never found by
+    content search (they live outside the segment store) and are never handed out.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._pieces: OrderedDict[tuple[str, str], KVSegment] = OrderedDict()
+        self._lock = threading.RLock()
+        self.frozen = False
+
+    def get(self, agent: str, key: str) -> Optional[KVSegment]:
+        with self._lock:
+            piece = self._pieces.get((agent, key))
+            if piece is not None:
+                self._pieces.move_to_end((agent, key))
+            return piece
+
+    def put(self, agent: str, key: str, piece: KVSegment) -> bool:
+        """Keep a piece (first one wins); False when frozen or larger than the budget."""
+        if self.frozen or piece.nbytes > self.max_bytes:
+            return False
+        with self._lock:
+            if (agent, key) in self._pieces:
+                return True
+            self._pieces[(agent, key)] = piece
+            while self.nbytes() > self.max_bytes:
+                self._pieces.popitem(last=False)
+            return True
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(piece.nbytes for piece in self._pieces.values())
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pieces.clear()
