@@ -1,8 +1,10 @@
 """The engine on tiny real models: dense equivalence, reuse, visible fallbacks, decoding options."""
 
 import pytest
+import torch
 
-from kvcomm_agents import ChatResult, InvalidMessagesError, KVCommConfig, KVCommEngine
+from kvcomm_agents import ChatResult, InvalidMessagesError, KVCommConfig, KVCommEngine, ReuseSummary
+from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.testing import tiny_llama
 
 from .conftest import solver_messages
@@ -270,3 +272,44 @@ def threading_resume(generator):
 def test_empty_forced_reply_is_a_clear_error(llama, make_engine):
     with pytest.raises(ValueError, match="force_reply_ids"):
         make_engine(llama).chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=[])
+
+
+def test_forced_reply_is_cached_as_decoding_would_cache_it(llama, tokenizer, make_engine):
+    """Forced ids are processed in one forward: the reply segment's KV matches free decoding's."""
+    messages = solver_messages("You are solver one.")
+    free_engine, forced_engine = make_engine(llama), make_engine(llama)
+    free = free_engine.chat(messages, agent="s1", max_new_tokens=12)
+    again = forced_engine.chat(messages, agent="s1", force_reply_ids=free.token_ids)
+    a, b = free_engine.store.get(free.segment.id), forced_engine.store.get(again.segment.id)
+    assert a.token_ids == b.token_ids and again.text == free.text
+    for layer in range(len(a.keys)):
+        torch.testing.assert_close(a.keys[layer], b.keys[layer], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.values[layer], b.values[layer], atol=1e-5, rtol=0)
+
+
+def test_dense_agents_opt_out_and_are_counted_apart(llama, tokenizer, make_engine):
+    engine = make_engine(llama, dense_agents=frozenset({"judge"}))
+    first = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer))
+    second = engine.chat(solver_messages("You are solver two.", first.text), agent="s2", max_new_tokens=2)
+    judge = engine.chat(solver_messages("You are the judge.", first.text), agent="judge", max_new_tokens=2)
+    assert judge.stats.opted_out and judge.stats.reused_tokens == 0
+    assert {d.reason for d in judge.stats.decisions} == {"reuse_off"}
+    summary = ReuseSummary.of([first.stats, second.stats, judge.stats])
+    assert (summary.calls, summary.eligible, summary.opted_out, summary.reuse_rate) == (3, 1, 1, 1.0)
+    assert summary.token_share == pytest.approx(second.stats.reused_tokens / (first.stats.prompt_tokens + second.stats.prompt_tokens))
+
+
+def test_audit_every_records_the_drift_of_reused_calls(llama, tokenizer, make_engine):
+    engine = make_engine(llama, audit_every=2)
+    first = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer))
+    assert first.stats.audit_kl is None  # nothing reused, nothing to audit
+    audited = []
+    for system in ("You are solver two.", "You are solver three."):
+        messages = solver_messages(system, first.text)
+        result = engine.chat(messages, agent=system, max_new_tokens=1, return_logits=True)
+        dense_logits = KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=False)).chat(
+            messages, agent="x", max_new_tokens=1, return_logits=True).first_token_logits
+        audited.append((result, first_token_kl(dense_logits, result.first_token_logits)))
+    (one, _), (two, kl) = audited
+    assert one.stats.mode == "reuse" and one.stats.audit_kl is None  # 1st reused call: not sampled
+    assert two.stats.audit_kl == pytest.approx(kl, abs=1e-6) and kl > 0
