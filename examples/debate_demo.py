@@ -9,9 +9,12 @@ store (8 tokens only, for its time to first token and its first 8 token ids).
 The table shows, per solver position (mean over questions): prompt size, the share of the prompt
 served from the KV store, time to first token with reuse and dense, the speed-up, whether the
 first 8 greedy tokens agree with dense, and what the engine decided for each shared segment.
+Below it: the agent-level reuse rate (calls in which no shared segment was prefilled) and the
+token share, over all questions and after the anchor warm-up.
 
 Run from the repository root:
-    python -m examples.debate_demo [--questions 3] [--agents 4] [--max-new-tokens 96]
+    python -m examples.debate_demo [--questions 5] [--agents 4] [--max-new-tokens 64] [--warmup 2]
+                                   [--offsets none|mean|weighted] [--template in_context|reuse]
                                    [--data ../shared/data/gsm8k-dev.jsonl] [--json out.json]
 """
 
@@ -27,16 +30,21 @@ from pathlib import Path
 import torch
 
 from benchmarks.workloads import DEFAULT_GSM8K, debate_messages, gsm8k_questions
-from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
 
 COMPARE = 8  # first generated token ids compared with dense
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--questions", type=int, default=3)
+    defaults = KVCommConfig()
+    p.add_argument("--questions", type=int, default=5)
     p.add_argument("--agents", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2, help="questions that fill the anchor pools (reported apart)")
+    p.add_argument("--offsets", choices=["none", "mean", "weighted"], default=defaults.offsets)
+    p.add_argument("--template", choices=["in_context", "reuse"], default=defaults.template)
+    p.add_argument("--gate", choices=["entropy", "error"], default=defaults.gate)
     p.add_argument("--data", type=Path, default=DEFAULT_GSM8K, help="GSM8K jsonl (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write per-call results here")
     args = p.parse_args(argv)
@@ -75,6 +83,7 @@ def run_agent(reuse: KVCommEngine, dense: KVCommEngine, k: int, messages: list[d
     d = dense.chat(messages, agent=name, max_new_tokens=COMPARE, temperature=0.0)
     s = r.stats
     record = {
+        "stats": s,
         "agent": k, "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
         "prefix_tokens": s.prefix_tokens, "reused_share": s.reused_share, "mode": s.mode,
         "dense_reason": s.dense_reason, "ttft_reuse_s": s.ttft_s, "ttft_dense_s": d.stats.ttft_s,
@@ -93,6 +102,23 @@ def summarize_decisions(records: list[dict]) -> str:
     parts = [f"{n}x {status}:{reason}" for (status, reason), n in sorted(counts.items())]
     prefix = sum(rec["prefix_tokens"] > 0 for rec in records)
     return ", ".join(parts + ([f"{prefix}x exact prefix"] if prefix else [])) or "-"
+
+
+def print_reuse(records: list[dict], warmup: int) -> None:
+    """The agent-level reuse rate and token share of solvers 2..N, overall and after warm-up."""
+    def line(label: str, rows: list[dict]) -> None:
+        summary = ReuseSummary.of(r["stats"] for r in rows if r["agent"] > 1)
+        rate = "-" if summary.reuse_rate is None else f"{100 * summary.reuse_rate:.0f}%"
+        print(f"  {label:<26} reuse rate {rate:>4} ({summary.fully_reused}/{summary.eligible} calls), "
+              f"token share {100 * summary.token_share:.0f}%")
+    print("\nReuse, solvers 2..N (reuse rate = calls in which no shared segment was prefilled):")
+    line("all questions", records)
+    late = [r for r in records if r["question"] > warmup]
+    if late:
+        line(f"after warm-up (q > {warmup})", late)
+    anchors = records[-1]["stats"].anchor_bytes
+    if anchors:
+        print(f"  anchor pools hold {anchors / 2**20:.0f} MiB")
 
 
 def print_table(records: list[dict], n_agents: int) -> None:
@@ -117,11 +143,12 @@ dense. Later solvers reuse the question and the earlier solvers' replies, found 
 their messages. Reuse shortens the prefill (time to first token), not decoding, which dominates
 the wall time here. Speed-ups are bounded: a 135M model on a couple of CPU cores with prompts of a
 few hundred tokens, where the computed remainder, re-rotation and cache assembly still cost time,
-and CPU timings are noisy (other busy processes distort them; rerun on an idle machine). This core
-release re-rotates reused keys to their new positions exactly but does not yet correct for the
-context they were computed in (KVCOMM's anchor offsets come next), so reuse outputs only
-approximately match dense ones: 'first-8' counts the calls whose first 8 greedy token ids equal
-dense's."""
+and CPU timings are noisy (other busy processes distort them; rerun on an idle machine). Reused
+keys are re-rotated to their new positions exactly; with --offsets mean|weighted the context they
+were computed in is corrected by KVCOMM's anchor offsets, and a segment the anchor gate judges new
+is prefilled (reason new_anchor) and recorded, so the first questions are a warm-up. Reuse
+outputs only approximately match dense ones: 'first-8' counts the calls whose first 8 greedy
+token ids equal dense's (docs/fidelity.md measures the drift properly)."""
 
 
 def print_answers(answers: list[tuple[int, str | None, str | None]]) -> None:
@@ -145,6 +172,8 @@ def warm_up(*engines: KVCommEngine) -> None:
     for engine in engines:
         engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
         engine.store.clear()
+        engine.anchors.clear()
+        engine.templates.clear()
 
 
 def main(argv=None) -> None:
@@ -152,11 +181,13 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     questions, source = load_questions(args.data, args.questions)
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts it, ~40 s) ...")
-    reuse = KVCommEngine.from_pretrained()
+    config = KVCommConfig(offsets=args.offsets, template=args.template, gate=args.gate)
+    reuse = KVCommEngine.from_pretrained(config=config)
     dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(reuse=False))
     warm_up(reuse, dense)
     print(f"{len(questions)} question(s) from {source}, {args.agents} solvers, greedy, "
-          f"max {args.max_new_tokens} new tokens, on {describe_device(reuse)}")
+          f"max {args.max_new_tokens} new tokens, on {describe_device(reuse)}; "
+          f"offsets={config.offsets}, template={config.template}, gate={config.gate}")
     records, answers = [], []
     for qi, row in enumerate(questions, start=1):
         replies = []
@@ -170,10 +201,11 @@ def main(argv=None) -> None:
         shares = " ".join(f"{100 * r['reused_share']:.0f}%" for r in records[-args.agents:])
         print(f"  question {qi}/{len(questions)} done; reused share per solver: {shares}")
     print_table(records, args.agents)
+    print_reuse(records, args.warmup)
     print(NOTE)
     print_answers(answers)
     if args.json:
-        args.json.write_text(json.dumps(records, indent=2))
+        args.json.write_text(json.dumps([{**r, "stats": r["stats"].model_dump()} for r in records], indent=2))
         print(f"\nPer-call results written to {args.json}")
     print(f"\nTotal wall time {time.perf_counter() - started:.1f} s")
 

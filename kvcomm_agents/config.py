@@ -135,7 +135,9 @@ class KVCommConfig(BaseModel):
         ge=0,
         description=(
             "Also prefill every N-th reused call densely and record the first-token KL(dense || "
-            "reuse) in its stats (0 = off), so a deployment can watch its own drift."
+            "reuse) in its stats (0 = off), so a deployment can watch its own drift. With KVCOMM "
+            "offsets the audit's exact KV is also recorded as anchors, which keeps the error "
+            "gate's measurement fresh while calls are being reused."
         ),
     )
     verify_rope: bool = Field(

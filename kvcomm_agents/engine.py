@@ -7,6 +7,7 @@ any user/tool message seen for the first time) as segments for the next agents.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -28,7 +29,7 @@ from .errors import InvalidMessagesError
 from .fidelity import first_token_kl
 from .models import load_model
 from .packaging import CallPackager
-from .plan import CallPlan
+from .plan import CallPlan, Observation
 from .planner import plan_call
 from .prompt import PromptLayout, render_prompt
 from .results import CallStats, ChatResult
@@ -212,7 +213,7 @@ class KVCommEngine:
     def _run(self, messages, agent, max_new_tokens, sampler, stop, reuse, tools, forced) -> Iterator:
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
-        with self._lock:
+        with self._lock, torch.inference_mode():  # anchor bookkeeping tensors are inference tensors
             plan = self._plan(layout, messages, agent, reuse, max_new_tokens if forced is None else len(forced))
         planned = time.perf_counter()
         pinned = [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
@@ -257,7 +258,7 @@ class KVCommEngine:
                 segment = None
                 if self.config.reuse:
                     segment = self._packager.package(layout, messages, plan, pre, agent, text.ids, text.text)
-                audit_kl = self._audit(plan, pre.logits)
+                audit_kl = self._audit(plan, pre.logits, agent)
         stats = CallStats(
             agent=agent,
             prompt_tokens=plan.num_prompt,
@@ -302,14 +303,25 @@ class KVCommEngine:
                 )[0].float())
         return ids, torch.cat([r.to(rows[0].device) for r in rows])
 
-    def _audit(self, plan: CallPlan, logits: torch.Tensor) -> Optional[float]:
-        """Every ``audit_every``-th reused call: prefill densely and return KL(dense || reuse)."""
+    def _audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
+        """Every ``audit_every``-th reused call: prefill densely and return KL(dense || reuse).
+
+        The dense pass is exact everywhere, so the reused segments' real offsets are recorded as
+        anchors too: the error gate's measurement stays fresh while calls are being reused."""
         if not self.config.audit_every or not plan.runs:
             return None
         self._reused_calls += 1
         if self._reused_calls % self.config.audit_every:
             return None
         dense = prefill(self.model, self.info.rotator, CallPlan(plan.prompt_ids))
+        if self.config.reuse:
+            observed = CallPlan(
+                plan.prompt_ids,
+                observations=[Observation(r.segment, r.prompt_start, r.segment_start, r.length)
+                              for r in plan.runs if not r.template],
+                pieces=[dataclasses.replace(p, reused=False, observed=True) for p in plan.pieces],
+            )
+            self._packager.record_offsets(observed, agent, dense.cache, dense.slot_positions)
         return first_token_kl(dense.logits, logits)
 
     @property

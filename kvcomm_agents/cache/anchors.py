@@ -124,6 +124,14 @@ class OffsetEstimate:
         return [None] + [offsets[layer, None, :, start:end] for layer in range(offsets.shape[0])]
 
 
+def take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``t[slots]``, as a view (no copy) when the slots are ``0..N-1``, the usual case."""
+    n = slots.numel()
+    if n and int(slots[0]) == 0 and int(slots[-1]) == n - 1 and n <= t.shape[0]:
+        return t[:n]
+    return t[slots.to(t.device)]
+
+
 def entropy_score(distances: torch.Tensor) -> tuple[float, torch.Tensor]:
     """The paper's gate score: ``p = softmax(-d)``, ``H = -sum p log2 p``, score ``H / log2 N``.
 
@@ -269,7 +277,7 @@ class AnchorPool:
     def value_distances(self, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``[N]`` L2 distances between ``values`` ``[L-1, H, T, D]`` and the anchors' first T tokens."""
         t = values.shape[2]
-        diff = self.base_values[slots, :, :, :t].float() - values.float().to(self.base_values.device)[None]
+        diff = take(self.base_values, slots)[:, :, :, :t].float() - values.float().to(self.base_values.device)[None]
         return diff.flatten(1).norm(dim=1).cpu()
 
     def credit(self, slots: torch.Tensor, weights: torch.Tensor, top_p: float) -> None:
@@ -295,10 +303,11 @@ class AnchorPool:
         t = keys.shape[2]
         stack = self.placeholder[receiver]
         device = stack.keys.device
-        k_off, v_off = stack.keys[slots, :, :, :t].float(), stack.values[slots, :, :, :t].float()
+        k_off, v_off = take(stack.keys, slots)[:, :, :, :t].float(), take(stack.values, slots)[:, :, :, :t].float()
         query_k, query_v = keys.float().to(device), values.float().to(device)
         if estimator == "weighted":
-            base_k, base_v = self.base_keys[slots, :, :, :t].float(), self.base_values[slots, :, :, :t].float()
+            base_k = take(self.base_keys, slots)[:, :, :, :t].float()
+            base_v = take(self.base_values, slots)[:, :, :, :t].float()
             w_k = torch.softmax(-(base_k - query_k[None]).abs().mean(dim=(1, 2, 4)) / temperature, dim=0)  # [N, T]
             w_v = torch.softmax(-(base_v - query_v[None]).abs().mean(dim=(1, 2, 4)) / temperature, dim=0)
             est_k = torch.einsum("nt,nlhtd->lhtd", w_k, k_off)
@@ -312,13 +321,13 @@ class AnchorPool:
             has[: pre.has.numel()] = pre.has[: len(self.segment_ids)]
             chosen = slots[has[slots]]
             if chosen.numel():
-                pk, pv = pre.keys[chosen].float(), pre.values[chosen].float()
+                pk, pv = take(pre.keys, chosen).float(), take(pre.values, chosen).float()
                 if estimator == "weighted":
                     # right-aligned: each anchor's last T tokens, nearest the following piece
                     index = (self.lengths[chosen] - t)[:, None] + torch.arange(t)[None]  # [N, T]
                     gather = index.to(device)[:, None, None, :, None].expand(-1, *keys.shape[:2], -1, keys.shape[3])
-                    near_k = self.base_keys[chosen].float().gather(3, gather)
-                    near_v = self.base_values[chosen].float().gather(3, gather)
+                    near_k = take(self.base_keys, chosen).float().gather(3, gather)
+                    near_v = take(self.base_values, chosen).float().gather(3, gather)
                     u_k = torch.softmax(-(near_k - query_k[None]).norm(dim=3) / temperature, dim=0)  # [N, L, H, D]
                     u_v = torch.softmax(-(near_v - query_v[None]).norm(dim=3) / temperature, dim=0)
                     result.prefix_keys = torch.einsum("nlhd,nlhpd->lhpd", u_k, pk)

@@ -216,3 +216,18 @@ def test_freeze_anchors_stops_learning(llama, tokenizer):
     assert engine.anchors.nbytes() == 0 and len(engine.templates) == 0
     engine.chat(solver_messages("You are solver two.", REPLY), agent="s2", max_new_tokens=1)
     assert engine.anchors.anchors(("user", None)) == 1 and len(engine.templates) > 0
+
+
+def test_audits_record_the_reused_segments_as_anchors(llama, tokenizer):
+    engine = _engines(llama, tokenizer, offsets="mean", gate="error", max_error=10.0, audit_every=1)
+    # each question shorter than the last, so earlier anchors are long enough to be consulted
+    questions = [f"How many apples are left if Sam has {'very ' * (4 - i)}many and eats {i}?" for i in range(3)]
+    for question in questions:
+        engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)  # captures it
+        result = engine.chat([{"role": "system", "content": "You are solver two."},
+                              {"role": "user", "content": question}], agent="s2", max_new_tokens=1)
+    # questions 1-2 are new anchors (the 2nd measures the estimate's error); the 3rd is reused,
+    # audited, and the audit's exact KV makes it an anchor as well
+    assert result.stats.mode == "reuse" and result.stats.audit_kl is not None
+    assert [d.gate.decision for d in result.stats.shared_decisions] == ["reuse"]
+    assert engine.anchors.anchors(("user", None)) == 3
