@@ -34,14 +34,17 @@ WARMUP_QUESTIONS = 10
 
 #: name -> settings; every strategy sees the same ids, only the KV approximation differs
 STRATEGIES: dict[str, dict] = {
+    "dense (reuse off)": {"reuse": False},
     "rerotate-only": {},
+    "rerotate-only+template": {"template": "reuse"},
     "kvcomm-mean/entropy": {"offsets": "mean"},
     "kvcomm-weighted/entropy": {"offsets": "weighted"},
+    "kvcomm-weighted/entropy+template": {"offsets": "weighted", "template": "reuse"},
+    "kvcomm-weighted/entropy(max_anchors=5)": {"offsets": "weighted", "max_anchors": 5, "eviction_window": 2},
+    "kvcomm-mean/entropy(gamma=0.9)": {"offsets": "mean", "gamma": 0.9},
     "kvcomm-mean/error": {"offsets": "mean", "gate": "error"},
     "kvcomm-weighted/error": {"offsets": "weighted", "gate": "error"},
-    "rerotate-only+template": {"template": "reuse"},
     "kvcomm-mean/error+template": {"offsets": "mean", "gate": "error", "template": "reuse"},
-    "kvcomm-mean/entropy(gamma=0.9)": {"offsets": "mean", "gamma": 0.9},
     "kvcomm-mean/error(max=0.3)": {"offsets": "mean", "gate": "error", "max_error": 0.3},
     "kvcomm-mean/error(max=0.7)": {"offsets": "mean", "gate": "error", "max_error": 0.7},
 }
@@ -111,22 +114,28 @@ def summarize(name: str, records: list[dict], stats: list) -> dict:
         "reuse_rate": overall.reuse_rate, "reuse_rate_after_warmup": after.reuse_rate,
         "token_share": overall.token_share,
         "plan_align_ms": 1000 * mean(records[i]["plan_s"] + records[i]["align_s"] for i in down),
+        "ttft_ms": 1000 * mean(records[i]["ttft_s"] for i in down),
         "anchor_mib": max((records[i]["anchor_bytes"] for i in down), default=0) / 2**20,
         "agent1_kl_mean": mean(r["kl"] for r in records if r["agent"] == 1),
     }
 
 
 def print_table(summaries: list[dict]) -> None:
-    print(f"\n{'strategy':<34} {'calls':>5} {'KL mean':>8} {'32-agree':>8} {'reuse rate':>10} {'after w-up':>10} "
-          f"{'tokens':>6} {'plan+align':>10} {'anchors':>8}")
+    dense = next((s["ttft_ms"] for s in summaries if s["strategy"].startswith("dense")), None)
+    print(f"\n{'strategy':<40} {'calls':>5} {'KL mean':>8} {'32-agree':>8} {'reuse rate':>10} {'after w-up':>10} "
+          f"{'tokens':>6} {'plan+align':>10} {'TTFT':>8} {'vs dense':>8} {'anchors':>8}")
     for s in summaries:
+        s["ttft_speedup"] = dense / s["ttft_ms"] if dense else None
         def pct(x):
             return "-" if x is None else f"{100 * x:.0f}%"
-        print(f"{s['strategy']:<34} {s['calls']:>5} {s['kl_mean']:>8.4f} {pct(s['agree_32']):>8} {pct(s['reuse_rate']):>10} "
+        speedup = "-" if s["ttft_speedup"] is None else f"{s['ttft_speedup']:.2f}x"
+        print(f"{s['strategy']:<40} {s['calls']:>5} {s['kl_mean']:>8.4f} {pct(s['agree_32']):>8} {pct(s['reuse_rate']):>10} "
               f"{pct(s['reuse_rate_after_warmup']):>10} {pct(s['token_share']):>6} {s['plan_align_ms']:>8.1f}ms "
-              f"{s['anchor_mib']:>6.0f}MiB")
+              f"{s['ttft_ms']:>6.0f}ms {speedup:>8} {s['anchor_mib']:>6.0f}MiB")
     print("(solvers 2..N; KL = KL(dense || strategy) of the first token, nats; 32-agree = greedy runs equal to dense "
-          f"over 32 tokens; reuse rate = calls with no shared segment prefilled; after w-up = questions >= {WARMUP_QUESTIONS})")
+          f"over 32 tokens; reuse rate = calls with no shared segment prefilled; after w-up = questions >= {WARMUP_QUESTIONS}; "
+          "TTFT = mean time to first token of solvers 2..N, vs dense = dense mean / strategy mean, same process, strategies "
+          "run one after another)")
 
 
 def main(argv=None) -> None:
@@ -147,22 +156,28 @@ def main(argv=None) -> None:
           f"torch threads {torch.get_num_threads()}")
     cache = args.out.parent / f"dense_refs_{args.agents}x{args.reply_tokens}.pt"
     refs = dense_references(base, questions, args.agents, args.reply_tokens, cache)
+    base.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)  # first-call overheads
     summaries, all_records = [], {}
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summaries,
+                                        "records": all_records}, indent=1))
+
     for name in args.strategies.split(","):
         engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**STRATEGIES[name]))
         t0 = time.perf_counter()
         all_records[name], stats = evaluate(engine, questions, refs, args.agents)
         summaries.append(summarize(name, all_records[name], stats))
         print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        save()
     if not args.no_noise_floor:
         bf16 = KVCommEngine(model.to(torch.bfloat16), tokenizer, config=KVCommConfig(reuse=False))
         all_records["noise-floor (dense bf16)"], stats = evaluate(bf16, questions, refs, args.agents)
         summaries.append(summarize("noise-floor (dense bf16)", all_records["noise-floor (dense bf16)"], stats))
         model.to(torch.float32)
     print_table(summaries)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summaries,
-                                    "records": all_records}, indent=1))
+    save()
     print(f"written {args.out}; {time.perf_counter() - started:.0f} s")
 
 

@@ -13,13 +13,39 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-__all__ = ["CHATML_TEMPLATE", "tiny_tokenizer", "tiny_llama", "tiny_qwen2", "TINY_CORPUS"]
+__all__ = ["CHATML_TEMPLATE", "TOOLS_TEMPLATE", "tiny_tokenizer", "tiny_llama", "tiny_qwen2", "TINY_CORPUS"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+#: ChatML with tool support in the ``<tool_call>`` JSON style of Qwen2.5-Instruct: tools listed in
+#: the system turn, calls rendered as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
+#: tool results as ``<tool_response>`` user turns.
+TOOLS_TEMPLATE = (
+    "{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' else none %}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\n' }}{% if system %}{{ system + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n<tools>\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' }}"
+    "{%- elif system %}{{ '<|im_start|>system\n' + system + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson }}{{ '}</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CORPUS = [

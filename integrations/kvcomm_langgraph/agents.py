@@ -1,0 +1,97 @@
+"""Which agent is calling: the ``@kvcomm_agent`` decorator, else the LangGraph node.
+
+The decorator sets a context variable for the duration of the node function (sync or async);
+context variables follow LangChain's executor hops and LangGraph's tasks, so the chat model
+called inside the node sees it. Without the decorator, the node is read from the run's metadata
+(``langgraph_node``, and ``langgraph_checkpoint_ns`` for the path of enclosing subgraphs).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, TypeVar, Union, overload
+
+__all__ = ["kvcomm_agent", "AgentScope", "current_scope", "node_agent"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class AgentScope:
+    """An agent name and its per-node options, set by :func:`kvcomm_agent`.
+
+    Attributes:
+        name: the agent's name (None: keep the name resolved from the graph).
+        reuse: False makes the agent's calls dense (judges, aggregators); None keeps the default.
+    """
+
+    name: Optional[str] = None
+    reuse: Optional[bool] = None
+
+
+_SCOPE: contextvars.ContextVar[Optional[AgentScope]] = contextvars.ContextVar("kvcomm_agent_scope", default=None)
+
+
+def current_scope() -> Optional[AgentScope]:
+    """The innermost decorator's scope, if a decorated node is running."""
+    return _SCOPE.get()
+
+
+def node_agent(metadata: Mapping[str, Any]) -> Optional[str]:
+    """The LangGraph node that made this run, with the path of enclosing subgraphs
+    (``"outer/inner/node"``); None outside LangGraph."""
+    node = metadata.get("langgraph_node")
+    if not node:
+        return None
+    namespace = str(metadata.get("langgraph_checkpoint_ns") or "")
+    parents = [part.split(":", 1)[0] for part in namespace.split("|") if part][:-1]
+    return "/".join([*parents, str(node)])
+
+
+def _wrap(function: F, scope: AgentScope) -> F:
+    if inspect.iscoroutinefunction(function):
+        @functools.wraps(function)
+        async def async_node(*args, **kwargs):
+            token = _SCOPE.set(scope)
+            try:
+                return await function(*args, **kwargs)
+            finally:
+                _SCOPE.reset(token)
+
+        return async_node  # type: ignore[return-value]
+
+    @functools.wraps(function)
+    def node(*args, **kwargs):
+        token = _SCOPE.set(scope)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _SCOPE.reset(token)
+
+    return node  # type: ignore[return-value]
+
+
+@overload
+def kvcomm_agent(function: F) -> F: ...
+@overload
+def kvcomm_agent(name: Optional[str] = None, *, reuse: Optional[bool] = None) -> Callable[[F], F]: ...
+
+
+def kvcomm_agent(name: Union[str, Callable, None] = None, *, reuse: Optional[bool] = None):
+    """Name the agent of a LangGraph node function (sync or async) and carry its options.
+
+    Bare, ``@kvcomm_agent``, the node's function name is the agent; ``@kvcomm_agent("judge",
+    reuse=False)`` names it and makes its model calls dense (they still share their KV).
+    """
+    if callable(name):
+        return _wrap(name, AgentScope(name=name.__name__))
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError("kvcomm_agent takes a non-empty agent name or decorates a function")
+
+    def decorate(function: F) -> F:
+        return _wrap(function, AgentScope(name=name or function.__name__, reuse=reuse))
+
+    return decorate

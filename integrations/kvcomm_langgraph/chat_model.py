@@ -1,0 +1,186 @@
+"""``ChatKVComm``: a LangChain chat model over a :class:`kvcomm_agents.KVCommEngine`.
+
+All agents of a process share one engine, so the KV of every reply travels to the agents that
+read it. Each call is attributed to an agent (decorator, LangGraph node, constructor, "default"),
+which names its reply's segment kind and selects its anchors.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator, Optional, Sequence
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.chat_models import LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import ConfigDict, Field
+
+from kvcomm_agents import ChatResult as EngineResult
+from kvcomm_agents import KVCommEngine
+
+from .agents import current_scope, node_agent
+from .messages import parse_tool_calls, to_engine_messages
+
+__all__ = ["ChatKVComm", "default_engine", "supports_tools"]
+
+_DEFAULT: Optional[KVCommEngine] = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_engine() -> KVCommEngine:
+    """The process-wide engine on the embedded SmolLM2-135M-Instruct, loaded on first use."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = KVCommEngine.from_pretrained()
+        return _DEFAULT
+
+
+def supports_tools(engine: KVCommEngine) -> bool:
+    """Whether the engine's chat template renders a ``tools`` list (tool calling possible)."""
+    template = engine.tokenizer.chat_template
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return isinstance(template, str) and "tools" in template
+
+
+class ChatKVComm(BaseChatModel):
+    """Drop-in LangChain chat model that reuses KV across agents.
+
+    Args:
+        engine: the shared engine; None means the process-wide default (the embedded model).
+        agent: the agent name when neither ``@kvcomm_agent`` nor a LangGraph node names one.
+        max_tokens, temperature, top_p, stop, seed: decoding (temperature 0 is greedy).
+        reuse: False makes this model's calls dense (they still share their KV).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Optional[Any] = Field(default=None, exclude=True)
+    agent: Optional[str] = None
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: Optional[list[str]] = None
+    seed: Optional[int] = None
+    reuse: Optional[bool] = None
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvcomm"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"agent": self.agent, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "stop": self.stop, "seed": self.seed, "reuse": self.reuse}
+
+    @property
+    def model_name(self) -> str:
+        engine = self.engine
+        if engine is None:
+            return "kvcomm:embedded-smollm2-135m-instruct"
+        return f"kvcomm:{getattr(engine.model.config, '_name_or_path', '') or engine.model.config.model_type}"
+
+    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="kvcomm", ls_model_name=self.model_name, ls_model_type="chat",
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    # ---- tools ----------------------------------------------------------------------------
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Optional[str] = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (rendered by the chat template; replies' ``<tool_call>`` JSON is parsed).
+
+        ``tool_choice`` is recorded but not enforced: the model decides whether to call a tool.
+
+        Raises:
+            ValueError: the model's chat template has no tool support (e.g. the embedded SmolLM2).
+        """
+        engine = self._engine()
+        if not supports_tools(engine):
+            raise ValueError(
+                f"{self.model_name}: this model's chat template does not render tools, so tool calling "
+                "cannot work. Use a model whose template supports tools (Qwen2.5-Instruct style "
+                "<tool_call> JSON), or call the model without tools."
+            )
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    # ---- calls ----------------------------------------------------------------------------
+    def _engine(self) -> KVCommEngine:
+        return self.engine if self.engine is not None else default_engine()
+
+    def _resolve(self, stop: Optional[list[str]], run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict):
+        scope = current_scope()
+        metadata = run_manager.metadata if run_manager is not None else {}
+        agent = (scope.name if scope and scope.name else None) or node_agent(metadata) or self.agent or "default"
+        reuse = kwargs.get("reuse", scope.reuse if scope and scope.reuse is not None else self.reuse)
+        options = dict(
+            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            stop=stop or kwargs.get("stop") or self.stop,
+            seed=kwargs.get("seed", self.seed),
+            reuse=reuse,
+            tools=kwargs.get("tools"),
+        )
+        return agent, options
+
+    def _message(self, result: EngineResult, agent: str, tools_bound: bool, chunk: bool = False):
+        stats = result.stats
+        usage = UsageMetadata(
+            input_tokens=stats.prompt_tokens, output_tokens=stats.generated_tokens,
+            total_tokens=stats.prompt_tokens + stats.generated_tokens,
+            input_token_details={"cache_read": stats.reused_tokens},
+        )
+        metadata = {
+            "model_name": self.model_name,
+            "finish_reason": result.finish_reason,
+            "kvcomm": {"agent": agent, "segment": result.segment.model_dump() if result.segment else None,
+                       "stats": stats.model_dump(mode="json")},
+        }
+        text, calls, invalid = parse_tool_calls(result.text) if tools_bound else (result.text, [], [])
+        if chunk:
+            chunks = [tool_call_chunk(name=c["name"], args=_json(c["args"]), id=c["id"], index=i) for i, c in enumerate(calls)]
+            return AIMessageChunk(content=text if tools_bound else "", usage_metadata=usage, response_metadata=metadata,
+                                  tool_call_chunks=chunks, chunk_position="last")
+        return AIMessage(content=text, usage_metadata=usage, response_metadata=metadata,
+                         tool_calls=calls, invalid_tool_calls=invalid)
+
+    def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                  run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        agent, options = self._resolve(stop, run_manager, kwargs)
+        result = self._engine().chat(to_engine_messages(messages), agent=agent, **options)
+        message = self._message(result, agent, bool(options["tools"]))
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})])
+
+    def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        agent, options = self._resolve(stop, run_manager, kwargs)
+        tools_bound = bool(options["tools"])
+        result = None
+        for item in self._engine().stream(to_engine_messages(messages), agent=agent, **options):
+            if isinstance(item, EngineResult):
+                result = item
+            elif not tools_bound:  # with tools the reply is parsed whole, at the end
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(item, chunk=chunk)
+                yield chunk
+        assert result is not None
+        yield ChatGenerationChunk(message=self._message(result, agent, tools_bound, chunk=True),
+                                  generation_info={"finish_reason": result.finish_reason})
+
+
+def _json(args: dict) -> str:
+    import json
+
+    return json.dumps(args)

@@ -1,0 +1,105 @@
+"""LangChain messages <-> the engine's message dicts, and tool calls in ``<tool_call>`` JSON style.
+
+Replies produced by :class:`~kvcomm_langgraph.ChatKVComm` carry their segment reference in
+``response_metadata["kvcomm"]["segment"]`` (a plain dict, so graph state stays JSON-safe); when
+such a message comes back in a history, the reference travels with it to the engine. Any other
+text (human messages, tool results, replies pasted into a prompt) is found by content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Optional, Sequence
+
+from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages.tool import ToolCall, tool_call
+
+__all__ = ["to_engine_messages", "parse_tool_calls", "TOOL_CALL_PATTERN", "message_text"]
+
+TOOL_CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def message_text(message: BaseMessage) -> str:
+    """A message's text; content blocks other than text are refused (text-only models)."""
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"ChatKVComm serves text-only models; got a {kind!r} content block")
+    return "".join(parts)
+
+
+def _segment_of(message: BaseMessage) -> Optional[dict]:
+    meta = getattr(message, "response_metadata", None) or {}
+    kvcomm = meta.get("kvcomm") or {}
+    return kvcomm.get("segment")
+
+
+def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """Convert LangChain messages to ``{"role", "content", ...}`` dicts for the chat template.
+
+    AI messages keep their tool calls (``{"type": "function", "function": {"name", "arguments"}}``)
+    and their segment reference; tool messages keep ``name`` and ``tool_call_id``.
+    """
+    out = []
+    for message in messages:
+        if isinstance(message, SystemMessage):
+            entry: dict[str, Any] = {"role": "system", "content": message_text(message)}
+        elif isinstance(message, HumanMessage):
+            entry = {"role": "user", "content": message_text(message)}
+        elif isinstance(message, AIMessage):
+            entry = {"role": "assistant", "content": message_text(message)}
+            if message.tool_calls:
+                entry["tool_calls"] = [
+                    {"type": "function", "id": call.get("id"), "function": {"name": call["name"], "arguments": call["args"]}}
+                    for call in message.tool_calls
+                ]
+            segment = _segment_of(message)
+            if segment is not None and not message.tool_calls:
+                entry["segment"] = segment
+        elif isinstance(message, ToolMessage):
+            entry = {"role": "tool", "content": message_text(message), "tool_call_id": message.tool_call_id}
+            if message.name:
+                entry["name"] = message.name
+        elif isinstance(message, ChatMessage):
+            entry = {"role": message.role, "content": message_text(message)}
+        else:
+            raise ValueError(f"unsupported message type {type(message).__name__}")
+        if getattr(message, "name", None) and "name" not in entry and not isinstance(message, ToolMessage):
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[dict]]:
+    """Split a reply into its text and its ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+    calls (Qwen2.5 / Hermes style).
+
+    Returns:
+        ``(text outside the calls, valid tool calls, invalid ones as {"name", "args", "error"})``.
+    """
+    calls: list[ToolCall] = []
+    invalid: list[dict] = []
+    for raw in TOOL_CALL_PATTERN.findall(text):
+        call_id = f"call_{uuid.uuid4().hex[:24]}"
+        try:
+            payload = json.loads(raw)
+            name, args = payload["name"], payload.get("arguments", payload.get("parameters", {}))
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise ValueError("name must be a string and arguments an object")
+            calls.append(tool_call(name=name, args=args, id=call_id))
+        except (ValueError, KeyError, TypeError) as error:
+            invalid.append({"name": None, "args": raw, "id": call_id, "error": str(error), "type": "invalid_tool_call"})
+    remaining = TOOL_CALL_PATTERN.sub("", text).strip() if calls or invalid else text
+    return remaining, calls, invalid

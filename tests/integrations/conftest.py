@@ -1,0 +1,44 @@
+"""Fixtures for the LangGraph/LangChain adapter: tiny engines, and a scripted engine (the real
+engine, with the reply text forced) for tool-call tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.testing import TOOLS_TEMPLATE, tiny_qwen2, tiny_tokenizer
+
+
+class ScriptedEngine:
+    """Wraps a real engine; each call's reply is the next scripted text, processed by the model
+    as that agent's reply (``force_reply_ids``), so prompts, reuse and stats stay real."""
+
+    def __init__(self, engine: KVCommEngine, replies: list[str]):
+        self.engine, self.replies = engine, list(replies)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, messages, *, agent, **options):
+        text = self.replies.pop(0)
+        ids = self.engine.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.engine.tokenizer.eos_token_id]
+        kept = {k: v for k, v in options.items() if k in ("reuse", "tools")}
+        yield from self.engine.stream(messages, agent=agent, force_reply_ids=ids, **kept)
+
+    def chat(self, messages, *, agent, **options):
+        return list(self.stream(messages, agent=agent, **options))[-1]
+
+
+@pytest.fixture
+def engine(llama, tokenizer):
+    return KVCommEngine(llama, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tools_tokenizer():
+    return tiny_tokenizer(chat_template=TOOLS_TEMPLATE)
+
+
+@pytest.fixture
+def tools_engine(tools_tokenizer):
+    return KVCommEngine(tiny_qwen2(tools_tokenizer, seed=3), tools_tokenizer, config=KVCommConfig())

@@ -1,0 +1,138 @@
+"""ChatKVComm on tiny real models: calls, usage, reuse between agents, agent resolution, tools."""
+
+import asyncio
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from pydantic import BaseModel
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_langgraph import ChatKVComm, kvcomm_agent
+
+from .conftest import ScriptedEngine
+
+QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+
+
+def prompt(system: str, *history) -> list:
+    return [SystemMessage(system), HumanMessage(QUESTION), *history]
+
+
+def test_invoke_reports_usage_segment_and_stats(engine):
+    model = ChatKVComm(engine=engine, agent="solver-1", max_tokens=16)
+    reply = model.invoke(prompt("You are solver one."))
+    assert isinstance(reply, AIMessage) and reply.content
+    meta = reply.response_metadata["kvcomm"]
+    usage = reply.usage_metadata
+    assert usage["input_tokens"] == meta["stats"]["prompt_tokens"]
+    assert usage["output_tokens"] == meta["stats"]["generated_tokens"] <= 16
+    assert usage["input_token_details"]["cache_read"] == meta["stats"]["reused_tokens"]
+    assert meta["agent"] == "solver-1" and tuple(meta["segment"]["kind"]) == ("solver-1", "assistant")
+
+
+REPLY = "The answer is 72 because 48 plus 24 equals 72."
+
+
+def test_second_agent_reads_the_first_reply_from_the_cache(engine):
+    # a random tiny model writes byte soup that no tokenizer would produce; script a real reply
+    first = ChatKVComm(engine=ScriptedEngine(engine, [REPLY]), agent="solver-1").invoke(prompt("You are solver one."))
+    second = ChatKVComm(engine=engine, agent="solver-2", max_tokens=4).invoke(prompt("You are solver two.", first))
+    stats = second.response_metadata["kvcomm"]["stats"]
+    assert second.usage_metadata["input_token_details"]["cache_read"] == stats["reused_tokens"] > 0
+    reasons = {tuple(d["segment"]["kind"]): d["reason"] for d in stats["decisions"]}
+    assert reasons[("solver-1", "assistant")] == "reference"  # the ref travelled in response_metadata
+
+
+def test_stream_matches_invoke_and_ends_with_usage(engine, llama, tokenizer):
+    model = ChatKVComm(engine=engine, agent="a", max_tokens=10)
+    chunks = list(model.stream(prompt("You are solver one.")))
+    assert len(chunks) > 2 and chunks[-1].usage_metadata is not None
+    streamed = "".join(c.content for c in chunks)
+    fresh = ChatKVComm(engine=KVCommEngine(llama, tokenizer), agent="a", max_tokens=10)
+    assert streamed == fresh.invoke(prompt("You are solver one.")).content
+
+
+def test_async_and_batch_calls(engine):
+    model = ChatKVComm(engine=engine, agent="a", max_tokens=3)
+    replies = model.batch([prompt("You are solver one."), prompt("You are solver two.")])
+    assert len(replies) == 2 and all(isinstance(r, AIMessage) for r in replies)
+
+    async def run():
+        one = await model.ainvoke(prompt("You are solver three."))
+        chunks = [c async for c in model.astream(prompt("You are solver four."))]
+        return one, chunks
+
+    one, chunks = asyncio.run(run())
+    assert one.usage_metadata["output_tokens"] <= 3 and chunks[-1].usage_metadata is not None
+
+
+def test_reuse_off_gives_the_dense_output(engine, llama, tokenizer):
+    first = ChatKVComm(engine=ScriptedEngine(engine, [REPLY]), agent="s1").invoke(prompt("You are solver one."))
+    history = prompt("You are solver two.", first)
+    dense = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=False)), max_tokens=12)
+    off = ChatKVComm(engine=engine, agent="s2", max_tokens=12, reuse=False).invoke(history)
+    assert off.content == dense.invoke(history).content
+    assert off.usage_metadata["input_token_details"]["cache_read"] == 0
+
+
+def test_decorator_names_the_agent_and_opts_out(engine):
+    model = ChatKVComm(engine=engine, agent="constructor", max_tokens=2)
+
+    @kvcomm_agent("judge", reuse=False)
+    def judge(messages):
+        return model.invoke(messages)
+
+    @kvcomm_agent
+    async def critic(messages):
+        return await model.ainvoke(messages)
+
+    reply = judge(prompt("You are the judge."))
+    meta = reply.response_metadata["kvcomm"]
+    assert meta["agent"] == "judge" and meta["stats"]["opted_out"]
+    assert asyncio.run(critic(prompt("You are the critic."))).response_metadata["kvcomm"]["agent"] == "critic"
+    assert model.invoke(prompt("x")).response_metadata["kvcomm"]["agent"] == "constructor"
+    assert ChatKVComm(engine=engine, max_tokens=1).invoke(prompt("y")).response_metadata["kvcomm"]["agent"] == "default"
+
+
+def test_bind_tools_without_template_support_is_a_clear_error(engine):
+    with pytest.raises(ValueError, match="does not render tools"):
+        ChatKVComm(engine=engine).bind_tools([add])
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_tool_calls_round_trip_on_a_tools_template(tools_engine):
+    scripted = ScriptedEngine(tools_engine, [
+        'I will add them.<tool_call>{"name": "add", "arguments": {"a": 48, "b": 24}}</tool_call>',
+        "The total is 72 clips.",
+        "Agreed: 72 clips.",
+    ])
+    model = ChatKVComm(engine=scripted, agent="solver")
+    bound = model.bind_tools([add])
+    messages = [HumanMessage(QUESTION)]
+    call = bound.invoke(messages)
+    assert call.content == "I will add them."
+    assert [(c["name"], c["args"]) for c in call.tool_calls] == [("add", {"a": 48, "b": 24})]
+    result = ToolMessage(str(add(**call.tool_calls[0]["args"])) + " clips in total, computed by the add tool", tool_call_id=call.tool_calls[0]["id"], name="add")
+    final = bound.invoke(messages + [call, result])
+    assert final.content == "The total is 72 clips." and final.tool_calls == []
+    # another agent reads the tool result: it was captured as a segment and is reused
+    reader = ChatKVComm(engine=scripted, agent="checker").invoke([SystemMessage("Check the tool output."), HumanMessage(result.content)])
+    kinds = {tuple(d["segment"]["kind"]): d["status"] for d in reader.response_metadata["kvcomm"]["stats"]["decisions"]}
+    assert kinds[("add", "tool")] == "reused"
+
+
+class Answer(BaseModel):
+    """The final answer."""
+
+    number: int
+    unit: str
+
+
+def test_structured_output_through_tool_calls(tools_engine):
+    scripted = ScriptedEngine(tools_engine, ['<tool_call>{"name": "Answer", "arguments": {"number": 72, "unit": "clips"}}</tool_call>'])
+    structured = ChatKVComm(engine=scripted).with_structured_output(Answer)
+    assert structured.invoke([HumanMessage(QUESTION)]) == Answer(number=72, unit="clips")

@@ -1,0 +1,43 @@
+"""Message conversion and tool-call parsing (no model)."""
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
+from kvcomm_langgraph import parse_tool_calls, to_engine_messages
+from kvcomm_langgraph.agents import node_agent
+
+
+def test_roles_tool_calls_and_segment_refs_convert():
+    ref = {"id": "abc", "kind": ["solver", "assistant"], "num_tokens": 3, "text_hash": "h", "model": "m"}
+    messages = [
+        SystemMessage("sys"), HumanMessage("question", name="alice"),
+        AIMessage("reply", response_metadata={"kvcomm": {"segment": ref}}),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c1"}]),
+        ToolMessage("2", tool_call_id="c1", name="add"),
+    ]
+    out = to_engine_messages(messages)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "assistant", "tool"]
+    assert out[1]["name"] == "alice" and out[2]["segment"] == ref
+    assert out[3]["tool_calls"] == [{"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 1}}}]
+    assert out[4] == {"role": "tool", "content": "2", "tool_call_id": "c1", "name": "add"}
+
+
+def test_text_blocks_join_and_images_are_refused():
+    assert to_engine_messages([HumanMessage([{"type": "text", "text": "a"}, "b"])])[0]["content"] == "ab"
+    with pytest.raises(ValueError, match="text-only"):
+        to_engine_messages([HumanMessage([{"type": "image_url", "image_url": {"url": "x"}}])])
+
+
+def test_tool_calls_are_parsed_and_bad_ones_reported():
+    text, calls, invalid = parse_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    assert text == "Let me add." and [(c["name"], c["args"]) for c in calls] == [("add", {"a": 2, "b": 3})]
+    assert calls[0]["id"].startswith("call_") and invalid == []
+    text, calls, invalid = parse_tool_calls("<tool_call>{not json}</tool_call>")
+    assert calls == [] and len(invalid) == 1 and invalid[0]["args"] == "{not json}"
+    assert parse_tool_calls("plain") == ("plain", [], [])
+
+
+def test_node_names_include_the_subgraph_path():
+    assert node_agent({}) is None
+    assert node_agent({"langgraph_node": "solver", "langgraph_checkpoint_ns": "solver:1"}) == "solver"
+    assert node_agent({"langgraph_node": "critic", "langgraph_checkpoint_ns": "review:9|critic:3"}) == "review/critic"
