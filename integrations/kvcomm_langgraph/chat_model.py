@@ -88,7 +88,7 @@ class ChatKVComm(BaseChatModel):
         return f"kvcomm:{getattr(engine.model.config, '_name_or_path', '') or engine.model.config.model_type}"
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="kvcomm", ls_model_name=self.model_name, ls_model_type="chat",
+        params = LangSmithParams(ls_provider="kvcomm", ls_model_name=kwargs.get("model", self.model_name), ls_model_type="chat",
                                  ls_temperature=kwargs.get("temperature", self.temperature),
                                  ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
         if stop or self.stop:

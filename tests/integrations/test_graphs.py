@@ -1,0 +1,148 @@
+"""Real LangGraph graphs on a tiny model: node names become agents, replies are reused by the
+next node, reuse off is dense, Send fan-out equals serial, checkpoints survive a fresh engine."""
+
+import operator
+from typing import Annotated, TypedDict
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.func import entrypoint, task
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.types import Command, Send
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_langgraph import ChatKVComm, kvcomm_agent
+
+from .conftest import ScriptedEngine
+
+QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+REPLY = "The answer is 72 because 48 plus 24 equals 72."
+
+
+def kv(message: AIMessage) -> dict:
+    return message.response_metadata["kvcomm"]
+
+
+def two_solver_graph(model: ChatKVComm, checkpointer=None):
+    def solver_1(state: MessagesState):
+        return {"messages": [model.invoke([SystemMessage("You are solver one.")] + state["messages"])]}
+
+    def solver_2(state: MessagesState):
+        return {"messages": [model.invoke([SystemMessage("You are solver two.")] + state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solver_1", solver_1)
+    graph.add_node("solver_2", solver_2)
+    graph.add_edge(START, "solver_1")
+    graph.add_edge("solver_1", "solver_2")
+    graph.add_edge("solver_2", END)
+    return graph.compile(checkpointer=checkpointer)
+
+
+def test_second_node_reuses_the_first_nodes_reply(engine):
+    model = ChatKVComm(engine=ScriptedEngine(engine, [REPLY, "I agree with 72."]))
+    out = two_solver_graph(model).invoke({"messages": [HumanMessage(QUESTION)]})
+    first, second = out["messages"][1], out["messages"][2]
+    assert (kv(first)["agent"], kv(second)["agent"]) == ("solver_1", "solver_2")
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 0
+    kinds = {tuple(d["segment"]["kind"]): d["status"] for d in kv(second)["stats"]["decisions"]}
+    assert kinds == {("user", None): "reused", ("solver_1", "assistant"): "reused"}
+
+
+def test_reuse_off_graph_equals_dense(llama, tokenizer):
+    def run(config):
+        model = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=config), max_tokens=12)
+        return [m.content for m in two_solver_graph(model).invoke({"messages": [HumanMessage(QUESTION)]})["messages"]]
+
+    assert run(KVCommConfig(reuse=True)) != [] and run(KVCommConfig(reuse=False)) == run(KVCommConfig(reuse=False))
+    engine = KVCommEngine(llama, tokenizer)
+    off = ChatKVComm(engine=engine, max_tokens=12, reuse=False)
+    dense = run(KVCommConfig(reuse=False))
+    assert [m.content for m in two_solver_graph(off).invoke({"messages": [HumanMessage(QUESTION)]})["messages"]] == dense
+
+
+class FanOut(TypedDict):
+    question: str
+    answers: Annotated[list, operator.add]
+
+
+def test_send_fan_out_equals_serial_with_reuse_on_and_off(llama, tokenizer):
+    systems = ["You are solver one.", "You are solver two.", "You are solver three."]
+    for reuse in (True, False):
+        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=reuse))
+        engine.add_segment(QUESTION, kind=("user", None))  # the shared input, registered before the fan-out
+        model = ChatKVComm(engine=engine, max_tokens=8)
+
+        def branch(state: dict):
+            reply = model.invoke([SystemMessage(state["system"]), HumanMessage(state["question"])])
+            return {"answers": [(state["system"], reply.content, reply.usage_metadata["input_token_details"]["cache_read"])]}
+
+        graph = StateGraph(FanOut)
+        graph.add_node("branch", branch)
+        graph.add_conditional_edges(START, lambda s: [Send("branch", {"system": x, "question": s["question"]}) for x in systems])
+        graph.add_edge("branch", END)
+        with engine.freeze_anchors():
+            fanned = sorted(graph.compile().invoke({"question": QUESTION, "answers": []})["answers"])
+            serial = sorted((x, *_serial(model, x)) for x in systems)
+        assert [(x, text) for x, text, _ in fanned] == [(x, text) for x, text, _ in serial]
+        assert all(read > 0 for _, _, read in fanned) == reuse  # (serial reads more: exact prefixes)
+
+
+def _serial(model, system):
+    reply = model.invoke([SystemMessage(system), HumanMessage(QUESTION)])
+    return reply.content, reply.usage_metadata["input_token_details"]["cache_read"]
+
+
+def test_checkpointed_graph_resumes_on_a_fresh_engine(llama, tokenizer):
+    saver = InMemorySaver()
+    config = {"configurable": {"thread_id": "t1"}}
+    first = ScriptedEngine(KVCommEngine(llama, tokenizer), [REPLY, "I agree with 72."])
+    two_solver_graph(ChatKVComm(engine=first), saver).invoke({"messages": [HumanMessage(QUESTION)]}, config)
+    # a restart: new engine, empty store; the state holds only references
+    fresh = ScriptedEngine(KVCommEngine(llama, tokenizer), ["Still 72.", "Yes, 72."])
+    out = two_solver_graph(ChatKVComm(engine=fresh), saver).invoke({"messages": [HumanMessage("Check again.")]}, config)
+    assert len(out["messages"]) == 6
+    reasons = {d["reason"] for d in kv(out["messages"][4])["stats"]["decisions"]}
+    assert "not_found" in reasons  # the old replies' refs point to KV the new engine never had
+
+
+def test_subgraph_nodes_are_named_with_their_path_and_command_hands_off(engine):
+    model = ChatKVComm(engine=engine, max_tokens=2)
+
+    def critic(state: MessagesState):
+        return {"messages": [model.invoke(state["messages"])]}
+
+    inner = StateGraph(MessagesState)
+    inner.add_node("critic", critic)
+    inner.add_edge(START, "critic")
+
+    def router(state: MessagesState):
+        return Command(goto="review", update={"messages": [model.invoke(state["messages"])]})
+
+    outer = StateGraph(MessagesState)
+    outer.add_node("router", router)
+    outer.add_node("review", inner.compile())
+    outer.add_edge(START, "router")
+    out = outer.compile().invoke({"messages": [HumanMessage(QUESTION)]})
+    assert [kv(m)["agent"] for m in out["messages"][1:]] == ["router", "review/critic"]
+
+
+def test_functional_api_tasks_and_decorated_nodes(engine):
+    model = ChatKVComm(engine=engine, max_tokens=2)
+
+    @task
+    def draft(question: str):
+        return model.invoke([HumanMessage(question)])
+
+    @kvcomm_agent("final-judge", reuse=False)
+    def judge(question: str, answer: AIMessage):
+        return model.invoke([HumanMessage(question), answer])
+
+    @entrypoint()
+    def workflow(question: str):
+        answer = draft(question).result()
+        return [answer, judge(question, answer)]
+
+    answer, verdict = workflow.invoke(QUESTION)
+    assert kv(answer)["agent"] == "workflow/draft"  # a task inside the entrypoint, like a subgraph node
+    assert kv(verdict)["agent"] == "final-judge" and kv(verdict)["stats"]["opted_out"]
