@@ -136,3 +136,12 @@ def test_structured_output_through_tool_calls(tools_engine):
     scripted = ScriptedEngine(tools_engine, ['<tool_call>{"name": "Answer", "arguments": {"number": 72, "unit": "clips"}}</tool_call>'])
     structured = ChatKVComm(engine=scripted).with_structured_output(Answer)
     assert structured.invoke([HumanMessage(QUESTION)]) == Answer(number=72, unit="clips")
+
+
+def test_a_reply_edited_after_its_segment_was_made_is_never_reused_stale(engine, llama, tokenizer):
+    first = ChatKVComm(engine=ScriptedEngine(engine, [REPLY]), agent="s1").invoke(prompt("You are solver one."))
+    edited = first.model_copy(update={"content": first.content.replace("answer", "result")})  # ref kept in metadata
+    history = prompt("You are solver two.", edited)
+    reply = ChatKVComm(engine=engine, agent="s2", max_tokens=6).invoke(history)
+    decision = [d for d in reply.response_metadata["kvcomm"]["stats"]["decisions"] if tuple(d["segment"]["kind"]) == ("s1", "assistant")]
+    assert [(d["status"], d["reason"]) for d in decision] == [("prefilled", "stale")]

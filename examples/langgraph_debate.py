@@ -1,0 +1,97 @@
+"""LangGraph math debate on GSM8K: fully connected solvers, then a judge that opts out of reuse.
+
+The graph: solver_1 -> solver_2 -> ... -> solver_N -> judge. Every solver sees the question and
+every earlier solver's reply (the shared message history of ``MessagesState``); the judge
+(``@kvcomm_agent("judge", reuse=False)``, as the KVCOMM paper's setting and arXiv 2601.08343
+advise for decision agents) reads them all and states the final number. Agents are named by
+their LangGraph nodes; nobody passes KV or references by hand.
+
+The pipeline runs twice per question, with reuse and dense (reuse off, same weights); the table
+compares time to first token per agent and the final answers with the dense pipeline's.
+
+    python -m examples.langgraph_debate [--questions 3] [--solvers 3] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+from langchain_core.messages import HumanMessage, SystemMessage
+from langgraph.graph import END, START, MessagesState, StateGraph
+
+from benchmarks.workloads import gsm8k_questions
+from kvcomm_langgraph import ChatKVComm, kvcomm_agent
+
+from .reporting import CallRecorder, engines, print_agent_table
+
+
+def solver_prompt(k: int, n: int, history: list) -> list:
+    """Solver k's view: its role, the question, earlier solvers' replies labelled by name."""
+    system = SystemMessage(f"You are solver {k} of {n} in a team solving a math word problem. Reason step by "
+                           "step, check the other solvers' answers, and end with the final number.")
+    return [system, *history]
+
+
+def build_graph(model: ChatKVComm, solvers: int):
+    graph = StateGraph(MessagesState)
+
+    def make_solver(k: int):
+        def solver(state: MessagesState):
+            reply = model.invoke(solver_prompt(k, solvers, state["messages"]))
+            reply.name = f"solver_{k}"
+            return {"messages": [reply]}
+        return solver
+
+    @kvcomm_agent("judge", reuse=False)
+    def judge(state: MessagesState):
+        system = SystemMessage("You are the judge. Read the solvers' answers and reply with the final number only.")
+        return {"messages": [model.invoke([system, *state["messages"]])]}
+
+    previous = START
+    for k in range(1, solvers + 1):
+        graph.add_node(f"solver_{k}", make_solver(k))
+        graph.add_edge(previous, f"solver_{k}")
+        previous = f"solver_{k}"
+    graph.add_node("judge", judge)
+    graph.add_edge(previous, "judge")
+    graph.add_edge("judge", END)
+    return graph.compile()
+
+
+def last_number(text: str) -> str | None:
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--solvers", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    reuse_engine, dense_engine = engines()
+    graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens), args.solvers)
+              for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
+    recorders = {name: CallRecorder() for name in graphs}
+    agree = correct = 0
+    questions = gsm8k_questions(args.questions)
+    for i, row in enumerate(questions, 1):
+        finals = {}
+        for name, graph in graphs.items():
+            out = graph.invoke({"messages": [HumanMessage(row["question"])]}, {"callbacks": [recorders[name]]})
+            finals[name] = last_number(out["messages"][-1].content)
+        gold = last_number(row["answer"].split("####")[-1])
+        agree += finals["reuse"] == finals["dense"]
+        correct += finals["reuse"] == gold
+        print(f"question {i}/{len(questions)}: judge says {finals['reuse']} (dense pipeline {finals['dense']}, gold {gold})")
+    print_agent_table(recorders["reuse"].calls, recorders["dense"].calls)
+    print(f"final answers equal to the dense pipeline's: {agree}/{len(questions)}; correct: {correct}/{len(questions)} "
+          "(SmolLM2-135M solves few GSM8K problems; the point is speed at equal output)")
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

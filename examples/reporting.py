@@ -1,0 +1,80 @@
+"""Shared by the LangGraph examples: record every model call of a graph run (a LangChain
+callback handler, so the graph code stays plain) and print the per-agent table.
+
+Each example runs its pipeline twice on the same inputs: on a reuse engine and on a dense
+engine (reuse off) that shares the model weights. The table pairs them per agent: reused share
+of the prompt, time to first token with reuse and dense (measured in the same run), and the
+reuse decisions; the examples then compare final answers with the dense pipeline's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from typing import Any
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.outputs import LLMResult
+
+from kvcomm_agents import CallStats, KVCommConfig, KVCommEngine, ReuseSummary
+
+__all__ = ["CallRecorder", "engines", "print_agent_table"]
+
+
+class CallRecorder(BaseCallbackHandler):
+    """Collects the ``CallStats`` of every ``ChatKVComm`` call it sees, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[CallStats] = []
+        self._lock = threading.Lock()
+
+    def on_llm_end(self, response: LLMResult, **kwargs: Any) -> None:
+        for generations in response.generations:
+            for generation in generations:
+                meta = getattr(generation, "message", None)
+                kvcomm = (meta.response_metadata or {}).get("kvcomm") if meta is not None else None
+                if kvcomm:
+                    with self._lock:
+                        self.calls.append(CallStats.model_validate(kvcomm["stats"]))
+
+
+def engines(config: KVCommConfig | None = None) -> tuple[KVCommEngine, KVCommEngine]:
+    """A reuse engine on the embedded model and a dense engine sharing its weights."""
+    reuse = KVCommEngine.from_pretrained(config=config)
+    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(reuse=False))
+    for engine in (reuse, dense):  # first-call overheads off the measured calls
+        engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
+        engine.store.clear()
+    return reuse, dense
+
+
+def _decisions(calls: list[CallStats]) -> str:
+    counts = Counter(f"{d.status}:{d.reason}" for call in calls for d in call.decisions)
+    return ", ".join(f"{n}x {key}" for key, n in sorted(counts.items())) or "-"
+
+
+def print_agent_table(reuse_calls: list[CallStats], dense_calls: list[CallStats]) -> None:
+    """Per agent, in order of first appearance: calls, prompt tokens, reused share, mean time to
+    first token with reuse and dense, the ratio, and the reuse decisions."""
+    by_agent: dict[str, list[CallStats]] = defaultdict(list)
+    dense_by_agent: dict[str, list[CallStats]] = defaultdict(list)
+    for call in reuse_calls:
+        by_agent[call.agent].append(call)
+    for call in dense_calls:
+        dense_by_agent[call.agent].append(call)
+    head = f"{'agent':<16} {'calls':>5} {'prompt':>6} {'reused':>6} {'TTFT reuse':>10} {'TTFT dense':>10} {'speed-up':>8}  decisions"
+    print("\n" + head)
+    for agent, calls in by_agent.items():
+        dense = dense_by_agent.get(agent, [])
+        prompt = sum(c.prompt_tokens for c in calls) / len(calls)
+        share = sum(c.reused_tokens for c in calls) / max(1, sum(c.prompt_tokens for c in calls))
+        ttft = 1000 * sum(c.ttft_s for c in calls) / len(calls)
+        dense_ttft = 1000 * sum(c.ttft_s for c in dense) / len(dense) if dense else float("nan")
+        opted = " (reuse off)" if all(c.opted_out for c in calls) else ""
+        print(f"{agent:<16} {len(calls):>5} {prompt:>6.0f} {100 * share:>5.0f}% {ttft:>8.0f}ms {dense_ttft:>8.0f}ms "
+              f"{dense_ttft / ttft:>7.2f}x  {_decisions(calls)}{opted}")
+    summary = ReuseSummary.of(reuse_calls)
+    rate = "-" if summary.reuse_rate is None else f"{100 * summary.reuse_rate:.0f}%"
+    print(f"reuse rate {rate} of {summary.eligible} calls with shared text ({summary.opted_out} opted out); "
+          f"token share {100 * summary.token_share:.0f}%. TTFT: means per agent, the dense pipeline ran "
+          "on a second engine in the same process.")
