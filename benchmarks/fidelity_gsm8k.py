@@ -35,8 +35,8 @@ WARMUP_QUESTIONS = 10
 #: name -> settings; every strategy sees the same ids, only the KV approximation differs
 STRATEGIES: dict[str, dict] = {
     "dense (reuse off)": {"reuse": False},
-    "rerotate-only": {},
-    "rerotate-only+template": {"template": "reuse"},
+    "rerotate-only": {"offsets": "none"},
+    "rerotate-only+template": {"offsets": "none", "template": "reuse"},
     "kvcomm-mean/entropy": {"offsets": "mean"},
     "kvcomm-weighted/entropy": {"offsets": "weighted"},
     "kvcomm-weighted/entropy+template": {"offsets": "weighted", "template": "reuse"},
@@ -47,6 +47,9 @@ STRATEGIES: dict[str, dict] = {
     "kvcomm-mean/error+template": {"offsets": "mean", "gate": "error", "template": "reuse"},
     "kvcomm-mean/error(max=0.3)": {"offsets": "mean", "gate": "error", "max_error": 0.3},
     "kvcomm-mean/error(max=0.7)": {"offsets": "mean", "gate": "error", "max_error": 0.7},
+    "kvcomm-mean/error(max=1.0)": {"offsets": "mean", "gate": "error", "max_error": 1.0},
+    "kvcomm-mean/error(max=1.5)": {"offsets": "mean", "gate": "error", "max_error": 1.5},
+    "kvcomm-weighted/error(max=1.0)": {"offsets": "weighted", "gate": "error", "max_error": 1.0},
 }
 
 

@@ -7,9 +7,11 @@ advise for decision agents) reads them all and states the final number. Agents a
 their LangGraph nodes; nobody passes KV or references by hand.
 
 The pipeline runs twice per question, with reuse and dense (reuse off, same weights); the table
-compares time to first token per agent and the final answers with the dense pipeline's.
+compares time to first token per agent and the final answers with the dense pipeline's. The
+first ``--warmup`` questions fill KVCOMM's anchor pools (each agent prefills what it has not seen
+enough of, and records it); they are reported apart from the table.
 
-    python -m examples.langgraph_debate [--questions 3] [--solvers 3] [--max-tokens 64]
+    python -m examples.langgraph_debate [--questions 5] [--warmup 2] [--solvers 3] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 
 from benchmarks.workloads import gsm8k_questions
+from kvcomm_agents import ReuseSummary
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
 from .reporting import CallRecorder, engines, print_agent_table
@@ -67,27 +70,38 @@ def last_number(text: str) -> str | None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--questions", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="questions that fill the anchor pools first")
     parser.add_argument("--solvers", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     reuse_engine, dense_engine = engines()
     graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens), args.solvers)
               for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
     recorders = {name: CallRecorder() for name in graphs}
+    warmup = {name: CallRecorder() for name in graphs}
     agree = correct = 0
     questions = gsm8k_questions(args.questions)
+    print(f"{len(questions)} GSM8K questions, {args.solvers} solvers + judge, greedy, max {args.max_tokens} tokens; "
+          f"offsets={reuse_engine.config.offsets}, gate={reuse_engine.config.gate}")
     for i, row in enumerate(questions, 1):
         finals = {}
         for name, graph in graphs.items():
-            out = graph.invoke({"messages": [HumanMessage(row["question"])]}, {"callbacks": [recorders[name]]})
+            recorder = (warmup if i <= args.warmup else recorders)[name]
+            out = graph.invoke({"messages": [HumanMessage(row["question"])]}, {"callbacks": [recorder]})
             finals[name] = last_number(out["messages"][-1].content)
         gold = last_number(row["answer"].split("####")[-1])
         agree += finals["reuse"] == finals["dense"]
         correct += finals["reuse"] == gold
         print(f"question {i}/{len(questions)}: judge says {finals['reuse']} (dense pipeline {finals['dense']}, gold {gold})")
-    print_agent_table(recorders["reuse"].calls, recorders["dense"].calls)
+    if args.warmup:
+        summary = ReuseSummary.of(warmup["reuse"].calls)
+        print(f"\nwarm-up (questions 1-{min(args.warmup, len(questions))}): token share {100 * summary.token_share:.0f}%, "
+              f"{sum(d.reason == 'new_anchor' for c in warmup['reuse'].calls for d in c.decisions)} new anchors recorded")
+    if recorders["reuse"].calls:
+        print(f"\nafter warm-up (questions {args.warmup + 1}-{len(questions)}):", end="")
+        print_agent_table(recorders["reuse"].calls, recorders["dense"].calls)
     print(f"final answers equal to the dense pipeline's: {agree}/{len(questions)}; correct: {correct}/{len(questions)} "
           "(SmolLM2-135M solves few GSM8K problems; the point is speed at equal output)")
     print(f"wall time {time.perf_counter() - started:.0f} s")

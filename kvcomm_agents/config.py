@@ -64,14 +64,16 @@ class KVCommConfig(BaseModel):
         ),
     )
     offsets: Literal["none", "mean", "weighted"] = Field(
-        default="none",
+        default="mean",
         description=(
             "Context correction added to reused segments above layer 0 (KVCOMM's anchors). "
             "'none': re-rotation only (positions exact, context not corrected, every found segment "
             "reused). 'mean': the average offset (real - base KV) of the anchors the gate "
             "consulted, per token, in the canonical frame. 'weighted': the paper's similarity "
             "weights over those anchors. With either, a segment the gate judges new is prefilled "
-            "(densely from there on) and becomes an anchor."
+            "(densely from there on) and becomes an anchor. Default 'mean': on 40 GSM8K debates it "
+            "cut first-token KL against dense 3x compared with 'none', as much as 'weighted' did, "
+            "at less cost (docs/fidelity.md)."
         ),
     )
     template: Literal["in_context", "reuse"] = Field(

@@ -27,7 +27,7 @@ fi
 task="${1:-demo}"
 shift || true
 case "$task" in
-  demo) exec "$PY" -m examples.debate_demo "$@" ;;
+  demo) exec "$PY" -m examples.langgraph_debate "$@" ;;
   test) exec "$PY" -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/run.sh demo|test [args]" >&2; exit 2 ;;
 esac

@@ -33,8 +33,10 @@ def model(request, llama, qwen2):
 
 @pytest.fixture
 def make_engine(tokenizer):
+    """Engines for tests of the reuse mechanics: re-rotation only unless ``offsets`` is given
+    (the default, KVCOMM anchors, first prefills what it has not seen; tests/cache/test_anchors.py)."""
     def make(model, **config):
-        return KVCommEngine(model, tokenizer, config=KVCommConfig(**config))
+        return KVCommEngine(model, tokenizer, config=KVCommConfig(**{"offsets": "none", **config}))
 
     return make
 

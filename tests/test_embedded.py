@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcomm_agents import KVCommEngine
+from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
 
 pytestmark = pytest.mark.embedded
 
@@ -11,7 +11,13 @@ QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold 
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVCommEngine.from_pretrained(device="cpu")
+    return KVCommEngine.from_pretrained(device="cpu", config=KVCommConfig(offsets="none"))
+
+
+def solver_messages(k: int, question: str, replies: list[str]) -> list[dict]:
+    messages = [{"role": "system", "content": f"You are solver {k + 1} of 3. Solve the problem step by step."},
+                {"role": "user", "content": question}]
+    return messages + [{"role": "user", "content": f"Solver {j + 1} answered:\n{r}"} for j, r in enumerate(replies)]
 
 
 def test_embedded_model_is_smollm2(engine):
@@ -23,10 +29,7 @@ def test_embedded_model_is_smollm2(engine):
 def test_three_agents_reuse_and_stats_add_up(engine):
     replies = []
     for k in range(3):
-        messages = [{"role": "system", "content": f"You are solver {k + 1} of 3. Solve the problem step by step."},
-                    {"role": "user", "content": QUESTION}]
-        messages += [{"role": "user", "content": f"Solver {j + 1} answered:\n{r}"} for j, r in enumerate(replies)]
-        result = engine.chat(messages, agent=f"solver-{k + 1}", max_new_tokens=24)
+        result = engine.chat(solver_messages(k, QUESTION, replies), agent=f"solver-{k + 1}", max_new_tokens=24)
         stats = result.stats
         assert stats.reused_tokens + stats.computed_tokens == stats.prompt_tokens
         assert stats.generated_tokens == len(result.token_ids) > 0
@@ -35,3 +38,33 @@ def test_three_agents_reuse_and_stats_add_up(engine):
             reused_kinds = {d.segment.kind for d in stats.decisions if d.status == "reused"}
             assert ("user", None) in reused_kinds and ("solver-1", "assistant") in reused_kinds
         replies.append(result.text)
+
+
+QUESTIONS = [
+    "A baker makes 12 loaves in the morning and 9 in the afternoon. He sells 15. How many loaves are left?",
+    "Tom has 3 boxes with 8 pencils each. He gives away 5 pencils. How many pencils does he have now?",
+    "A ticket costs $7. How much do 6 tickets cost if there is a $4 discount on the total?",
+]
+
+
+def test_default_kvcomm_records_anchors_then_reuses(engine):
+    """The default engine (KVCOMM, mean offsets, entropy gate): on the first questions the
+    downstream solvers prefill what they have not seen twice (new anchors, recorded); on the
+    third the gate consults two anchors per kind and reuses."""
+    kvcomm = KVCommEngine(engine.model, engine.tokenizer)
+    assert kvcomm.config.offsets == "mean"
+    per_question = []
+    for question in QUESTIONS:
+        replies, calls = [], []
+        for k in range(3):
+            result = kvcomm.chat(solver_messages(k, question, replies), agent=f"solver-{k + 1}", max_new_tokens=16)
+            replies.append(result.text)
+            calls.append(result.stats)
+        per_question.append(calls)
+    first, last = per_question[0], per_question[-1]
+    assert [d.reason for d in first[1].decisions][0] == "new_anchor"
+    assert first[1].reused_tokens == first[1].prefix_tokens  # only an exact prefix (template start)
+    gates = [d.gate for d in last[1].decisions if d.gate is not None]
+    assert gates and all(g.anchors == 2 for g in gates)
+    assert ReuseSummary.of(s for s in last[1:]).token_share > 0.3
+    assert kvcomm.anchors.anchors(("user", None)) >= 2 and kvcomm.anchors.nbytes() > 0

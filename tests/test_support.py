@@ -72,7 +72,7 @@ def test_missing_chat_template_is_refused():
 def test_sliding_window_is_used_only_when_it_covers_the_call(tokenizer):
     torch.manual_seed(0)
     model = MistralForCausalLM(small(MistralConfig, tokenizer, sliding_window=90, head_dim=16)).eval()
-    engine = KVCommEngine(model, tokenizer)
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(offsets="none"))
     engine.chat(solver_messages("You are solver one."), agent="a", max_new_tokens=2)
     fits = engine.chat(solver_messages("You are solver two."), agent="b", max_new_tokens=2)
     assert fits.stats.mode == "reuse"

@@ -31,7 +31,8 @@ class ScriptedEngine:
 
 @pytest.fixture
 def engine(llama, tokenizer):
-    return KVCommEngine(llama, tokenizer)
+    """Re-rotation only, so a second agent reuses on its first call (anchors: tests/cache)."""
+    return KVCommEngine(llama, tokenizer, config=KVCommConfig(offsets="none"))
 
 
 @pytest.fixture(scope="session")
@@ -41,4 +42,4 @@ def tools_tokenizer():
 
 @pytest.fixture
 def tools_engine(tools_tokenizer):
-    return KVCommEngine(tiny_qwen2(tools_tokenizer, seed=3), tools_tokenizer, config=KVCommConfig())
+    return KVCommEngine(tiny_qwen2(tools_tokenizer, seed=3), tools_tokenizer, config=KVCommConfig(offsets="none"))

@@ -69,7 +69,7 @@ class FanOut(TypedDict):
 def test_send_fan_out_equals_serial_with_reuse_on_and_off(llama, tokenizer):
     systems = ["You are solver one.", "You are solver two.", "You are solver three."]
     for reuse in (True, False):
-        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=reuse))
+        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=reuse, offsets="none"))
         engine.add_segment(QUESTION, kind=("user", None))  # the shared input, registered before the fan-out
         model = ChatKVComm(engine=engine, max_tokens=8)
 
