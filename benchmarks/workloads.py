@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 DEFAULT_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k-dev.jsonl"
@@ -30,3 +31,14 @@ def debate_messages(k: int, agents: int, question: str, replies: list[str]) -> l
     for j, reply in enumerate(replies, start=1):
         messages.append({"role": "user", "content": f"Solver {j} answered:\n{reply}"})
     return messages
+
+
+def last_number(text: str) -> str | None:
+    """The last number in a text (how GSM8K answers are scored), commas and a final dot removed."""
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def gold_answer(row: dict) -> str | None:
+    """The gold number of a GSM8K row (after '####')."""
+    return last_number(row["answer"].split("####")[-1])

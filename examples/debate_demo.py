@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from benchmarks.workloads import DEFAULT_GSM8K, debate_messages, gsm8k_questions
+from benchmarks.workloads import DEFAULT_GSM8K, debate_messages, gold_answer, gsm8k_questions, last_number
 from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
 
 COMPARE = 8  # first generated token ids compared with dense
@@ -56,11 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_questions(path: Path, n: int) -> tuple[list[dict], str]:
     source = str(path) if path.is_file() else f"built-in questions ({path} not found)"
     return gsm8k_questions(n, path), source
-
-
-def last_number(text: str) -> str | None:
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return found[-1].replace(",", "").rstrip(".") if found else None
 
 
 def same_number(a: str | None, b: str | None) -> bool:
@@ -196,7 +190,7 @@ def main(argv=None) -> None:
             reply, record = run_agent(reuse, dense, k, messages, args.max_new_tokens)
             records.append({"question": qi, **record})
             replies.append(reply)
-        gold = last_number(row["answer"].split("####")[-1])
+        gold = gold_answer(row)
         answers.append((qi, last_number(replies[-1]), gold))
         shares = " ".join(f"{100 * r['reused_share']:.0f}%" for r in records[-args.agents:])
         print(f"  question {qi}/{len(questions)} done; reused share per solver: {shares}")

@@ -31,9 +31,17 @@ from .sandbox import run_isolated
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval-dev.jsonl"
 
 
+BUILTIN_PROBLEMS = [{
+    "name": "builtin_count_vowels", "entry_point": "count_vowels",
+    "prompt": 'def count_vowels(text: str) -> int:\n    """Return how many of the characters of text are vowels (a, e, i, o, u, either case).\n    >>> count_vowels("Agent")\n    2\n    """\n',
+    "test": "assert count_vowels('Agent') == 2\nassert count_vowels('') == 0\nassert count_vowels('xyz') == 0\n",
+}]
+
+
 def load_problems(n: int, path: Path = DEFAULT_DATA) -> list[dict]:
+    """The first ``n`` HumanEval-style problems (a built-in one when the data folder is absent)."""
     if not path.is_file():
-        raise SystemExit(f"HumanEval data not found at {path}")
+        return BUILTIN_PROBLEMS[:n]
     with path.open() as handle:
         return [json.loads(line) for line, _ in zip(handle, range(n))]
 

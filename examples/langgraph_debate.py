@@ -17,13 +17,12 @@ enough of, and records it); they are reported apart from the table.
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
 from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 
-from benchmarks.workloads import gsm8k_questions
+from benchmarks.workloads import gold_answer, gsm8k_questions, last_number
 from kvcomm_agents import ReuseSummary
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
@@ -63,11 +62,6 @@ def build_graph(model: ChatKVComm, solvers: int):
     return graph.compile()
 
 
-def last_number(text: str) -> str | None:
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return found[-1].replace(",", "").rstrip(".") if found else None
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--questions", type=int, default=5)
@@ -91,7 +85,7 @@ def main(argv=None) -> None:
             recorder = (warmup if i <= args.warmup else recorders)[name]
             out = graph.invoke({"messages": [HumanMessage(row["question"])]}, {"callbacks": [recorder]})
             finals[name] = last_number(out["messages"][-1].content)
-        gold = last_number(row["answer"].split("####")[-1])
+        gold = gold_answer(row)
         agree += finals["reuse"] == finals["dense"]
         correct += finals["reuse"] == gold
         print(f"question {i}/{len(questions)}: judge says {finals['reuse']} (dense pipeline {finals['dense']}, gold {gold})")

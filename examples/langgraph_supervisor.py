@@ -12,7 +12,6 @@ almost entirely text other agents already processed.
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from typing import Literal
 
@@ -20,7 +19,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Command
 
-from benchmarks.workloads import gsm8k_questions
+from benchmarks.workloads import gold_answer, gsm8k_questions, last_number
 from kvcomm_langgraph import ChatKVComm
 
 from .reporting import CallRecorder, engines, print_agent_table
@@ -63,11 +62,6 @@ def build_graph(model: ChatKVComm):
     return graph.compile()
 
 
-def last_number(text: str) -> str | None:
-    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return found[-1].replace(",", "").rstrip(".") if found else None
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--questions", type=int, default=2)
@@ -85,7 +79,7 @@ def main(argv=None) -> None:
         for name, graph in graphs.items():
             out = graph.invoke({"messages": [HumanMessage(row["question"])], "step": 0}, {"callbacks": [recorders[name]]})
             finals[name] = last_number(out["messages"][-1].content)
-        gold = last_number(row["answer"].split("####")[-1])
+        gold = gold_answer(row)
         agree += finals["reuse"] == finals["dense"]
         correct += finals["reuse"] == gold
         print(f"question {i}/{len(questions)}: writer says {finals['reuse']} (dense pipeline {finals['dense']}, gold {gold})")
