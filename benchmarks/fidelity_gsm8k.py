@@ -50,6 +50,8 @@ STRATEGIES: dict[str, dict] = {
     "kvcomm-mean/error(max=1.0)": {"offsets": "mean", "gate": "error", "max_error": 1.0},
     "kvcomm-mean/error(max=1.5)": {"offsets": "mean", "gate": "error", "max_error": 1.5},
     "kvcomm-weighted/error(max=1.0)": {"offsets": "weighted", "gate": "error", "max_error": 1.0},
+    "kvcomm-mean/entropy+offset_max_error=1": {"offsets": "mean", "offset_max_error": 1.0},
+    "kvcomm-mean/entropy(gamma=0.9)+offset_max_error=1": {"offsets": "mean", "gamma": 0.9, "offset_max_error": 1.0},
 }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,6 +98,14 @@ class KVCommConfig(BaseModel):
     max_error: float = Field(
         default=0.5, gt=0.0,
         description="Error gate threshold: ||estimate - real|| / ||real|| of the offsets, keys and values together.",
+    )
+    offset_max_error: Optional[float] = Field(
+        default=None, gt=0.0,
+        description=(
+            "If set, a receiver's offsets for a segment kind are applied only while their measured "
+            "relative error (as for gate='error') is below this; above it the segment is still "
+            "reused, re-rotated without offsets (an estimate worse than none is not added)."
+        ),
     )
     min_anchors: int = Field(
         default=2,

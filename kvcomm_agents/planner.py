@@ -293,6 +293,10 @@ class _RunDecider:
                 kept.append(run)
                 continue
             if not run.template:
+                cap = self.config.offset_max_error
+                if cap is not None and run.verdict.error is not None and run.verdict.error >= cap:
+                    kept.append(run)  # its estimates measured worse than none: re-rotation only
+                    continue
                 est = estimates.get(run.segment.id)
                 if est is None:
                     after = [p for p in self.plan.pieces if p.after is run.segment and p.reused]

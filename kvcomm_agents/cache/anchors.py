@@ -400,6 +400,7 @@ class AnchorRegistry:
             self._errors.clear()
 
     # ---- the gate -------------------------------------------------------------------------
+    @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
     def judge(self, receiver: str, segment: KVSegment) -> GateVerdict:
         """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor."""
         with self._lock:
@@ -437,6 +438,7 @@ class AnchorRegistry:
                     pool.credit(slots, verdict.weights, self.activation_top_p)
             return verdict
 
+    @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
     def estimate(self, receiver: str, segment: KVSegment, verdict: GateVerdict, piece: Optional[str] = None) -> OffsetEstimate:
         """Offsets for a segment the gate let through (``verdict.reuse``)."""
         with self._lock:
@@ -447,6 +449,7 @@ class AnchorRegistry:
             return pool.estimate(receiver, keys, values, verdict.candidates, self.estimator, self.temperature, piece)
 
     # ---- recording ------------------------------------------------------------------------
+    @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
     def record(
         self,
         receiver: str,
@@ -482,6 +485,7 @@ class AnchorRegistry:
             self._enforce_budget()
             return slot if pool.slot_of(segment.id) == slot else None
 
+    @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
     def record_prefix(self, receiver: str, segment: KVSegment, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Observed offsets ``[L-1, H, P, D]`` of ``receiver``'s template piece after ``segment``."""
         if self.frozen:

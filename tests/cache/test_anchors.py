@@ -231,3 +231,22 @@ def test_audits_record_the_reused_segments_as_anchors(llama, tokenizer):
     assert result.stats.mode == "reuse" and result.stats.audit_kl is not None
     assert [d.gate.decision for d in result.stats.shared_decisions] == ["reuse"]
     assert engine.anchors.anchors(("user", None)) == 3
+
+
+def test_offsets_measured_worse_than_none_are_not_applied(llama, tokenizer):
+    questions = [f"How many apples are left if Sam has {'very ' * (4 - i)}many and eats {i}?" for i in range(3)]
+
+    def third_plan(**config):
+        engine = _engines(llama, tokenizer, offsets="mean", gamma=1.0, **config)
+        for question in questions:
+            engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)
+            messages = [{"role": "system", "content": "You are solver two."}, {"role": "user", "content": question}]
+            layout = render_prompt(tokenizer, messages)
+            plan = engine._plan(layout, messages, "s2", None, 1)
+            engine.chat(messages, agent="s2", max_new_tokens=1)
+        return plan
+
+    with_offsets, capped = third_plan(), third_plan(offset_max_error=1e-6)
+    assert with_offsets.runs and all(r.key_offsets is not None for r in with_offsets.runs)
+    assert [d.gate.error > 1e-6 for d in capped.decisions] == [True]
+    assert capped.runs and all(r.key_offsets is None for r in capped.runs)  # still reused, re-rotated only
