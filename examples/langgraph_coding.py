@@ -25,7 +25,7 @@ from langgraph.graph import END, START, StateGraph
 
 from kvcomm_langgraph import ChatKVComm
 
-from .reporting import CallRecorder, engines, print_agent_table
+from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 from .sandbox import run_isolated
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval-dev.jsonl"
@@ -118,11 +118,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     print("Model-written code runs on this machine (python -I, temp dir, timeout, resource limits; not a sandbox "
           "against malicious code).")
-    reuse_engine, dense_engine = engines()
+    reuse_engine, dense_engine = engines(config_from(args))
     graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens))
               for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
     recorders = {name: CallRecorder() for name in graphs}

@@ -26,7 +26,7 @@ from benchmarks.workloads import gold_answer, gsm8k_questions, last_number
 from kvcomm_agents import ReuseSummary
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
-from .reporting import CallRecorder, engines, print_agent_table
+from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 
 
 def solver_prompt(k: int, n: int, history: list) -> list:
@@ -68,9 +68,10 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="questions that fill the anchor pools first")
     parser.add_argument("--solvers", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    reuse_engine, dense_engine = engines()
+    reuse_engine, dense_engine = engines(config_from(args))
     graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens), args.solvers)
               for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
     recorders = {name: CallRecorder() for name in graphs}

@@ -23,7 +23,7 @@ from langgraph.graph import END, START, StateGraph
 
 from kvcomm_langgraph import ChatKVComm
 
-from .reporting import CallRecorder, engines, print_agent_table
+from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 
 DOCUMENTED = ["json.dumps", "json.loads", "textwrap.shorten", "textwrap.dedent", "itertools.accumulate",
               "itertools.groupby", "os.path.join", "collections.Counter.most_common", "functools.lru_cache",
@@ -95,10 +95,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     corpus = {name: stdlib_doc(name) for name in DOCUMENTED}
-    reuse_engine, dense_engine = engines()
+    reuse_engine, dense_engine = engines(config_from(args))
     graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens), corpus)
               for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
     recorders = {name: CallRecorder() for name in graphs}

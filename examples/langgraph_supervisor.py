@@ -22,7 +22,7 @@ from langgraph.types import Command
 from benchmarks.workloads import gold_answer, gsm8k_questions, last_number
 from kvcomm_langgraph import ChatKVComm
 
-from .reporting import CallRecorder, engines, print_agent_table
+from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 
 ROLES = {
     "researcher": "You are the researcher. List the facts and numbers the problem gives, nothing else.",
@@ -66,9 +66,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--questions", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    reuse_engine, dense_engine = engines()
+    reuse_engine, dense_engine = engines(config_from(args))
     graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens))
               for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
     recorders = {name: CallRecorder() for name in graphs}

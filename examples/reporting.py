@@ -18,7 +18,7 @@ from langchain_core.outputs import LLMResult
 
 from kvcomm_agents import CallStats, KVCommConfig, KVCommEngine, ReuseSummary
 
-__all__ = ["CallRecorder", "engines", "print_agent_table"]
+__all__ = ["CallRecorder", "engines", "print_agent_table", "add_engine_arguments", "config_from"]
 
 
 class CallRecorder(BaseCallbackHandler):
@@ -36,6 +36,18 @@ class CallRecorder(BaseCallbackHandler):
                 if kvcomm:
                     with self._lock:
                         self.calls.append(CallStats.model_validate(kvcomm["stats"]))
+
+
+def add_engine_arguments(parser) -> None:
+    """``--offsets`` and ``--gate``: the KVCOMM settings of the reuse engine (defaults: the library's)."""
+    defaults = KVCommConfig()
+    parser.add_argument("--offsets", choices=["none", "mean", "weighted"], default=defaults.offsets,
+                        help="'none' = re-rotation only: reuses from the first call, no anchor warm-up")
+    parser.add_argument("--gate", choices=["entropy", "error"], default=defaults.gate)
+
+
+def config_from(args) -> KVCommConfig:
+    return KVCommConfig(offsets=args.offsets, gate=args.gate)
 
 
 def engines(config: KVCommConfig | None = None) -> tuple[KVCommEngine, KVCommEngine]:
