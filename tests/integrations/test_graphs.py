@@ -54,7 +54,6 @@ def test_reuse_off_graph_equals_dense(llama, tokenizer):
         model = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=config), max_tokens=12)
         return [m.content for m in two_solver_graph(model).invoke({"messages": [HumanMessage(QUESTION)]})["messages"]]
 
-    assert run(KVCommConfig(reuse=True)) != [] and run(KVCommConfig(reuse=False)) == run(KVCommConfig(reuse=False))
     engine = KVCommEngine(llama, tokenizer)
     off = ChatKVComm(engine=engine, max_tokens=12, reuse=False)
     dense = run(KVCommConfig(reuse=False))
