@@ -13,11 +13,9 @@ pipeline's final code with the dense pipeline's.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 import uuid
-from pathlib import Path
 from typing import TypedDict
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -25,26 +23,10 @@ from langgraph.graph import END, START, StateGraph
 
 from kvcomm_langgraph import ChatKVComm
 
+from benchmarks.workloads import load_problems
+
 from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 from .sandbox import run_isolated
-
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval-dev.jsonl"
-
-
-BUILTIN_PROBLEMS = [{
-    "name": "builtin_count_vowels", "entry_point": "count_vowels",
-    "prompt": 'def count_vowels(text: str) -> int:\n    """Return how many of the characters of text are vowels (a, e, i, o, u, either case).\n    >>> count_vowels("Agent")\n    2\n    """\n',
-    "test": "assert count_vowels('Agent') == 2\nassert count_vowels('') == 0\nassert count_vowels('xyz') == 0\n",
-}]
-
-
-def load_problems(n: int, path: Path = DEFAULT_DATA) -> list[dict]:
-    """The first ``n`` HumanEval-style problems (a built-in one when the data folder is absent)."""
-    if not path.is_file():
-        return BUILTIN_PROBLEMS[:n]
-    with path.open() as handle:
-        return [json.loads(line) for line, _ in zip(handle, range(n))]
-
 
 def extract_code(problem: dict, reply: str) -> str:
     """The function the model wrote: a fenced block if any, else the reply; the problem's

@@ -12,8 +12,6 @@ answerer already prefilled: with reuse it reads them from the cache.
 from __future__ import annotations
 
 import argparse
-import importlib
-import pydoc
 import re
 import time
 from typing import TypedDict
@@ -22,6 +20,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langgraph.graph import END, START, StateGraph
 
 from kvcomm_langgraph import ChatKVComm
+
+from benchmarks.workloads import stdlib_doc
 
 from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 
@@ -36,20 +36,6 @@ QUESTIONS = [
     "What does itertools.accumulate return by default?",
     "What happens in os.path.join when a component is an absolute path?",
 ]
-MAX_DOC_CHARS = 1800
-
-
-def stdlib_doc(dotted: str) -> str:
-    """Plain-text pydoc of a standard-library object, capped at ``MAX_DOC_CHARS``."""
-    module_name, *attrs = dotted.split(".")
-    obj = importlib.import_module(module_name)
-    for attr in attrs:
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            obj = importlib.import_module(f"{obj.__name__}.{attr}")
-    text = pydoc.render_doc(obj, title=f"Documentation of {dotted}:\n%s", renderer=pydoc.plaintext)
-    return text[:MAX_DOC_CHARS].rstrip()
 
 
 def words(text: str) -> set[str]:

@@ -42,6 +42,29 @@ class KVCommConfig(BaseModel):
             "already computed: a second debate round, a tool loop, a re-sent history."
         ),
     )
+    segment_reuse: bool = Field(
+        default=True,
+        description=(
+            "Re-rotate shared segments found anywhere in a prompt. False keeps only exact prefix "
+            "caching (what vLLM and SGLang give): faithful, but it misses every shared text that "
+            "does not start the prompt (decision reason 'exact_only')."
+        ),
+    )
+    recompute_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "CacheBlend-style selective recompute (arXiv 2405.16444): after re-rotation, run the "
+            "first recompute_probe_layers layers densely, and recompute in the prefill forward this "
+            "share of the re-rotated tokens whose KV deviates most there. 0 = off. The probe costs "
+            "time to first token; docs/benchmarks.md compares it with KVCOMM's offsets."
+        ),
+    )
+    recompute_probe_layers: int = Field(
+        default=2, ge=2,
+        description="Layers run to rank the deviation (measured at the last; layer 0 is exact after re-rotation).",
+    )
     min_prefix_tokens: int = Field(
         default=4,
         ge=1,

@@ -19,6 +19,7 @@ import torch
 
 from .cache import hf_cache
 from .cache.assembly import prefill
+from .cache.blend import select_recompute
 from .cache.anchors import AnchorRegistry
 from .cache.segments import Kind, SegmentRef
 from .cache.store import SegmentStore
@@ -216,6 +217,8 @@ class KVCommEngine:
         with self._lock, torch.inference_mode():  # anchor bookkeeping tensors are inference tensors
             plan = self._plan(layout, messages, agent, reuse, max_new_tokens if forced is None else len(forced))
         planned = time.perf_counter()
+        plan, recomputed = self._select_recompute(plan)
+        selected = time.perf_counter()
         pinned = [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
         with self._store.pinned(pinned):
             with self._lock, torch.inference_mode():
@@ -223,8 +226,9 @@ class KVCommEngine:
             prefill_done = time.perf_counter()
             text = TextAccumulator(self.tokenizer, stop)
             if forced is not None:
+                sampler(pre.logits)  # what decoding would do first (waits for the device)
+                ttft = time.perf_counter() - started  # the forced reply's own forward comes after
                 ids, logits = self._force(plan, pre, forced)
-                ttft = time.perf_counter() - started
                 greedy_prefix = _greedy_prefix(logits, ids)
                 finish = "forced"
                 for token in ids:
@@ -269,7 +273,9 @@ class KVCommEngine:
             ttft_s=ttft,
             align_s=pre.align_s,
             plan_s=planned - started,
-            prefill_s=prefill_done - planned - pre.align_s,
+            prefill_s=prefill_done - selected - pre.align_s,
+            recompute_s=(selected - planned) if recomputed else 0.0,
+            recomputed_tokens=recomputed,
             total_s=time.perf_counter() - started,
             mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
             dense_reason=plan.dense_reason,
@@ -284,6 +290,16 @@ class KVCommEngine:
             text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats,
             first_token_logits=pre.logits, forced_greedy_tokens=greedy_prefix,
         )
+
+    def _select_recompute(self, plan: CallPlan) -> tuple[CallPlan, int]:
+        """CacheBlend-style: hand the most deviating re-rotated tokens back to the prefill."""
+        if not self.config.recompute_share or not plan.runs:
+            return plan, 0
+        with self._lock, torch.inference_mode():
+            return select_recompute(
+                self.model, self.info.rotator, plan,
+                share=self.config.recompute_share, probe_layers=self.config.recompute_probe_layers,
+            )
 
     def _force(self, plan: CallPlan, pre, forced: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """Process forced reply ids (up to the first end-of-sequence) in one forward, as decoding

@@ -30,6 +30,7 @@ DecisionReason = Literal[
     "sliding_window",  # prefilled: prompt plus reply exceed the model's sliding window
     "new_anchor",  # prefilled: the anchor gate judged it new (too few or too dissimilar anchors); recorded now
     "after_new_anchor",  # prefilled: it follows a new-anchor segment, computed densely from there
+    "exact_only",  # prefilled: segment reuse is off (segment_reuse=False); only exact prefixes are reused
 ]
 
 

@@ -164,7 +164,8 @@ def plan_call(
         hit = store.longest_prefix(layout.ids, model)
         if hit is not None:
             plan.prefix = PrefixHit(hit[0], min(hit[1], n - 1))
-    deciding = _RunDecider(plan, layout, config, agent, anchors if config.offsets != "none" else None)
+    use_anchors = config.offsets != "none" and config.segment_reuse
+    deciding = _RunDecider(plan, layout, config, agent, anchors if use_anchors else None)
     for occ in _find_occurrences(messages, layout, store, model):
         tokens = layout.tokens_within(occ.start, occ.start + occ.limit)
         decision = SegmentDecision(
@@ -250,6 +251,10 @@ class _RunDecider:
                          for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict = None
+        if beyond_prefix and not self.config.segment_reuse:
+            decision.reason = "exact_only"
+            decision.reused_tokens = in_prefix  # status stays "prefilled": the rest is computed
+            return
         if beyond_prefix and self.anchors is not None:
             if self.dense_from is not None:
                 decision.reason = "after_new_anchor"

@@ -25,6 +25,10 @@ class CallStats(BaseModel):
     align_s: float = Field(description="Re-rotation, offsets and cache assembly.")
     plan_s: float = Field(default=0.0, description="Rendering the prompt and planning reuse.")
     prefill_s: float = Field(default=0.0, description="The prefill forward pass alone.")
+    recompute_s: float = Field(default=0.0, description="Choosing the tokens to recompute (recompute_share > 0).")
+    recomputed_tokens: int = Field(
+        default=0, description="Re-rotated tokens handed back to the prefill (recompute_share > 0); counted as computed."
+    )
     total_s: float = 0.0
     mode: Literal["dense", "prefix", "reuse"] = Field(
         description="dense: full prefill; prefix: exact prefix only; reuse: re-rotated segments."

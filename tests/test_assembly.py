@@ -92,7 +92,7 @@ def test_mask_oracle_detects_a_missing_mask(model, tokenizer):
     plan, info = _oracle_plan(model, tokenizer, ids, [(10, 30)])
     from kvcomm_agents.cache import assembly
 
-    layers = assembly._assemble_layers(plan, info.rotator, model.config.num_hidden_layers)
+    layers = [assembly.assemble_layer(plan, info.rotator, i) for i in range(model.config.num_hidden_layers)]
     cache = hf_cache.cache_from_layers(model, layers)
     computed = plan.computed_positions()
     with torch.inference_mode():

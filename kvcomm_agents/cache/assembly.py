@@ -17,7 +17,7 @@ from ..plan import CallPlan
 from . import hf_cache
 from .rope import RopeRotator
 
-__all__ = ["position_mask", "PrefillResult", "prefill", "kv_at_positions"]
+__all__ = ["position_mask", "PrefillResult", "prefill", "kv_at_positions", "assemble_layer"]
 
 
 def position_mask(
@@ -56,30 +56,29 @@ class PrefillResult:
     align_s: float
 
 
-def _assemble_layers(
-    plan: CallPlan, rotator: RopeRotator, num_layers: int, position_offset: int = 0
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer ``(keys, values)`` ``[1, kv_heads, reused, head_dim]`` of the reused slots."""
-    layers = []
+def assemble_layer(
+    plan: CallPlan, rotator: RopeRotator, layer: int, position_offset: int = 0, *, with_prefix: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` ``[1, kv_heads, reused, head_dim]`` of one layer's reused slots in
+    storage order: the exact prefix (unless ``with_prefix`` is False), then each re-rotated run
+    (plus its offsets) moved to its prompt positions."""
+    keys, values = [], []
     prefix_len = plan.prefix_length
-    for layer in range(num_layers):
-        keys, values = [], []
-        if plan.prefix is not None:
-            prefix_keys = plan.prefix.entry.keys[layer][:, :, :prefix_len]
-            keys.append(rotator.shift(prefix_keys, position_offset) if position_offset else prefix_keys)
-            values.append(plan.prefix.entry.values[layer][:, :, :prefix_len])
-        for run in plan.runs:
-            start, end = run.segment_start, run.segment_start + run.length
-            run_keys = run.segment.keys[layer][:, :, start:end]
-            run_values = run.segment.values[layer][:, :, start:end]
-            if run.key_offsets is not None and run.key_offsets[layer] is not None:
-                # learned context offsets are added in the canonical frame, before rotation
-                run_keys = (run_keys.float() + run.key_offsets[layer].to(run_keys.device)).to(run_keys.dtype)
-                run_values = (run_values.float() + run.value_offsets[layer].to(run_values.device)).to(run_values.dtype)
-            keys.append(rotator.shift(run_keys, run.shift + position_offset))
-            values.append(run_values)
-        layers.append((torch.cat(keys, dim=2), torch.cat(values, dim=2)))
-    return layers
+    if plan.prefix is not None and with_prefix:
+        prefix_keys = plan.prefix.entry.keys[layer][:, :, :prefix_len]
+        keys.append(rotator.shift(prefix_keys, position_offset) if position_offset else prefix_keys)
+        values.append(plan.prefix.entry.values[layer][:, :, :prefix_len])
+    for run in plan.runs:
+        start, end = run.segment_start, run.segment_start + run.length
+        run_keys = run.segment.keys[layer][:, :, start:end]
+        run_values = run.segment.values[layer][:, :, start:end]
+        if run.key_offsets is not None and run.key_offsets[layer] is not None:
+            # learned context offsets are added in the canonical frame, before rotation
+            run_keys = (run_keys.float() + run.key_offsets[layer].to(run_keys.device)).to(run_keys.dtype)
+            run_values = (run_values.float() + run.value_offsets[layer].to(run_values.device)).to(run_values.dtype)
+        keys.append(rotator.shift(run_keys, run.shift + position_offset))
+        values.append(run_values)
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
 
 def prefill(
@@ -107,7 +106,7 @@ def prefill(
         mask = None
         cached_positions = torch.empty(0, dtype=torch.long)
     else:
-        layers = _assemble_layers(plan, rotator, model.config.num_hidden_layers, position_offset)
+        layers = [assemble_layer(plan, rotator, layer, position_offset) for layer in range(model.config.num_hidden_layers)]
         cache = hf_cache.cache_from_layers(model, layers)
         cached_positions = torch.cat(
             [torch.arange(plan.prefix_length)]

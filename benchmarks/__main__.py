@@ -1,0 +1,5 @@
+"""``python -m benchmarks``: see :mod:`benchmarks.run`."""
+
+from .run import main
+
+main()

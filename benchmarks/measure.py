@@ -1,0 +1,193 @@
+"""The measurement protocols: dense reference replies, the forced (fidelity + TTFT) protocol and
+the end-to-end protocol. Every strategy gets identical token ids.
+
+Forced protocol: for each request and agent, every strategy (in an order that rotates from call
+to call) answers the same messages, with dense's reply forced as the agent's reply, so the
+upstream KV each strategy reuses is what its own engine made for that same reply and only the KV
+approximation differs. KL and k-token agreement are taken against the dense strategy's call on
+the same ids in the same slot; time to first token is paired with dense's and the lower bound's
+in the same slot (ratios, not absolute times, are what survives a noisy machine).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.fidelity import first_token_kl
+from kvcomm_agents.prompt import render_prompt
+
+from .strategies import CallOutcome, Strategy
+from .workloads import Workload
+
+AGREE_K = 32
+
+
+# ---- dense reference replies ----------------------------------------------------------------
+def references(workload: Workload, model, tokenizer, path: Path, *, progress: Callable[[int], None] = lambda n: None,
+               batch_size: int = 8) -> dict[str, list[dict]]:
+    """Per request key, per agent: the dense reply (``ids``, ``text``), cached at ``path`` and
+    extended request by request (a rerun generates only the missing ones)."""
+    refs: dict[str, list[dict]] = torch.load(path) if path.is_file() else {}
+    missing = [r for r in workload.requests if r.key not in refs]
+    progress(len(workload.requests) - len(missing))
+    if workload.exact_replies:
+        for i in range(0, len(missing), batch_size):
+            chunk = missing[i:i + batch_size]
+            refs.update(_exact_replies(chunk, workload.reply_tokens, model, tokenizer))
+            _save(refs, path)
+            progress(len(chunk))
+        return refs
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(reuse=False))
+    for request in missing:
+        replies = []
+        for k, agent in enumerate(request.agents):
+            result = engine.chat(request.messages(k, [c["text"] for c in replies]), agent=agent,
+                                 max_new_tokens=workload.reply_tokens)
+            replies.append({"ids": result.token_ids, "text": result.text})
+        refs[request.key] = replies
+        _save(refs, path)
+        progress(1)
+    return refs
+
+
+def _save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+@torch.inference_mode()
+def _exact_replies(requests, tokens: int, model, tokenizer) -> dict[str, list[dict]]:
+    """Replies of exactly ``tokens`` tokens (end-of-sequence and special tokens suppressed),
+    greedy, generated agent by agent for a batch of requests (left padding)."""
+    device = model.get_input_embeddings().weight.device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    replies: dict[str, list[dict]] = {r.key: [] for r in requests}
+    for k in range(len(requests[0].agents)):
+        prompts = [render_prompt(tokenizer, r.messages(k, [c["text"] for c in replies[r.key]])).ids for r in requests]
+        width = max(int(p.numel()) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - p.numel():] = p
+            mask[i, width - p.numel():] = 1
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, min_new_tokens=tokens,
+            max_new_tokens=tokens, pad_token_id=pad, suppress_tokens=list(tokenizer.all_special_ids),
+        )
+        for i, r in enumerate(requests):
+            new = out[i, width:].tolist()
+            replies[r.key].append({"ids": new, "text": tokenizer.decode(new, skip_special_tokens=True)})
+    return replies
+
+
+# ---- protocols ------------------------------------------------------------------------------
+def _rotated(strategies: list[Strategy], turn: int) -> list[Strategy]:
+    turn %= len(strategies)
+    return strategies[turn:] + strategies[:turn]
+
+
+def agreement_window(ids: list[int], eos_ids, k: int = AGREE_K) -> int:
+    """Tokens compared for k-token agreement: up to k, ending at the first end-of-sequence."""
+    for i, token in enumerate(ids[:k]):
+        if token in eos_ids:
+            return i + 1
+    return min(k, len(ids))
+
+
+def _stats_fields(out: CallOutcome) -> dict:
+    s = out.stats
+    if s is None:
+        return {"shared_found": False, "fully_reused": False, "opted_out": False, "recomputed_tokens": 0,
+                "template_tokens": 0, "prefilled_reasons": [], "mode": "lower-bound"}
+    shared = s.shared_decisions
+    return {
+        "shared_found": bool(shared), "fully_reused": s.fully_reused, "opted_out": s.opted_out,
+        "recomputed_tokens": s.recomputed_tokens, "template_tokens": s.template_tokens, "mode": s.mode,
+        "prefilled_reasons": [d.reason for d in shared if d.status == "prefilled"],
+        "plan_s": s.plan_s, "align_s": s.align_s, "recompute_s": s.recompute_s, "prefill_s": s.prefill_s,
+    }
+
+
+def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,
+               eos_ids, phase: str, progress: Callable[[int], None] = lambda n: None) -> list[dict]:
+    """The forced protocol over every request; the first ``warmup`` requests are marked warm-up
+    (they fill stores and anchor pools and are left out of the summaries)."""
+    names = [s.name for s in strategies]
+    if "dense" not in names:
+        raise ValueError("the forced protocol needs the dense strategy (the reference)")
+    records = []
+    turn = 0
+    for r, request in enumerate(workload.requests):
+        replies = refs[request.key]
+        for k, agent in enumerate(request.agents):
+            messages = request.messages(k, [c["text"] for c in replies[:k]])
+            forced = replies[k]["ids"]
+            outcomes: dict[str, CallOutcome] = {}
+            for strategy in _rotated(strategies, turn):
+                outcomes[strategy.name] = strategy.call(messages, agent, forced_ids=forced)
+            turn += 1
+            dense = outcomes["dense"]
+            window = min(agreement_window(forced, eos_ids), dense.greedy_prefix or 0)
+            lower = outcomes.get("lower-bound")
+            for strategy in strategies:
+                out = outcomes[strategy.name]
+                records.append({
+                    "phase": phase, "workload": workload.name, "request": r, "key": request.key,
+                    "warmup": r < warmup, "agent_index": k + 1, "agent": agent, "strategy": strategy.name,
+                    "prompt_tokens": out.prompt_tokens, "reused_tokens": out.reused_tokens,
+                    "ttft_s": out.ttft_s, "dense_ttft_s": dense.ttft_s,
+                    "lower_bound_ttft_s": lower.ttft_s if lower else None,
+                    "before_prefill_s": out.before_prefill_s,
+                    "kl": first_token_kl(dense.logits, out.logits),
+                    "agree": None if out.greedy_prefix is None else out.greedy_prefix >= window,
+                    "agree_window": window,
+                    "anchor_bytes": strategy.anchor_bytes(), "kv_bytes": strategy.kv_bytes(),
+                    "peak_extra_bytes": out.peak_extra_bytes,
+                    **_stats_fields(out),
+                })
+            progress(1)
+    return records
+
+
+def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: int, phase: str,
+                   progress: Callable[[int], None] = lambda n: None) -> tuple[list[dict], list[dict]]:
+    """Each strategy feeds itself (its own replies go downstream). Returns per-call records and
+    per-request answers (final answer per strategy, gold)."""
+    records, answers = [], []
+    turn = 0
+    for r, request in enumerate(workload.requests):
+        replies: dict[str, list[str]] = {s.name: [] for s in strategies}
+        for k, agent in enumerate(request.agents):
+            outcomes: dict[str, CallOutcome] = {}
+            for strategy in _rotated(strategies, turn):
+                out = strategy.call(request.messages(k, replies[strategy.name]), agent,
+                                    max_new_tokens=workload.reply_tokens)
+                outcomes[strategy.name] = out
+                replies[strategy.name].append(out.text)
+            turn += 1
+            dense = outcomes.get("dense")
+            for strategy in strategies:
+                out = outcomes[strategy.name]
+                records.append({
+                    "phase": phase, "workload": workload.name, "request": r, "key": request.key,
+                    "warmup": r < warmup, "agent_index": k + 1, "agent": agent, "strategy": strategy.name,
+                    "prompt_tokens": out.prompt_tokens, "reused_tokens": out.reused_tokens, "ttft_s": out.ttft_s,
+                    "dense_ttft_s": dense.ttft_s if dense else None, "lower_bound_ttft_s": None,
+                    "before_prefill_s": out.before_prefill_s, "generated_tokens": len(out.token_ids),
+                    "anchor_bytes": strategy.anchor_bytes(), "kv_bytes": strategy.kv_bytes(),
+                    **_stats_fields(out),
+                })
+            progress(1)
+        final = workload.final_answer or (lambda texts: texts[-1])
+        answers.append({
+            "phase": phase, "request": r, "key": request.key, "warmup": r < warmup, "gold": request.gold,
+            "answers": {name: final(texts) for name, texts in replies.items()},
+        })
+    return records, answers
+

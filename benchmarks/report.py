@@ -1,0 +1,221 @@
+"""Summaries, printed tables and plots of benchmark records (see ``measure.py`` for the fields)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Iterable, Optional
+
+DOWNSTREAM = "2..N"
+
+
+def _median(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def _p90(values: list[float]) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def _mean(values: list[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def summarize_calls(records: list[dict]) -> dict:
+    """Metrics of a group of calls (warm-up calls must already be left out)."""
+    ttft = [r["ttft_s"] for r in records]
+    eligible = [r for r in records if r["shared_found"] and not r["opted_out"]]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    paired = [r["dense_ttft_s"] / r["ttft_s"] for r in records if r.get("dense_ttft_s")]
+    of_lb = [r["lower_bound_ttft_s"] / r["ttft_s"] for r in records if r.get("lower_bound_ttft_s")]
+    kls = [r["kl"] for r in records if r.get("kl") is not None]
+    agree = [float(r["agree"]) for r in records if r.get("agree") is not None]
+    peaks = [r["peak_extra_bytes"] for r in records if r.get("peak_extra_bytes") is not None]
+    return {
+        "calls": len(records),
+        "prompt_tokens_mean": prompt / len(records) if records else None,
+        "ttft_median_ms": 1000 * _median(ttft) if ttft else None,
+        "ttft_p90_ms": 1000 * _p90(ttft) if ttft else None,
+        "speedup_vs_dense": _median(paired),
+        "share_of_lower_bound": _median(of_lb),
+        "before_prefill_median_ms": 1000 * _median([r["before_prefill_s"] for r in records]) if records else None,
+        "before_prefill_share_of_ttft": _median([r["before_prefill_s"] / r["ttft_s"] for r in records]),
+        "reuse_rate": sum(r["fully_reused"] for r in eligible) / len(eligible) if eligible else None,
+        "token_share": sum(r["reused_tokens"] for r in records) / prompt if prompt else None,
+        "recomputed_tokens_mean": _mean([r["recomputed_tokens"] for r in records]),
+        "kl_mean": _mean(kls),
+        "kl_median": _median(kls),
+        "agree_32": _mean(agree),
+        "anchor_mib": max((r["anchor_bytes"] for r in records), default=0) / 2**20,
+        "kv_mib": max((r["kv_bytes"] for r in records), default=0) / 2**20,
+        "peak_extra_mib": max(peaks) / 2**20 if peaks else None,
+    }
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Rows per (phase, strategy, agent index), plus the downstream aggregate (agents 2..N)."""
+    measured = [r for r in records if not r["warmup"]]
+    keys = sorted({(r["phase"], r["strategy"]) for r in measured}, key=lambda k: (k[0], _order(k[1])))
+    rows = []
+    for phase, strategy in keys:
+        mine = [r for r in measured if r["phase"] == phase and r["strategy"] == strategy]
+        for index in sorted({r["agent_index"] for r in mine}):
+            rows.append({"phase": phase, "strategy": strategy, "agent": index,
+                         **summarize_calls([r for r in mine if r["agent_index"] == index])})
+        rows.append({"phase": phase, "strategy": strategy, "agent": DOWNSTREAM,
+                     **summarize_calls([r for r in mine if r["agent_index"] > 1])})
+    return rows
+
+
+def summarize_answers(answers: list[dict]) -> list[dict]:
+    """Per strategy: final answers equal to the dense pipeline's, and task accuracy."""
+    measured = [a for a in answers if not a["warmup"]]
+    if not measured:
+        return []
+    names = list(measured[0]["answers"])
+    rows = []
+    for name in names:
+        same = [a["answers"][name] == a["answers"].get("dense") for a in measured]
+        gold = [a for a in measured if a["gold"] is not None]
+        rows.append({
+            "strategy": name, "requests": len(measured),
+            "final_equal_to_dense": sum(same) / len(same),
+            "accuracy": sum(a["answers"][name] == a["gold"] for a in gold) / len(gold) if gold else None,
+        })
+    return rows
+
+
+_STRATEGY_ORDER = ["dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "lower-bound"]
+
+
+def _order(name: str) -> tuple:
+    base = name.split("(")[0].strip()
+    return (_STRATEGY_ORDER.index(base) if base in _STRATEGY_ORDER else len(_STRATEGY_ORDER), name)
+
+
+def _fmt(value, kind: str) -> str:
+    if value is None:
+        return "-"
+    return {"ms": f"{value:.1f}", "x": f"{value:.2f}x", "pct": f"{100 * value:.0f}%", "kl": f"{value:.4f}",
+            "mib": f"{value:.0f}", "int": f"{value:.0f}"}[kind]
+
+
+COLUMNS = [
+    ("strategy", "strategy", None, 30), ("calls", "calls", "int", 5), ("prompt", "prompt_tokens_mean", "int", 6),
+    ("TTFT ms", "ttft_median_ms", "ms", 8), ("p90 ms", "ttft_p90_ms", "ms", 8),
+    ("x dense", "speedup_vs_dense", "x", 8), ("of LB", "share_of_lower_bound", "pct", 6),
+    ("align ms", "before_prefill_median_ms", "ms", 8), ("align/TTFT", "before_prefill_share_of_ttft", "pct", 10),
+    ("reuse", "reuse_rate", "pct", 6), ("tokens", "token_share", "pct", 6), ("KL", "kl_mean", "kl", 7),
+    ("32-agree", "agree_32", "pct", 8), ("anchors MiB", "anchor_mib", "mib", 11), ("KV MiB", "kv_mib", "mib", 7),
+]
+
+
+def format_table(rows: list[dict], columns=COLUMNS) -> str:
+    lines = [" ".join(f"{title:>{width}}" if i else f"{title:<{width}}" for i, (title, _, _, width) in enumerate(columns))]
+    for row in rows:
+        cells = []
+        for i, (_, key, kind, width) in enumerate(columns):
+            text = str(row[key]) if kind is None else _fmt(row.get(key), kind)
+            cells.append(f"{text:>{width}}" if i else f"{text:<{width}}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def print_phase(phase: str, title: str, rows: list[dict], *, per_agent: bool = False) -> None:
+    mine = [r for r in rows if r["phase"] == phase]
+    print(f"\n== {title} [{phase}], agents after the first ==")
+    print(format_table([r for r in mine if r["agent"] == DOWNSTREAM]))
+    if per_agent:
+        columns = [("strategy", "strategy", None, 30), ("agent", "agent", None, 5)] + [
+            c for c in COLUMNS if c[1] in ("prompt_tokens_mean", "ttft_median_ms", "speedup_vs_dense",
+                                          "share_of_lower_bound", "before_prefill_median_ms", "kl_mean")]
+        print("per agent index:")
+        print(format_table([r for r in mine if r["agent"] != DOWNSTREAM], columns))
+
+
+LEGEND = ("TTFT: median time to first token; x dense: median over calls of dense's TTFT / the strategy's in the "
+          "same slot; of LB: median of lower bound's TTFT / the strategy's (100% = as fast as any reuse can be); "
+          "align: everything before the prefill forward (render, plan, anchors, offsets, recompute selection, "
+          "cache assembly); reuse: agent-level reuse rate (calls with no shared segment prefilled); tokens: "
+          "reused share of prompt tokens; KL: mean first-token KL(dense || strategy), nats; 32-agree: greedy "
+          "replies equal to dense's over 32 tokens (teacher-forced).")
+
+
+# ---- plots ----------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft_by_agent(rows: list[dict], phase: str, title: str, path: Path) -> Path:
+    """Median TTFT per agent index, one line per strategy."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    mine = [r for r in rows if r["phase"] == phase and r["agent"] != DOWNSTREAM]
+    for strategy in sorted({r["strategy"] for r in mine}, key=_order):
+        points = sorted((r["agent"], r["ttft_median_ms"]) for r in mine if r["strategy"] == strategy)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=strategy)
+    ax.set_yscale("log")
+    ax.set_xlabel("agent index")
+    ax.set_ylabel("median time to first token (ms, log)")
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks(sorted({r["agent"] for r in mine}))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup_vs_length(records: Iterable[dict], path: Path) -> Path:
+    """Per call: prompt length against the TTFT speed-up over dense in the same slot."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    calls = [r for r in records if not r["warmup"] and r["agent_index"] > 1 and r.get("dense_ttft_s")
+             and r["strategy"] != "dense" and not r["strategy"].startswith("noise")]
+    for strategy in sorted({r["strategy"] for r in calls}, key=_order):
+        mine = [r for r in calls if r["strategy"] == strategy]
+        ax.scatter([r["prompt_tokens"] for r in mine], [r["dense_ttft_s"] / r["ttft_s"] for r in mine],
+                   s=10, alpha=0.6, label=strategy)
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT speed-up over dense (log)")
+    ax.set_title("Speed-up against prompt length (agents after the first, all workloads)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, markerscale=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_gamma_sweep(points: list[dict], path: Path) -> Path:
+    """KL against reuse rate as gamma sweeps (points: ``label``, ``reuse_rate``, ``kl_mean``)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    sweep = [p for p in points if p.get("gamma") is not None]
+    others = [p for p in points if p.get("gamma") is None]
+    ax.plot([p["reuse_rate"] or 0 for p in sweep], [p["kl_mean"] for p in sweep], marker="o", label="KVCOMM (gamma)")
+    for p in sweep:
+        ax.annotate(f"{p['gamma']:g}", (p["reuse_rate"] or 0, p["kl_mean"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    for p in others:
+        ax.scatter([p["reuse_rate"] or 0], [p["kl_mean"]], marker="s", label=p["label"])
+    ax.set_xlabel("reuse rate (agent level)")
+    ax.set_ylabel("mean first-token KL vs dense (nats)")
+    ax.set_title("Fidelity against reuse as the entropy gate's gamma sweeps", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

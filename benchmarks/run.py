@@ -1,0 +1,293 @@
+"""``python -m benchmarks``: every strategy side by side, speed and fidelity, in one run.
+
+Phases (each resumable: a finished phase with the same settings is loaded, not rerun; dense
+replies are cached request by request):
+
+- ``a``: (a) the paper's TTFT shape, forced protocol, every strategy.
+- ``b``: (b) GSM8K debate, forced protocol, every strategy, plus the noise floor (dense bf16).
+- ``b-e2e``: (b) end to end (each strategy feeds itself): dense, re-rotation only, KVCOMM.
+- ``b-gamma``: (b) KVCOMM (mean) at each gamma, with dense and re-rotation only.
+- ``c``: (c) RAG hand-off, forced protocol. ``d``: (d) HumanEval pipeline, forced protocol.
+
+    python -m benchmarks [--profile quick|default|smoke|gpu] [--model embedded|random:<shape>|PATH]
+                         [--phases a,b,...] [--strategies dense,...] [--gamma 0.3] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import measure, report
+from .models import load
+from .strategies import NAMES, Strategy, build, noise_floor
+from .workloads import Workload, coding_pipeline, gsm8k_debate, paper_shape, rag_handoff
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sample sizes of one run. ``a_*``: workload (a); ``b_*``: (b); warm-up requests come first
+    and are not measured."""
+
+    name: str
+    reply_tokens: int = 128
+    a_agents: int = 5
+    a_lead: int = 256
+    a_input: int = 512
+    a_reply: int = 128
+    a_warmup: int = 6
+    a_requests: int = 8
+    b_agents: int = 4
+    b_warmup: int = 10
+    b_requests: int = 40
+    e2e_warmup: int = 10
+    e2e_requests: int = 20
+    gamma_values: tuple = (0.05, 0.1, 0.3, 0.5, 0.9)
+    gamma_requests: int = 10
+    c_warmup: int = 4
+    c_requests: int = 10
+    d_warmup: int = 4
+    d_requests: int = 10
+    noise_floor: bool = True
+
+    def describe(self) -> str:
+        return (f"profile {self.name}: replies <= {self.reply_tokens} tokens; (a) N={self.a_agents} P={self.a_lead} "
+                f"I={self.a_input} O={self.a_reply}, {self.a_warmup} warm-up + {self.a_requests} measured requests; "
+                f"(b) {self.b_agents} solvers, {self.b_warmup} warm-up + {self.b_requests} questions (fidelity), "
+                f"{self.e2e_warmup} + {self.e2e_requests} end to end, gamma {list(self.gamma_values)} on "
+                f"{self.b_warmup} + {self.gamma_requests}; (c) {self.c_warmup} + {self.c_requests}; "
+                f"(d) {self.d_warmup} + {self.d_requests}")
+
+
+PROFILES = {
+    "default": Profile("default"),
+    "quick": Profile("quick", reply_tokens=64, a_agents=4, a_lead=128, a_input=256, a_reply=64, a_warmup=3,
+                     a_requests=3, b_warmup=4, b_requests=6, e2e_warmup=2, e2e_requests=3, gamma_values=(0.1, 0.9),
+                     gamma_requests=4, c_warmup=2, c_requests=2, d_warmup=2, d_requests=2),
+    "smoke": Profile("smoke", reply_tokens=8, a_agents=3, a_lead=24, a_input=48, a_reply=8, a_warmup=1,
+                     a_requests=1, b_agents=3, b_warmup=1, b_requests=1, e2e_warmup=0, e2e_requests=1,
+                     gamma_values=(0.3,), gamma_requests=1, c_warmup=0, c_requests=1, d_warmup=0, d_requests=1),
+    # the paper's shape on one GPU (benchmarks/gpu_check.sh): TTFT only, replies generated once
+    "gpu": Profile("gpu", a_agents=5, a_lead=512, a_input=1024, a_reply=512, a_warmup=3, a_requests=3,
+                   noise_floor=False),
+}
+PHASES = ("a", "b", "b-e2e", "b-gamma", "c", "d")
+E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean")
+
+
+@dataclass
+class Context:
+    """What every phase needs."""
+
+    args: argparse.Namespace
+    profile: Profile
+    loaded: object
+    out: Path
+    eos_ids: set = field(default_factory=set)
+
+
+def versions(device: torch.device) -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": str(device), "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _fingerprint(workload: Workload) -> None:
+    """Make request keys name their content, so cached replies never go stale."""
+    for request in workload.requests:
+        text = json.dumps([request.messages(0, []), request.agents, workload.reply_tokens, workload.exact_replies])
+        request.key = f"{request.key}-{hashlib.sha1(text.encode()).hexdigest()[:10]}"
+
+
+def _strategies(ctx: Context, names, **kw) -> list[Strategy]:
+    m = ctx.loaded
+    return [build(n, m.model, m.tokenizer, gamma=kw.get("gamma", ctx.args.gamma),
+                  recompute_share=ctx.args.recompute_share) for n in names]
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="call", file=sys.stdout, dynamic_ncols=True, mininterval=2.0)
+    return bar
+
+
+def _refs(ctx: Context, workload: Workload) -> dict:
+    _fingerprint(workload)
+    path = ctx.out.parent / "refs" / f"{workload.name}.pt"
+    bar = _progress(len(workload.requests), f"dense replies {workload.name}")
+    bar.unit = "request"
+    refs = measure.references(workload, ctx.loaded.model, ctx.loaded.tokenizer, path, progress=bar.update)
+    bar.close()
+    return refs
+
+
+def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
+    p, tok = ctx.profile, ctx.loaded.tokenizer
+    if phase == "a":
+        return paper_shape(tok, requests=p.a_warmup + p.a_requests, agents=p.a_agents, lead_tokens=p.a_lead,
+                           input_tokens=p.a_input, reply_tokens=p.a_reply), p.a_warmup
+    if phase == "b":
+        return gsm8k_debate(requests=p.b_warmup + p.b_requests, agents=p.b_agents, reply_tokens=p.reply_tokens), p.b_warmup
+    if phase == "b-e2e":
+        return gsm8k_debate(requests=p.e2e_warmup + p.e2e_requests, agents=p.b_agents,
+                            reply_tokens=p.reply_tokens), p.e2e_warmup
+    if phase == "b-gamma":
+        return gsm8k_debate(requests=p.b_warmup + p.gamma_requests, agents=p.b_agents,
+                            reply_tokens=p.reply_tokens), p.b_warmup
+    if phase == "c":
+        return rag_handoff(requests=p.c_warmup + p.c_requests, reply_tokens=p.reply_tokens), p.c_warmup
+    if phase == "d":
+        return coding_pipeline(requests=p.d_warmup + p.d_requests, reply_tokens=p.reply_tokens), p.d_warmup
+    raise ValueError(f"unknown phase '{phase}'; known: {', '.join(PHASES)}")
+
+
+def run_phase(ctx: Context, phase: str) -> dict:
+    """Run (or load, if finished with the same settings) one phase; returns its saved dict."""
+    workload, warmup = _workload(ctx, phase)
+    names = [n for n in ctx.args.strategies if n in E2E_STRATEGIES] if phase == "b-e2e" else list(ctx.args.strategies)
+    signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "profile": asdict(ctx.profile),
+                 "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share}
+    path = ctx.out / f"phase_{phase}.json"
+    if path.is_file() and not ctx.args.fresh:
+        saved = json.loads(path.read_text())
+        if saved.get("signature") == signature:
+            print(f"phase {phase}: finished earlier, loaded {path}")
+            return saved
+    started = time.perf_counter()
+    m = ctx.loaded
+    calls = sum(len(r.agents) for r in workload.requests)
+    answers: list[dict] = []
+    if phase == "b-e2e":
+        strategies = _strategies(ctx, names)
+        bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")
+        records, answers = measure.run_end_to_end(workload, strategies, warmup=warmup, phase=phase, progress=bar.update)
+    else:
+        refs = _refs(ctx, workload)
+        if phase == "b-gamma":
+            strategies = _strategies(ctx, [n for n in ("dense", "rerotate") if n in names])
+            for gamma in ctx.profile.gamma_values:
+                strategy = build("kvcomm-mean", m.model, m.tokenizer, gamma=gamma)
+                strategy.name = f"kvcomm-mean(gamma={gamma:g})"
+                strategies.append(strategy)
+        else:
+            strategies = _strategies(ctx, names)
+            if phase == "b" and ctx.profile.noise_floor:
+                strategies.append(noise_floor(m.model, m.tokenizer))
+        bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")
+        records = measure.run_forced(workload, strategies, refs, warmup=warmup, eos_ids=ctx.eos_ids, phase=phase,
+                                     progress=bar.update)
+    bar.close()
+    saved = {"signature": signature, "title": workload.title, "elapsed_s": time.perf_counter() - started,
+             "requests": {"warmup": warmup, "measured": len(workload.requests) - warmup},
+             "records": records, "answers": answers}
+    path.write_text(json.dumps(saved))
+    print(f"phase {phase}: {saved['elapsed_s']:.0f} s, written {path}")
+    return saved
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="same as --profile quick")
+    parser.add_argument("--model", default="embedded", help="embedded | random:<shape> | a local model folder")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--phases", default=",".join(PHASES))
+    parser.add_argument("--strategies", default=",".join(NAMES))
+    parser.add_argument("--gamma", type=float, default=0.3, help="entropy-gate threshold of the KVCOMM strategies")
+    parser.add_argument("--recompute-share", type=float, default=0.15, help="CacheBlend-style share recomputed")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--fresh", action="store_true", help="rerun finished phases (cached dense replies are kept)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    args.phases = [p for p in args.phases.split(",") if p]
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    for name in args.strategies:
+        if name not in NAMES:
+            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")
+    if "dense" not in args.strategies:
+        parser.error("the dense strategy is the reference and must be included")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if args.model.startswith("random:") and args.model != "random:tiny" and device.type != "cuda":
+        raise SystemExit("random:<shape> models are full size: run them on a GPU (random:tiny runs anywhere)")
+    profile = PROFILES[args.profile]
+    info = versions(device)
+    print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    print(profile.describe(), flush=True)
+    torch.manual_seed(0)
+    loaded = load(args.model, device=str(device), dtype=getattr(torch, args.dtype))
+    out = args.out / loaded.tag / profile.name
+    out.mkdir(parents=True, exist_ok=True)
+    from kvcomm_agents.support import inspect_model
+
+    ctx = Context(args, profile, loaded, out, set(inspect_model(loaded.model, loaded.tokenizer, reuse=False, verify_rope=False).eos_ids))
+    print(f"model {args.model} ({loaded.tag}), {args.dtype}, strategies: {', '.join(args.strategies)}; output {out}",
+          flush=True)
+    results = {"versions": info, "profile": asdict(profile), "model": args.model, "dtype": args.dtype, "phases": {}}
+    all_records, rows = [], []
+    for phase in args.phases:
+        saved = run_phase(ctx, phase)
+        phase_rows = report.summarize(saved["records"])
+        rows += phase_rows
+        all_records += saved["records"]
+        results["phases"][phase] = {"title": saved["title"], "requests": saved["requests"],
+                                    "elapsed_s": saved["elapsed_s"], "answers": report.summarize_answers(saved["answers"])}
+        results["rows"] = rows
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    for phase in args.phases:
+        report.print_phase(phase, results["phases"][phase]["title"], rows, per_agent=phase == "a")
+        for answer in results["phases"][phase]["answers"]:
+            accuracy = "-" if answer["accuracy"] is None else f"{100 * answer['accuracy']:.0f}%"
+            print(f"  end to end {answer['strategy']:<14} final answer = dense "
+                  f"{100 * answer['final_equal_to_dense']:.0f}%  accuracy {accuracy}  ({answer['requests']} requests)")
+    print("\n" + report.LEGEND)
+    if not args.no_plots:
+        results["plots"] = [str(p) for p in make_plots(rows, all_records, results, out / "plots")]
+        print("plots: " + ", ".join(results["plots"]))
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"written {out / 'results.json'}")
+    return results
+
+
+def make_plots(rows: list[dict], records: list[dict], results: dict, folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    made = []
+    for phase in ("a", "b", "c", "d"):
+        if phase in results["phases"]:
+            made.append(report.plot_ttft_by_agent(rows, phase, results["phases"][phase]["title"],
+                                                  folder / f"ttft_by_agent_{phase}.png"))
+    forced = [r for r in records if r["phase"] in ("a", "b", "c", "d")]
+    if forced:
+        made.append(report.plot_speedup_vs_length(forced, folder / "speedup_vs_prompt_length.png"))
+    gamma_rows = [r for r in rows if r["phase"] == "b-gamma" and r["agent"] == report.DOWNSTREAM]
+    if gamma_rows:
+        points = []
+        for r in gamma_rows:
+            gamma: Optional[float] = None
+            if "gamma=" in r["strategy"]:
+                gamma = float(r["strategy"].split("gamma=")[1].rstrip(")"))
+            elif r["strategy"] == "dense":
+                continue
+            points.append({"label": r["strategy"], "gamma": gamma, "reuse_rate": r["reuse_rate"], "kl_mean": r["kl_mean"]})
+        made.append(report.plot_gamma_sweep(points, folder / "kl_vs_reuse_gamma.png"))
+    return made

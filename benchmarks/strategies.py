@@ -1,0 +1,179 @@
+"""Every way of prefilling a downstream agent's prompt, behind one interface.
+
+A strategy answers one agent call: given the messages (identical ids for every strategy) and,
+in the fidelity protocol, the reply to force, it returns a :class:`CallOutcome` with its time to
+first token and first-token logits. All but the lower bound are a :class:`KVCommEngine` with
+one setting changed, so they share the prompt rendering, the decoding and the timing points:
+
+- ``dense``: full prefill (``reuse=False``).
+- ``prefix``: exact prefix caching only, what vLLM and SGLang give (``segment_reuse=False``).
+- ``rerotate``: shared segments re-rotated, no offsets (``offsets="none"``).
+- ``cacheblend``: re-rotation plus CacheBlend-style selective recompute of the given share.
+- ``kvcomm-mean`` / ``kvcomm-weighted``: KVCOMM anchors with either estimator, gamma configurable.
+- ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
+  untimed): the fastest any reuse can be. Its timed part renders the prompt too, as every
+  strategy must.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.cache import hf_cache
+from kvcomm_agents.prompt import render_prompt
+
+__all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "NAMES"]
+
+NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "lower-bound")
+#: KV a strategy's engine may hold in its segment store; several engines live side by side
+STORE_BYTES = 1024**3
+
+
+@dataclass
+class CallOutcome:
+    """One agent call under one strategy.
+
+    Attributes:
+        ttft_s: time to first token (entering the call to the first token id, device synced).
+        before_prefill_s: rendering, planning, anchor matching, offsets, recompute selection and
+            cache assembly: everything before the prefill forward ("time aligning").
+        logits: ``[vocab]`` float32 first-token logits (CPU).
+        greedy_prefix: leading forced reply ids greedy decoding also gives (teacher forcing).
+        token_ids / text: the reply (generated or forced).
+        stats: the engine's ``CallStats`` (None for the lower bound).
+        peak_extra_bytes: CUDA memory allocated at the call's peak beyond its start (None on CPU).
+    """
+
+    ttft_s: float
+    before_prefill_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    logits: torch.Tensor
+    greedy_prefix: Optional[int]
+    token_ids: list[int]
+    text: str
+    stats: object = None
+    peak_extra_bytes: Optional[int] = None
+
+
+class Strategy:
+    """Interface: ``call(messages, agent, forced_ids=None, max_new_tokens=...)``."""
+
+    name: str
+    generates: bool = True  # can run end to end (feeding itself)
+
+    def call(self, messages: list[dict], agent: str, forced_ids: Optional[Sequence[int]] = None,
+             max_new_tokens: int = 128) -> CallOutcome:
+        raise NotImplementedError
+
+    def kv_bytes(self) -> int:
+        """KV this strategy holds between calls (store, anchors, templates)."""
+        return 0
+
+    def anchor_bytes(self) -> int:
+        return 0
+
+
+def _cuda_peak_start(device: torch.device) -> Optional[int]:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _cuda_peak_extra(device: torch.device, start: Optional[int]) -> Optional[int]:
+    return None if start is None else torch.cuda.max_memory_allocated(device) - start
+
+
+class EngineStrategy(Strategy):
+    """A :class:`KVCommEngine` with the given settings (its own store and anchors)."""
+
+    def __init__(self, name: str, model, tokenizer, settings: dict):
+        self.name = name
+        self.settings = settings
+        self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(store_max_bytes=STORE_BYTES, **settings))
+        self.device = model.get_input_embeddings().weight.device
+
+    def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
+        start = _cuda_peak_start(self.device)
+        result = self.engine.chat(messages, agent=agent, force_reply_ids=forced_ids, return_logits=True,
+                                  max_new_tokens=max_new_tokens)
+        s = result.stats
+        return CallOutcome(
+            ttft_s=s.ttft_s, before_prefill_s=s.plan_s + s.recompute_s + s.align_s, prompt_tokens=s.prompt_tokens,
+            reused_tokens=s.reused_tokens, logits=result.first_token_logits.cpu(),
+            greedy_prefix=result.forced_greedy_tokens, token_ids=result.token_ids, text=result.text, stats=s,
+            peak_extra_bytes=_cuda_peak_extra(self.device, start),
+        )
+
+    def kv_bytes(self) -> int:
+        return self.engine.store.stats().bytes + self.engine.anchors.nbytes() + self.engine.templates.nbytes()
+
+    def anchor_bytes(self) -> int:
+        return self.engine.anchors.nbytes()
+
+
+class LowerBound(Strategy):
+    """One forward of the last prompt token over an exact cache of the rest, built untimed."""
+
+    generates = False
+
+    def __init__(self, model, tokenizer):
+        self.name = "lower-bound"
+        self.model, self.tokenizer = model, tokenizer
+        self.device = model.get_input_embeddings().weight.device
+
+    @torch.inference_mode()
+    def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
+        ids = render_prompt(self.tokenizer, messages).ids
+        n = int(ids.numel())
+        cache = hf_cache.new_cache(self.model)
+        hf_cache.run_forward(self.model, ids[None, :-1].to(self.device), cache)
+        start = _cuda_peak_start(self.device)
+        t0 = time.perf_counter()
+        layout = render_prompt(self.tokenizer, messages)  # timed: every strategy renders its prompt
+        logits = hf_cache.run_forward(
+            self.model, layout.ids[None, -1:].to(self.device), cache,
+            position_ids=torch.tensor([[n - 1]], device=self.device),
+        )[0, -1].float()
+        first = int(torch.argmax(logits))  # waits for the device
+        ttft = time.perf_counter() - t0
+        return CallOutcome(
+            ttft_s=ttft, before_prefill_s=0.0, prompt_tokens=n, reused_tokens=n - 1, logits=logits.cpu(),
+            greedy_prefix=None, token_ids=[first], text="", peak_extra_bytes=_cuda_peak_extra(self.device, start),
+        )
+
+
+def settings_of(name: str, *, gamma: float = 0.3, recompute_share: float = 0.15) -> dict:
+    """The engine settings a strategy name stands for."""
+    table = {
+        "dense": {"reuse": False},
+        "prefix": {"segment_reuse": False},
+        "rerotate": {"offsets": "none"},
+        "cacheblend": {"offsets": "none", "recompute_share": recompute_share},
+        "kvcomm-mean": {"offsets": "mean", "gamma": gamma},
+        "kvcomm-weighted": {"offsets": "weighted", "gamma": gamma},
+    }
+    if name not in table:
+        raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")
+    return table[name]
+
+
+def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: float = 0.15) -> Strategy:
+    """A fresh strategy (fresh store and anchors) by name."""
+    if name == "lower-bound":
+        return LowerBound(model, tokenizer)
+    return EngineStrategy(name, model, tokenizer, settings_of(name, gamma=gamma, recompute_share=recompute_share))
+
+
+def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16) -> EngineStrategy:
+    """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's."""
+    other = copy.deepcopy(model).to(dtype)
+    return EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"reuse": False})

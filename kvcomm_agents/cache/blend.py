@@ -1,0 +1,133 @@
+"""CacheBlend-style selective recompute (Yao et al., EuroSys 2025, arXiv 2405.16444), our own take.
+
+Re-rotated KV is exact at layer 0 and drifts above it because the reused tokens attended to a
+different context when they were computed. CacheBlend recomputes the few tokens whose KV deviates
+most. Here: run only the first ``probe_layers`` decoder layers densely over the prompt (after the
+exact prefix), compare the real KV of the last probed layer with the reused KV at the same
+positions, and hand the top ``share`` of reused tokens back to the prefill forward, which computes
+them in context (attending to the reused KV around them, under the position mask). The probe's
+cost is part of the call's time to first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from transformers import PreTrainedModel
+
+from ..plan import CallPlan, ReusedRun
+from . import hf_cache
+from .assembly import assemble_layer
+from .rope import RopeRotator
+
+__all__ = ["select_recompute", "deviation_per_token"]
+
+
+class _ProbeDone(Exception):
+    """Raised from a forward hook to stop the forward after the probed layers."""
+
+
+def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return decoder.layers
+
+
+def _probe_layer_kv(model: PreTrainedModel, plan: CallPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense KV of layer ``layer`` for every prompt position (``[1, kv_heads, N, head_dim]``),
+    computing only layers ``0..layer``; the exact prefix is taken from the plan, not recomputed."""
+    device = model.get_input_embeddings().weight.device
+    n_layers = model.config.num_hidden_layers
+    prefix = plan.prefix_length
+    if prefix:
+        entry = plan.prefix.entry
+        cache = hf_cache.cache_from_layers(
+            model, [(entry.keys[i][:, :, :prefix], entry.values[i][:, :, :prefix]) for i in range(n_layers)]
+        )
+    else:
+        cache = hf_cache.new_cache(model)
+
+    def stop(*_):
+        raise _ProbeDone
+
+    handle = _decoder_layers(model)[layer].register_forward_hook(stop)
+    try:
+        hf_cache.run_forward(
+            model, plan.prompt_ids[prefix:][None].to(device), cache,
+            position_ids=torch.arange(prefix, plan.num_prompt, device=device)[None],
+        )
+    except _ProbeDone:
+        pass
+    finally:
+        handle.remove()
+    return hf_cache.layer_kv(cache, layer)
+
+
+def deviation_per_token(
+    real: tuple[torch.Tensor, torch.Tensor], reused: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """``[n]`` squared L2 distance between two ``(keys, values)`` pairs of ``[1, kv_heads, n,
+    head_dim]``, keys and values together, over heads and channels."""
+    dk = (real[0].float() - reused[0].float()).pow(2).sum(dim=(0, 1, 3))
+    dv = (real[1].float() - reused[1].float()).pow(2).sum(dim=(0, 1, 3))
+    return (dk + dv).cpu()
+
+
+def _split_run(run: ReusedRun, drop: torch.Tensor) -> list[ReusedRun]:
+    """The pieces of ``run`` left after removing the prompt positions in ``drop`` (sorted)."""
+    keep = torch.ones(run.length, dtype=torch.bool)
+    inside = drop[(drop >= run.prompt_start) & (drop < run.prompt_end)] - run.prompt_start
+    if inside.numel() == 0:
+        return [run]
+    keep[inside] = False
+    pieces, i = [], 0
+    while i < run.length:
+        if not keep[i]:
+            i += 1
+            continue
+        j = i
+        while j < run.length and keep[j]:
+            j += 1
+
+        def cut(offsets):
+            return None if offsets is None else [None if o is None else o[:, :, i:j] for o in offsets]
+
+        pieces.append(dataclasses.replace(
+            run, prompt_start=run.prompt_start + i, segment_start=run.segment_start + i, length=j - i,
+            key_offsets=cut(run.key_offsets), value_offsets=cut(run.value_offsets),
+        ))
+        i = j
+    return pieces
+
+
+def select_recompute(
+    model: PreTrainedModel, rotator: RopeRotator, plan: CallPlan, *, share: float, probe_layers: int = 2
+) -> tuple[CallPlan, int]:
+    """Move the ``share`` of re-rotated tokens whose KV deviates most from dense into the computed set.
+
+    Args:
+        plan: a plan with re-rotated runs (offsets, if any, already attached).
+        share: fraction of the runs' tokens to recompute, rounded up (0 < share <= 1).
+        probe_layers: decoder layers run densely to measure the deviation (at the last of them;
+            layer 0 of re-rotated KV is exact, so at least 2).
+
+    Returns:
+        ``(new_plan, recomputed)``: the plan with the chosen tokens removed from its runs, and
+        how many tokens were chosen.
+    """
+    reused = sum(run.length for run in plan.runs)
+    count = min(reused, math.ceil(share * reused))
+    if count == 0:
+        return plan, 0
+    layer = min(probe_layers, model.config.num_hidden_layers) - 1
+    real_k, real_v = _probe_layer_kv(model, plan, layer)
+    positions = torch.cat([torch.arange(run.prompt_start, run.prompt_end) for run in plan.runs])
+    index = positions.to(real_k.device)
+    reused_kv = assemble_layer(plan, rotator, layer, with_prefix=False)
+    deviation = deviation_per_token(
+        (real_k.index_select(2, index), real_v.index_select(2, index)), reused_kv
+    )
+    chosen = positions[torch.topk(deviation, count).indices].sort().values
+    runs = [piece for run in plan.runs for piece in _split_run(run, chosen)]
+    return dataclasses.replace(plan, runs=runs), count
