@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.prompt import render_prompt
 
@@ -28,30 +27,30 @@ AGREE_K = 32
 
 # ---- dense reference replies ----------------------------------------------------------------
 def references(workload: Workload, model, tokenizer, path: Path, *, progress: Callable[[int], None] = lambda n: None,
-               batch_size: int = 8) -> dict[str, list[dict]]:
-    """Per request key, per agent: the dense reply (``ids``, ``text``), cached at ``path`` and
-    extended request by request (a rerun generates only the missing ones)."""
+               batch_size: int = 16) -> dict[str, list[dict]]:
+    """Per request key, per agent: the dense greedy reply (``ids``, ``text``), cached at ``path``
+    and extended batch by batch (a rerun generates only the missing ones).
+
+    Replies are generated for a batch of requests at once (left padding), agent by agent: batched
+    rounding may pick another token at a near-tie than an unbatched run would, which is harmless:
+    the replies are only the text every strategy is fed, and agreement is measured against the
+    dense strategy's own greedy run on the same ids (see ``run_forced``)."""
     refs: dict[str, list[dict]] = torch.load(path) if path.is_file() else {}
     missing = [r for r in workload.requests if r.key not in refs]
     progress(len(workload.requests) - len(missing))
-    if workload.exact_replies:
-        for i in range(0, len(missing), batch_size):
-            chunk = missing[i:i + batch_size]
-            refs.update(_exact_replies(chunk, workload.reply_tokens, model, tokenizer))
-            _save(refs, path)
-            progress(len(chunk))
-        return refs
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(reuse=False))
-    for request in missing:
-        replies = []
-        for k, agent in enumerate(request.agents):
-            result = engine.chat(request.messages(k, [c["text"] for c in replies]), agent=agent,
-                                 max_new_tokens=workload.reply_tokens)
-            replies.append({"ids": result.token_ids, "text": result.text})
-        refs[request.key] = replies
+    eos = set(tokenizer.all_special_ids) if workload.exact_replies else _eos_ids(model, tokenizer)
+    for i in range(0, len(missing), batch_size):
+        chunk = missing[i:i + batch_size]
+        refs.update(_batched_replies(chunk, workload.reply_tokens, workload.exact_replies, eos, model, tokenizer))
         _save(refs, path)
-        progress(1)
+        progress(len(chunk))
     return refs
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    from kvcomm_agents.support import inspect_model
+
+    return set(inspect_model(model, tokenizer, reuse=False, verify_rope=False).eos_ids)
 
 
 def _save(obj, path: Path) -> None:
@@ -62,9 +61,10 @@ def _save(obj, path: Path) -> None:
 
 
 @torch.inference_mode()
-def _exact_replies(requests, tokens: int, model, tokenizer) -> dict[str, list[dict]]:
-    """Replies of exactly ``tokens`` tokens (end-of-sequence and special tokens suppressed),
-    greedy, generated agent by agent for a batch of requests (left padding)."""
+def _batched_replies(requests, tokens: int, exact: bool, eos: set[int], model, tokenizer) -> dict[str, list[dict]]:
+    """Greedy replies for a batch of requests, agent by agent (left padding). ``exact``: exactly
+    ``tokens`` tokens, end-of-sequence and special tokens suppressed; otherwise up to ``tokens``,
+    cut after the first end-of-sequence id (kept, as the engine keeps it)."""
     device = model.get_input_embeddings().weight.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     replies: dict[str, list[dict]] = {r.key: [] for r in requests}
@@ -76,12 +76,13 @@ def _exact_replies(requests, tokens: int, model, tokenizer) -> dict[str, list[di
         for i, p in enumerate(prompts):
             ids[i, width - p.numel():] = p
             mask[i, width - p.numel():] = 1
-        out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, min_new_tokens=tokens,
-            max_new_tokens=tokens, pad_token_id=pad, suppress_tokens=list(tokenizer.all_special_ids),
-        )
+        options = {"min_new_tokens": tokens, "suppress_tokens": sorted(eos)} if exact else {"eos_token_id": sorted(eos)}
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=tokens, pad_token_id=pad, **options)
         for i, r in enumerate(requests):
             new = out[i, width:].tolist()
+            ends = [j for j, t in enumerate(new) if t in eos]
+            new = new[: ends[0] + 1] if ends and not exact else new
             replies[r.key].append({"ids": new, "text": tokenizer.decode(new, skip_special_tokens=True)})
     return replies
 
@@ -115,9 +116,11 @@ def _stats_fields(out: CallOutcome) -> dict:
 
 
 def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,
-               eos_ids, phase: str, progress: Callable[[int], None] = lambda n: None) -> list[dict]:
+               eos_ids, phase: str, progress: Callable[[int], None] = lambda n: None,
+               checkpoint: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:
     """The forced protocol over every request; the first ``warmup`` requests are marked warm-up
-    (they fill stores and anchor pools and are left out of the summaries)."""
+    (they fill stores and anchor pools and are left out of the summaries). ``checkpoint`` gets
+    the records so far after each request."""
     names = [s.name for s in strategies]
     if "dense" not in names:
         raise ValueError("the forced protocol needs the dense strategy (the reference)")
@@ -127,7 +130,8 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
         replies = refs[request.key]
         for k, agent in enumerate(request.agents):
             messages = request.messages(k, [c["text"] for c in replies[:k]])
-            forced = replies[k]["ids"]
+            # the last agent's reply feeds nobody: forcing the agreement window is enough
+            forced = replies[k]["ids"] if k + 1 < len(request.agents) else replies[k]["ids"][:AGREE_K]
             outcomes: dict[str, CallOutcome] = {}
             for strategy in _rotated(strategies, turn):
                 outcomes[strategy.name] = strategy.call(messages, agent, forced_ids=forced)
@@ -152,6 +156,7 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
                     **_stats_fields(out),
                 })
             progress(1)
+        checkpoint(records)
     return records
 
 

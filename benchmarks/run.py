@@ -44,18 +44,19 @@ class Profile:
     a_lead: int = 256
     a_input: int = 512
     a_reply: int = 128
-    a_warmup: int = 6
-    a_requests: int = 8
+    a_warmup: int = 3
+    a_requests: int = 5
     b_agents: int = 4
-    b_warmup: int = 10
+    b_warmup: int = 5
     b_requests: int = 40
-    e2e_warmup: int = 10
+    e2e_warmup: int = 0
     e2e_requests: int = 20
-    gamma_values: tuple = (0.05, 0.1, 0.3, 0.5, 0.9)
+    e2e_reply_tokens: int = 48  # decoding is ~0.1 s/token on 2 CPU cores: 128 would take 50 min alone
+    gamma_values: tuple = (0.1, 0.3, 0.5, 0.7, 0.9)
     gamma_requests: int = 10
-    c_warmup: int = 4
+    c_warmup: int = 3
     c_requests: int = 10
-    d_warmup: int = 4
+    d_warmup: int = 3
     d_requests: int = 10
     noise_floor: bool = True
 
@@ -63,7 +64,7 @@ class Profile:
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens; (a) N={self.a_agents} P={self.a_lead} "
                 f"I={self.a_input} O={self.a_reply}, {self.a_warmup} warm-up + {self.a_requests} measured requests; "
                 f"(b) {self.b_agents} solvers, {self.b_warmup} warm-up + {self.b_requests} questions (fidelity), "
-                f"{self.e2e_warmup} + {self.e2e_requests} end to end, gamma {list(self.gamma_values)} on "
+                f"{self.e2e_warmup} + {self.e2e_requests} end to end (replies <= {self.e2e_reply_tokens}), gamma {list(self.gamma_values)} on "
                 f"{self.b_warmup} + {self.gamma_requests}; (c) {self.c_warmup} + {self.c_requests}; "
                 f"(d) {self.d_warmup} + {self.d_requests}")
 
@@ -71,16 +72,16 @@ class Profile:
 PROFILES = {
     "default": Profile("default"),
     "quick": Profile("quick", reply_tokens=64, a_agents=4, a_lead=128, a_input=256, a_reply=64, a_warmup=3,
-                     a_requests=3, b_warmup=4, b_requests=6, e2e_warmup=2, e2e_requests=3, gamma_values=(0.1, 0.9),
+                     a_requests=3, b_warmup=4, b_requests=6, e2e_warmup=1, e2e_requests=3, e2e_reply_tokens=32, gamma_values=(0.1, 0.9),
                      gamma_requests=4, c_warmup=2, c_requests=2, d_warmup=2, d_requests=2),
     "smoke": Profile("smoke", reply_tokens=8, a_agents=3, a_lead=24, a_input=48, a_reply=8, a_warmup=1,
-                     a_requests=1, b_agents=3, b_warmup=1, b_requests=1, e2e_warmup=0, e2e_requests=1,
+                     a_requests=1, b_agents=3, b_warmup=1, b_requests=1, e2e_warmup=0, e2e_requests=1, e2e_reply_tokens=8,
                      gamma_values=(0.3,), gamma_requests=1, c_warmup=0, c_requests=1, d_warmup=0, d_requests=1),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh): TTFT only, replies generated once
     "gpu": Profile("gpu", a_agents=5, a_lead=512, a_input=1024, a_reply=512, a_warmup=3, a_requests=3,
                    noise_floor=False),
 }
-PHASES = ("a", "b", "b-e2e", "b-gamma", "c", "d")
+PHASES = ("a", "b", "b-gamma", "c", "d", "b-e2e")
 E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean")
 
 
@@ -118,18 +119,16 @@ def _strategies(ctx: Context, names, **kw) -> list[Strategy]:
                   recompute_share=ctx.args.recompute_share) for n in names]
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str, unit: str = "call"):
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc=desc, unit="call", file=sys.stdout, dynamic_ncols=True, mininterval=2.0)
-    return bar
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stdout, dynamic_ncols=True, mininterval=2.0)
 
 
 def _refs(ctx: Context, workload: Workload) -> dict:
     _fingerprint(workload)
     path = ctx.out.parent / "refs" / f"{workload.name}.pt"
-    bar = _progress(len(workload.requests), f"dense replies {workload.name}")
-    bar.unit = "request"
+    bar = _progress(len(workload.requests), f"dense replies {workload.name}", unit="request")
     refs = measure.references(workload, ctx.loaded.model, ctx.loaded.tokenizer, path, progress=bar.update)
     bar.close()
     return refs
@@ -144,7 +143,7 @@ def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
         return gsm8k_debate(requests=p.b_warmup + p.b_requests, agents=p.b_agents, reply_tokens=p.reply_tokens), p.b_warmup
     if phase == "b-e2e":
         return gsm8k_debate(requests=p.e2e_warmup + p.e2e_requests, agents=p.b_agents,
-                            reply_tokens=p.reply_tokens), p.e2e_warmup
+                            reply_tokens=p.e2e_reply_tokens), p.e2e_warmup
     if phase == "b-gamma":
         return gsm8k_debate(requests=p.b_warmup + p.gamma_requests, agents=p.b_agents,
                             reply_tokens=p.reply_tokens), p.b_warmup
@@ -161,6 +160,7 @@ def run_phase(ctx: Context, phase: str) -> dict:
     names = [n for n in ctx.args.strategies if n in E2E_STRATEGIES] if phase == "b-e2e" else list(ctx.args.strategies)
     signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "profile": asdict(ctx.profile),
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share}
+    signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
     path = ctx.out / f"phase_{phase}.json"
     if path.is_file() and not ctx.args.fresh:
         saved = json.loads(path.read_text())
@@ -188,8 +188,12 @@ def run_phase(ctx: Context, phase: str) -> dict:
             if phase == "b" and ctx.profile.noise_floor:
                 strategies.append(noise_floor(m.model, m.tokenizer))
         bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")
-        records = measure.run_forced(workload, strategies, refs, warmup=warmup, eos_ids=ctx.eos_ids, phase=phase,
-                                     progress=bar.update)
+        partial = ctx.out / f"phase_{phase}.partial.json"
+        records = measure.run_forced(
+            workload, strategies, refs, warmup=warmup, eos_ids=ctx.eos_ids, phase=phase, progress=bar.update,
+            checkpoint=lambda so_far: partial.write_text(json.dumps({"signature": signature, "records": so_far})),
+        )
+        partial.unlink(missing_ok=True)
     bar.close()
     saved = {"signature": signature, "title": workload.title, "elapsed_s": time.perf_counter() - started,
              "requests": {"warmup": warmup, "measured": len(workload.requests) - warmup},
@@ -262,8 +266,11 @@ def main(argv=None) -> dict:
                   f"{100 * answer['final_equal_to_dense']:.0f}%  accuracy {accuracy}  ({answer['requests']} requests)")
     print("\n" + report.LEGEND)
     if not args.no_plots:
-        results["plots"] = [str(p) for p in make_plots(rows, all_records, results, out / "plots")]
-        print("plots: " + ", ".join(results["plots"]))
+        try:
+            results["plots"] = [str(p) for p in make_plots(rows, all_records, results, out / "plots")]
+            print("plots: " + ", ".join(results["plots"]))
+        except ImportError as error:  # GPU machines may lack matplotlib: the JSON holds every figure
+            print(f"plots skipped ({error}); pip install 'kvcomm-agents[bench]'")
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"written {out / 'results.json'}")
     return results

@@ -12,16 +12,17 @@ from kvcomm_agents.planner import plan_call
 from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.support import inspect_model
 
-from .conftest import solver_messages
+from .conftest import rtol, solver_messages, tol
 
 
 @torch.inference_mode()
 def dense_cache(model, ids):
     cache = hf_cache.new_cache(model)
-    logits = hf_cache.run_forward(model, ids[None], cache)
+    logits = hf_cache.run_forward(model, ids[None].to(model.device), cache)
     return logits[0, -1].float(), cache
 
 
+@pytest.mark.exact
 def test_layer0_of_rerotated_segment_equals_dense(model, make_engine, tokenizer):
     """A shared question and a reply reused at new positions: layer 0 is exact after re-rotation."""
     engine = make_engine(model)
@@ -37,10 +38,10 @@ def test_layer0_of_rerotated_segment_equals_dense(model, make_engine, tokenizer)
     for run in plan.runs:
         segment_slice = slice(run.segment_start, run.segment_start + run.length)
         moved = engine.info.rotator.shift(run.segment.keys[0][:, :, segment_slice], run.shift)
-        torch.testing.assert_close(moved, dense_k[:, :, run.prompt_start : run.prompt_end], atol=1e-5, rtol=0)
+        torch.testing.assert_close(moved, dense_k[:, :, run.prompt_start : run.prompt_end], atol=tol(1e-5), rtol=rtol())
         torch.testing.assert_close(
             run.segment.values[0][:, :, segment_slice], dense_v[:, :, run.prompt_start : run.prompt_end],
-            atol=1e-6, rtol=0,
+            atol=tol(1e-6), rtol=rtol(),
         )
         assert run.shift != 0
 
@@ -70,6 +71,7 @@ def _oracle_plan(model, tokenizer, ids, pieces, prefix_len=0):
     return plan, info
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("prefix_len", [0, 5])
 def test_mask_oracle_reproduces_dense_logits(model, tokenizer, prefix_len):
     messages = solver_messages("You are solver three.", "the answer is 72", "I think it is 72 as well")
@@ -80,10 +82,11 @@ def test_mask_oracle_reproduces_dense_logits(model, tokenizer, prefix_len):
     plan, info = _oracle_plan(model, tokenizer, ids, pieces, prefix_len)
     with torch.inference_mode():
         result = prefill(model, info.rotator, plan)
-    torch.testing.assert_close(result.logits, dense_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(result.logits, dense_logits, atol=tol(1e-4), rtol=0)
     assert sorted(result.slot_positions.tolist()) == list(range(n))
 
 
+@pytest.mark.exact
 def test_mask_oracle_detects_a_missing_mask(model, tokenizer):
     """The same assembly without the position mask lets tokens see later reused KV: logits move."""
     messages = solver_messages("You are solver three.", "the answer is 72")
@@ -96,8 +99,9 @@ def test_mask_oracle_detects_a_missing_mask(model, tokenizer):
     cache = hf_cache.cache_from_layers(model, layers)
     computed = plan.computed_positions()
     with torch.inference_mode():
-        unmasked = hf_cache.run_forward(model, ids[computed][None], cache, position_ids=computed[None])
-    assert (unmasked[0, -1].float() - dense_logits).abs().max() > 1e-3
+        unmasked = hf_cache.run_forward(model, ids[computed][None].to(model.device), cache,
+                                        position_ids=computed[None].to(model.device))
+    assert (unmasked[0, -1].float() - dense_logits).abs().max() > max(1e-3, 2 * tol(1e-4))
 
 
 def test_exact_prefix_reuse_gives_dense_logits(model, tokenizer, make_engine):

@@ -18,11 +18,12 @@ def forced(tokenizer, text=REPLY):
 
 def generate_text(model, tokenizer, messages, max_new_tokens):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**ids.to(model.device), max_new_tokens=max_new_tokens, do_sample=False)
     new = out[0, ids["input_ids"].shape[1]:]
     return new.tolist(), tokenizer.decode(new, skip_special_tokens=True)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("how", ["engine", "call"])
 def test_reuse_off_is_plain_generate(model, tokenizer, make_engine, how):
     engine = make_engine(model, reuse=(how == "call"))

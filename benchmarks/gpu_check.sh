@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU check, on one CUDA GPU with no internet, in under 4 minutes:
+#   1. library versions;
+#   2. the exactness tests (pytest -m exact: layer-0 re-rotation, the mask oracle, reuse off ==
+#      generate) on CUDA in float32, then in bfloat16;
+#   3. the paper's TTFT shape (5 agents, P=512, I=1024, O=512 generated exactly, bf16) on a
+#      random-weight Llama-3.1-8B: replies generated once densely, then time to first token per
+#      strategy (benchmarks profile "gpu", workload a).
+# Each step writes JSON under $OUT (default benchmarks/out/gpu) as soon as it ends.
+#
+#   bash benchmarks/gpu_check.sh --fetch   # here, with internet: wheels the GPU machine lacks
+#   bash benchmarks/gpu_check.sh           # there (the device tool: carry benchmarks/wheels)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=benchmarks/wheels
+OUT="${OUT:-benchmarks/out/gpu}"
+PYTHON="${PYTHON:-python3}"
+
+if [ "${1:-}" = "--fetch" ]; then
+  # GPU machines have Python 3.12 and transformers 5.17, but no pydantic, pytest or LangChain.
+  "$PYTHON" -m pip download -q -d "$WHEELS" --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+    "pydantic>=2.6,<3" "pytest>=8" "tqdm>=4.60"
+  ls "$WHEELS"
+  exit 0
+fi
+
+mkdir -p "$OUT"
+SITE="$OUT/site"
+step_json() {  # name rc seconds
+  printf '{"step": "%s", "rc": %s, "seconds": %s}\n' "$1" "$2" "$3" > "$OUT/step_$1.json"
+  echo "== step $1: rc=$2 in $3 s"
+}
+
+"$PYTHON" - <<'EOF' | tee "$OUT/versions.json"
+import json, platform, importlib
+info = {"python": platform.python_version()}
+for name in ("torch", "transformers", "tokenizers", "pydantic", "pytest", "tqdm", "matplotlib"):
+    try:
+        info[name] = importlib.import_module(name).__version__
+    except Exception as error:  # missing: installed from the wheels below
+        info[name] = None
+import torch
+info["cuda"] = torch.version.cuda
+info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+print(json.dumps(info))
+EOF
+
+missing=""
+for module in pydantic pytest tqdm; do
+  "$PYTHON" -c "import $module" 2>/dev/null || missing="$missing $module"
+done
+if [ -n "$missing" ]; then
+  echo "installing from $WHEELS:$missing"
+  "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --target "$SITE" $missing || {
+    echo "missing wheels for:$missing (run 'bash benchmarks/gpu_check.sh --fetch' where there is internet)"; exit 1; }
+fi
+export PYTHONPATH="$PWD:$PWD/integrations:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+for dtype in float32 bfloat16; do
+  start=$(date +%s)
+  KVCOMM_TEST_DEVICE=cuda KVCOMM_TEST_DTYPE=$dtype timeout 90 "$PYTHON" -m pytest -q -p no:cacheprovider \
+    -m exact tests/test_assembly.py tests/test_engine.py --junitxml "$OUT/exact_$dtype.xml" 2>&1 | tail -5
+  step_json "exact_$dtype" "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
+done
+
+start=$(date +%s)
+timeout 150 "$PYTHON" -m benchmarks --profile gpu --model random:llama-3.1-8b --phases a --no-plots \
+  --out "$OUT/bench" 2>&1 | grep -v "it/s]$" | tail -40
+step_json paper_shape "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
+echo "results: $OUT/bench/random-llama-3.1-8b/gpu/results.json (partial records: phase_a.partial.json)"

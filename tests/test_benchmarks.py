@@ -1,0 +1,95 @@
+"""Smoke run of ``python -m benchmarks`` on a tiny model: every phase, every strategy, a few calls.
+
+Checks what must hold whatever the timings: the table, JSON and plots exist; every strategy ran
+on identical prompts; the exact strategies are exact; reuse strategies reuse; resuming loads
+finished phases instead of rerunning them. No timing is asserted.
+"""
+
+import json
+
+import pytest
+
+from benchmarks import run
+from benchmarks.strategies import NAMES
+from benchmarks.workloads import coding_pipeline, gsm8k_debate, paper_shape, rag_handoff
+from kvcomm_agents.prompt import render_prompt
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    results = run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(out)])
+    folder = out / "random-tiny" / "smoke"
+    records = [r for phase in run.PHASES for r in json.loads((folder / f"phase_{phase}.json").read_text())["records"]]
+    return results, records, folder, out
+
+
+def test_every_phase_and_strategy_is_reported(smoke):
+    results, records, folder, _ = smoke
+    assert set(results["phases"]) == set(run.PHASES)
+    for phase in ("a", "b", "c", "d"):
+        assert {r["strategy"] for r in records if r["phase"] == phase} >= set(NAMES)
+    assert {r["strategy"] for r in records if r["phase"] == "b-e2e"} == set(run.E2E_STRATEGIES)
+    assert any(r["strategy"].startswith("noise-floor") for r in records if r["phase"] == "b")
+    assert any("gamma=" in r["strategy"] for r in records if r["phase"] == "b-gamma")
+    saved = json.loads((folder / "results.json").read_text())
+    assert saved["versions"]["torch"] and saved["rows"]
+    assert {p.split("/")[-1] for p in saved["plots"]} == {
+        "ttft_by_agent_a.png", "ttft_by_agent_b.png", "ttft_by_agent_c.png", "ttft_by_agent_d.png",
+        "speedup_vs_prompt_length.png", "kl_vs_reuse_gamma.png"}
+    assert all((folder / "plots" / name).stat().st_size > 1000 for name in ("kl_vs_reuse_gamma.png",))
+
+
+def test_strategies_see_identical_prompts_and_the_exact_ones_are_exact(smoke):
+    _, records, _, _ = smoke
+    forced = [r for r in records if r["phase"] in ("a", "b", "c", "d")]
+    by_slot = {}
+    for r in forced:
+        by_slot.setdefault((r["phase"], r["request"], r["agent_index"]), set()).add(r["prompt_tokens"])
+    assert all(len(lengths) == 1 for lengths in by_slot.values())
+    for r in forced:
+        if r["strategy"] in ("dense", "prefix", "lower-bound"):
+            assert r["kl"] < 1e-4, r  # exact: dense on its own, an exact prefix, the exact cache
+        if r["strategy"] == "dense":
+            assert r["reused_tokens"] == 0 and r["agree"]
+        if r["strategy"] == "prefix":
+            assert set(r["prefilled_reasons"]) <= {"exact_only"}
+
+
+def test_reuse_strategies_reuse_downstream(smoke):
+    _, records, _, _ = smoke
+    downstream = [r for r in records if r["phase"] in ("a", "b") and r["agent_index"] > 1 and not r["warmup"]]
+    for name in ("rerotate", "cacheblend"):
+        mine = [r for r in downstream if r["strategy"] == name]
+        assert mine and all(r["reused_tokens"] > 0 and r["fully_reused"] for r in mine)
+    blend = [r for r in downstream if r["strategy"] == "cacheblend"]
+    assert all(r["recomputed_tokens"] > 0 for r in blend)
+    reuse = {r["strategy"]: r["reused_tokens"] for r in downstream if r["request"] == downstream[-1]["request"]}
+    assert reuse["rerotate"] > reuse["cacheblend"] > reuse["dense"] == 0
+
+
+def test_a_finished_phase_is_loaded_not_rerun(smoke, capsys):
+    _, _, folder, out = smoke
+    before = (folder / "phase_b.json").stat().st_mtime_ns
+    run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(out), "--phases", "b",
+              "--no-plots"])
+    assert "phase b: finished earlier" in capsys.readouterr().out
+    assert (folder / "phase_b.json").stat().st_mtime_ns == before
+
+
+def test_workloads_have_the_declared_shape():
+    from kvcomm_agents.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    a = paper_shape(tokenizer, requests=2, agents=3, lead_tokens=30, input_tokens=60, reply_tokens=8)
+    messages = a.requests[1].messages(2, ["one", "two"])
+    assert [m["role"] for m in messages] == ["system", "user", "user", "user"]
+    assert len(tokenizer(messages[0]["content"])["input_ids"]) <= 30
+    assert 50 <= len(tokenizer(messages[1]["content"])["input_ids"]) <= 60
+    assert a.requests[0].messages(2, [])[0] == messages[0]  # own leading text: the same in every request
+    assert a.requests[0].messages(0, [])[1] != messages[1]  # shared input: different per request
+    for workload in (gsm8k_debate(requests=2), rag_handoff(requests=2), coding_pipeline(requests=2)):
+        request = workload.requests[0]
+        k = len(request.agents) - 1
+        ids = render_prompt(tokenizer, request.messages(k, ["reply"] * k)).ids
+        assert ids.numel() > 20 and len({r.key for r in workload.requests}) == 2
