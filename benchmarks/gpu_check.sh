@@ -10,11 +10,15 @@
 #
 #   bash benchmarks/gpu_check.sh --fetch   # here, with internet: wheels the GPU machine lacks
 #   bash benchmarks/gpu_check.sh           # there (the device tool: carry benchmarks/wheels)
+#   DEVICE=cpu MODEL=random:tiny PROFILE=smoke bash benchmarks/gpu_check.sh   # rehearsal without a GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=benchmarks/wheels
 OUT="${OUT:-benchmarks/out/gpu}"
 PYTHON="${PYTHON:-python3}"
+DEVICE="${DEVICE:-cuda}"
+MODEL="${MODEL:-random:llama-3.1-8b}"
+PROFILE="${PROFILE:-gpu}"
 
 if [ "${1:-}" = "--fetch" ]; then
   # GPU machines have Python 3.12 and transformers 5.17, but no pydantic, pytest or LangChain.
@@ -59,13 +63,13 @@ export PYTHONPATH="$PWD:$PWD/integrations:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 for dtype in float32 bfloat16; do
   start=$(date +%s)
-  KVCOMM_TEST_DEVICE=cuda KVCOMM_TEST_DTYPE=$dtype timeout 90 "$PYTHON" -m pytest -q -p no:cacheprovider \
+  KVCOMM_TEST_DEVICE=$DEVICE KVCOMM_TEST_DTYPE=$dtype timeout 90 "$PYTHON" -m pytest -q -p no:cacheprovider \
     -m exact tests/test_assembly.py tests/test_engine.py --junitxml "$OUT/exact_$dtype.xml" 2>&1 | tail -5
   step_json "exact_$dtype" "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 done
 
 start=$(date +%s)
-timeout 150 "$PYTHON" -m benchmarks --profile gpu --model random:llama-3.1-8b --phases a --no-plots \
-  --out "$OUT/bench" 2>&1 | grep -v "it/s]$" | tail -40
+timeout 150 "$PYTHON" -m benchmarks --profile "$PROFILE" --model "$MODEL" --device "$DEVICE" --phases a \
+  --no-plots --out "$OUT/bench" 2>&1 | grep -v "it/s]$" | tail -40
 step_json paper_shape "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
-echo "results: $OUT/bench/random-llama-3.1-8b/gpu/results.json (partial records: phase_a.partial.json)"
+echo "results: $OUT/bench/ (results.json; phase_a.partial.json if it was cut short)"

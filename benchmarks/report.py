@@ -88,7 +88,8 @@ def summarize_answers(answers: list[dict]) -> list[dict]:
     return rows
 
 
-_STRATEGY_ORDER = ["dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "lower-bound"]
+_STRATEGY_ORDER = ["dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-template",
+                   "lower-bound"]
 
 
 def _order(name: str) -> tuple:

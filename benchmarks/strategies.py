@@ -10,6 +10,8 @@ one setting changed, so they share the prompt rendering, the decoding and the ti
 - ``rerotate``: shared segments re-rotated, no offsets (``offsets="none"``).
 - ``cacheblend``: re-rotation plus CacheBlend-style selective recompute of the given share.
 - ``kvcomm-mean`` / ``kvcomm-weighted``: KVCOMM anchors with either estimator, gamma configurable.
+- ``kvcomm-template``: ``kvcomm-mean`` that also reuses the receiver's own template text (role
+  headers between messages) with the anchors' prefix offsets, as the paper does.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
   untimed): the fastest any reuse can be. Its timed part renders the prompt too, as every
   strategy must.
@@ -30,7 +32,8 @@ from kvcomm_agents.prompt import render_prompt
 
 __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "NAMES"]
 
-NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "lower-bound")
+NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-template",
+         "lower-bound")
 #: KV a strategy's engine may hold in its segment store; several engines live side by side
 STORE_BYTES = 1024**3
 
@@ -160,6 +163,7 @@ def settings_of(name: str, *, gamma: float = 0.3, recompute_share: float = 0.15)
         "cacheblend": {"offsets": "none", "recompute_share": recompute_share},
         "kvcomm-mean": {"offsets": "mean", "gamma": gamma},
         "kvcomm-weighted": {"offsets": "weighted", "gamma": gamma},
+        "kvcomm-template": {"offsets": "mean", "gamma": gamma, "template": "reuse"},
     }
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")

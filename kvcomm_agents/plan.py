@@ -69,8 +69,8 @@ class ReusedRun:
     prompt_start: int
     segment_start: int
     length: int
-    key_offsets: Optional[list[Optional[torch.Tensor]]] = None
-    value_offsets: Optional[list[Optional[torch.Tensor]]] = None
+    key_offsets: Optional[torch.Tensor] = None  # [L-1, kv_heads, length, head_dim]: layers 1..L-1, canonical frame
+    value_offsets: Optional[torch.Tensor] = None
     template: bool = False  # a piece of the receiver's own template, not a shared segment
     verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
 

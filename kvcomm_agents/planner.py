@@ -308,8 +308,8 @@ class _RunDecider:
                     est = self.anchors.estimate(self.agent, run.segment, run.verdict, after[0].key if after else None)
                     estimates[run.segment.id] = est
                 end = run.segment_start + run.length
-                run.key_offsets = OffsetEstimate.per_layer(est.keys, run.segment_start, end)
-                run.value_offsets = OffsetEstimate.per_layer(est.values, run.segment_start, end)
+                run.key_offsets = est.keys[:, :, run.segment_start:end]
+                run.value_offsets = est.values[:, :, run.segment_start:end]
                 kept.append(run)
                 continue
             piece = pieces[run.prompt_start]
@@ -317,7 +317,7 @@ class _RunDecider:
             if est is None or est.prefix_keys is None:
                 piece.reused = False  # no prefix offsets for this piece yet: compute it
                 continue
-            run.key_offsets = OffsetEstimate.per_layer(est.prefix_keys, 0, run.length)
-            run.value_offsets = OffsetEstimate.per_layer(est.prefix_values, 0, run.length)
+            run.key_offsets = est.prefix_keys[:, :, : run.length]
+            run.value_offsets = est.prefix_values[:, :, : run.length]
             kept.append(run)
         self.plan.runs = kept

@@ -21,7 +21,7 @@ from typing import Literal, Optional
 
 import torch
 
-from .segments import Kind, KVSegment
+from .segments import Kind, KVSegment, stacked_layers
 
 __all__ = ["AnchorPool", "OffsetStack", "OffsetEstimate", "stacked_kv", "take", "top_p_members"]
 
@@ -29,7 +29,11 @@ Estimator = Literal["mean", "weighted"]
 
 
 def stacked_kv(segment: KVSegment) -> tuple[torch.Tensor, torch.Tensor]:
-    """A segment's keys and values of layers 1..L-1, ``[L-1, kv_heads, T, head_dim]`` each."""
+    """A segment's keys and values of layers 1..L-1, ``[L-1, kv_heads, T, head_dim]`` each
+    (views of its stacked KV when all layers share a device)."""
+    stacked = stacked_layers(segment)
+    if stacked is not None:
+        return stacked[0][1:], stacked[1][1:]
     return torch.stack([k[0] for k in segment.keys[1:]]), torch.stack([v[0] for v in segment.values[1:]])
 
 
@@ -93,11 +97,6 @@ class OffsetEstimate:
     values: torch.Tensor
     prefix_keys: Optional[torch.Tensor] = None
     prefix_values: Optional[torch.Tensor] = None
-
-    @staticmethod
-    def per_layer(offsets: torch.Tensor, start: int, end: int) -> list[Optional[torch.Tensor]]:
-        """Per layer (layer 0 None) ``[1, kv_heads, end - start, head_dim]`` views."""
-        return [None] + [offsets[layer, None, :, start:end] for layer in range(offsets.shape[0])]
 
 
 def take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

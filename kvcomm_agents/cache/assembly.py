@@ -9,6 +9,7 @@ cached token, including reused KV of text that comes later in the prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -16,8 +17,9 @@ from transformers import DynamicCache, PreTrainedModel
 from ..plan import CallPlan
 from . import hf_cache
 from .rope import RopeRotator
+from .segments import stacked_layers
 
-__all__ = ["position_mask", "PrefillResult", "prefill", "kv_at_positions", "assemble_layer"]
+__all__ = ["position_mask", "PrefillResult", "prefill", "kv_at_positions", "assemble_layer", "assemble"]
 
 
 def position_mask(
@@ -72,13 +74,55 @@ def assemble_layer(
         start, end = run.segment_start, run.segment_start + run.length
         run_keys = run.segment.keys[layer][:, :, start:end]
         run_values = run.segment.values[layer][:, :, start:end]
-        if run.key_offsets is not None and run.key_offsets[layer] is not None:
+        if run.key_offsets is not None and layer > 0:
             # learned context offsets are added in the canonical frame, before rotation
-            run_keys = (run_keys.float() + run.key_offsets[layer].to(run_keys.device)).to(run_keys.dtype)
-            run_values = (run_values.float() + run.value_offsets[layer].to(run_values.device)).to(run_values.dtype)
+            run_keys = (run_keys.float() + run.key_offsets[layer - 1, None].to(run_keys.device)).to(run_keys.dtype)
+            run_values = (run_values.float() + run.value_offsets[layer - 1, None].to(run_values.device)).to(run_values.dtype)
         keys.append(rotator.shift(run_keys, run.shift + position_offset))
         values.append(run_values)
     return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+
+def _with_offsets(kv: torch.Tensor, offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """``kv`` ``[L, H, n, D]`` with ``offsets`` ``[L-1, H, n, D]`` added to layers 1..L-1 (a copy)."""
+    if offsets is None:
+        return kv
+    out = kv.to(torch.float32, copy=True)
+    out[1:] += offsets.to(out.device)
+    return out.to(kv.dtype)
+
+
+def _assemble_stacked(
+    plan: CallPlan, rotator: RopeRotator, position_offset: int
+) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every layer's reused slots at once, as views of ``[L, kv_heads, reused, head_dim]``
+    tensors: one rotation, one offset addition and one concatenation per run instead of one per
+    layer. None when some KV holder's layers live on several devices (``device_map``)."""
+    keys, values = [], []
+    if plan.prefix is not None:
+        stacked = stacked_layers(plan.prefix.entry)
+        if stacked is None:
+            return None
+        prefix_keys = stacked[0][:, :, : plan.prefix_length]
+        keys.append(rotator.shift(prefix_keys, position_offset) if position_offset else prefix_keys)
+        values.append(stacked[1][:, :, : plan.prefix_length])
+    for run in plan.runs:
+        stacked = stacked_layers(run.segment)
+        if stacked is None:
+            return None
+        window = slice(run.segment_start, run.segment_start + run.length)
+        keys.append(rotator.shift(_with_offsets(stacked[0][:, :, window], run.key_offsets), run.shift + position_offset))
+        values.append(_with_offsets(stacked[1][:, :, window], run.value_offsets))
+    all_keys, all_values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    return [(all_keys[i : i + 1], all_values[i : i + 1]) for i in range(all_keys.shape[0])]
+
+
+def assemble(plan: CallPlan, rotator: RopeRotator, num_layers: int, position_offset: int = 0):
+    """Per-layer ``(keys, values)`` ``[1, kv_heads, reused, head_dim]`` of the reused slots."""
+    layers = _assemble_stacked(plan, rotator, position_offset)
+    if layers is None:
+        layers = [assemble_layer(plan, rotator, i, position_offset) for i in range(num_layers)]
+    return layers
 
 
 def prefill(
@@ -106,7 +150,7 @@ def prefill(
         mask = None
         cached_positions = torch.empty(0, dtype=torch.long)
     else:
-        layers = [assemble_layer(plan, rotator, layer, position_offset) for layer in range(model.config.num_hidden_layers)]
+        layers = assemble(plan, rotator, model.config.num_hidden_layers, position_offset)
         cache = hf_cache.cache_from_layers(model, layers)
         cached_positions = torch.cat(
             [torch.arange(plan.prefix_length)]

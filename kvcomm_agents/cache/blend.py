@@ -89,13 +89,10 @@ def _split_run(run: ReusedRun, drop: torch.Tensor) -> list[ReusedRun]:
         j = i
         while j < run.length and keep[j]:
             j += 1
-
-        def cut(offsets):
-            return None if offsets is None else [None if o is None else o[:, :, i:j] for o in offsets]
-
         pieces.append(dataclasses.replace(
             run, prompt_start=run.prompt_start + i, segment_start=run.segment_start + i, length=j - i,
-            key_offsets=cut(run.key_offsets), value_offsets=cut(run.value_offsets),
+            key_offsets=None if run.key_offsets is None else run.key_offsets[:, :, i:j],
+            value_offsets=None if run.value_offsets is None else run.value_offsets[:, :, i:j],
         ))
         i = j
     return pieces

@@ -74,6 +74,7 @@ class KVSegment:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     _index: dict[tuple[int, int], int] | None = field(default=None, repr=False)
+    _stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -124,3 +125,22 @@ class KVSegment:
                 if span is not None:
                     self._index.setdefault((span[0], tid), i)
         return self._index.get((char_start, token_id))
+
+
+def stacked_layers(holder) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """All layers of a KV holder (a :class:`KVSegment` or a prefix entry) as ``[L, kv_heads, T,
+    head_dim]`` keys and values, or None when its layers live on different devices.
+
+    Stacked once, on first use: the holder's per-layer lists are then re-pointed at views of the
+    stacked tensors, so no second copy is kept, and whole-model operations (re-rotation, offsets,
+    anchor distances) become one tensor operation instead of one per layer."""
+    cached = holder._stacked
+    if cached is None:
+        if len({t.device for t in holder.keys}) != 1:
+            return None
+        keys = torch.stack([t[0] for t in holder.keys])
+        values = torch.stack([t[0] for t in holder.values])
+        holder.keys = [keys[i : i + 1] for i in range(keys.shape[0])]
+        holder.values = [values[i : i + 1] for i in range(values.shape[0])]
+        cached = holder._stacked = (keys, values)
+    return cached

@@ -11,7 +11,7 @@ import itertools
 import threading
 from collections import OrderedDict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 import torch
@@ -39,6 +39,7 @@ class PrefixEntry:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     model: str
+    _stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
