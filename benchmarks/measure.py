@@ -11,10 +11,12 @@ in the same slot (ratios, not absolute times, are what survives a noisy machine)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
 import torch
+from transformers import LogitsProcessorList
 
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.prompt import render_prompt
@@ -38,7 +40,7 @@ def references(workload: Workload, model, tokenizer, path: Path, *, progress: Ca
     refs: dict[str, list[dict]] = torch.load(path) if path.is_file() else {}
     missing = [r for r in workload.requests if r.key not in refs]
     progress(len(workload.requests) - len(missing))
-    eos = set(tokenizer.all_special_ids) if workload.exact_replies else _eos_ids(model, tokenizer)
+    eos = _eos_ids(model, tokenizer) | (set(tokenizer.all_special_ids) if workload.exact_replies else set())
     for i in range(0, len(missing), batch_size):
         chunk = missing[i:i + batch_size]
         refs.update(_batched_replies(chunk, workload.reply_tokens, workload.exact_replies, eos, model, tokenizer))
@@ -60,6 +62,13 @@ def _save(obj, path: Path) -> None:
     tmp.replace(path)
 
 
+def write_json(obj, path: Path) -> None:
+    """Write JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
 @torch.inference_mode()
 def _batched_replies(requests, tokens: int, exact: bool, eos: set[int], model, tokenizer) -> dict[str, list[dict]]:
     """Greedy replies for a batch of requests, agent by agent (left padding). ``exact``: exactly
@@ -78,13 +87,26 @@ def _batched_replies(requests, tokens: int, exact: bool, eos: set[int], model, t
             mask[i, width - p.numel():] = 1
         options = {"min_new_tokens": tokens, "suppress_tokens": sorted(eos)} if exact else {"eos_token_id": sorted(eos)}
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=tokens, pad_token_id=pad, **options)
+                             max_new_tokens=tokens, pad_token_id=pad, logits_processor=_within_vocab(tokenizer),
+                             **options)
         for i, r in enumerate(requests):
             new = out[i, width:].tolist()
             ends = [j for j, t in enumerate(new) if t in eos]
             new = new[: ends[0] + 1] if ends and not exact else new
             replies[r.key].append({"ids": new, "text": tokenizer.decode(new, skip_special_tokens=True)})
     return replies
+
+
+def _within_vocab(tokenizer) -> LogitsProcessorList:
+    """Keep generation inside the tokenizer's vocabulary (a ``random:<shape>`` model has the real
+    checkpoint's larger vocabulary but the byte-level test tokenizer)."""
+    size = len(tokenizer)
+
+    def limit(input_ids, scores):
+        scores[:, size:] = float("-inf")
+        return scores
+
+    return LogitsProcessorList([limit])
 
 
 # ---- protocols ------------------------------------------------------------------------------
@@ -149,10 +171,11 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
                     "lower_bound_ttft_s": lower.ttft_s if lower else None,
                     "before_prefill_s": out.before_prefill_s,
                     "kl": first_token_kl(dense.logits, out.logits),
-                    "agree": None if out.greedy_prefix is None else out.greedy_prefix >= window,
+                    # None when nothing can be compared (dense itself left the forced reply at once)
+                    "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
                     "agree_window": window,
                     "anchor_bytes": strategy.anchor_bytes(), "kv_bytes": strategy.kv_bytes(),
-                    "peak_extra_bytes": out.peak_extra_bytes,
+                    "store_evictions": strategy.evictions(), "peak_extra_bytes": out.peak_extra_bytes,
                     **_stats_fields(out),
                 })
             progress(1)

@@ -50,14 +50,14 @@ class Profile:
     b_warmup: int = 5
     b_requests: int = 40
     e2e_warmup: int = 0
-    e2e_requests: int = 20
-    e2e_reply_tokens: int = 48  # decoding is ~0.1 s/token on 2 CPU cores: 128 would take 50 min alone
-    gamma_values: tuple = (0.1, 0.3, 0.5, 0.7, 0.9)
+    e2e_requests: int = 10  # issue: 20; decoding is ~0.1 s/token on 2 CPU cores
+    e2e_reply_tokens: int = 48
+    gamma_values: tuple = (0.1, 0.3, 0.6, 0.9)
     gamma_requests: int = 10
-    c_warmup: int = 3
-    c_requests: int = 10
-    d_warmup: int = 3
-    d_requests: int = 10
+    c_warmup: int = 2
+    c_requests: int = 6  # issue: 10; ~1,500-token prompts, ~25 s per agent for all strategies
+    d_warmup: int = 2
+    d_requests: int = 8  # issue: 10
     noise_floor: bool = True
 
     def describe(self) -> str:
@@ -78,7 +78,7 @@ PROFILES = {
                      a_requests=1, b_agents=3, b_warmup=1, b_requests=1, e2e_warmup=0, e2e_requests=1, e2e_reply_tokens=8,
                      gamma_values=(0.3,), gamma_requests=1, c_warmup=0, c_requests=1, d_warmup=0, d_requests=1),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh): TTFT only, replies generated once
-    "gpu": Profile("gpu", a_agents=5, a_lead=512, a_input=1024, a_reply=512, a_warmup=3, a_requests=3,
+    "gpu": Profile("gpu", a_agents=5, a_lead=512, a_input=1024, a_reply=512, a_warmup=2, a_requests=2,
                    noise_floor=False),
 }
 PHASES = ("a", "b", "b-gamma", "c", "d", "b-e2e")
@@ -94,6 +94,7 @@ class Context:
     loaded: object
     out: Path
     eos_ids: set = field(default_factory=set)
+    device: str = "cpu"
 
 
 def versions(device: torch.device) -> dict:
@@ -154,17 +155,29 @@ def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
     raise ValueError(f"unknown phase '{phase}'; known: {', '.join(PHASES)}")
 
 
+_PHASE_FIELDS = {"a": ("a_",), "b": ("b_", "reply_tokens", "noise_floor"), "b-e2e": ("b_agents", "e2e_"),
+                 "b-gamma": ("b_agents", "b_warmup", "gamma_", "reply_tokens"), "c": ("c_", "reply_tokens"),
+                 "d": ("d_", "reply_tokens")}
+
+
+def _relevant(profile: dict, phase: str) -> dict:
+    """The profile fields a phase depends on: changing another phase's sample size keeps it."""
+    return {k: v for k, v in profile.items() if k.startswith(_PHASE_FIELDS[phase])}
+
+
 def run_phase(ctx: Context, phase: str) -> dict:
     """Run (or load, if finished with the same settings) one phase; returns its saved dict."""
     workload, warmup = _workload(ctx, phase)
     names = [n for n in ctx.args.strategies if n in E2E_STRATEGIES] if phase == "b-e2e" else list(ctx.args.strategies)
-    signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "profile": asdict(ctx.profile),
+    signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "device": ctx.device,
+                 "profile": _relevant(asdict(ctx.profile), phase),
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share}
     signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
     path = ctx.out / f"phase_{phase}.json"
     if path.is_file() and not ctx.args.fresh:
         saved = json.loads(path.read_text())
-        if saved.get("signature") == signature:
+        old = saved.get("signature", {})
+        if {"device": "cpu", **old, "profile": _relevant(old.get("profile", {}), phase)} == signature:
             print(f"phase {phase}: finished earlier, loaded {path}")
             return saved
     started = time.perf_counter()
@@ -191,7 +204,7 @@ def run_phase(ctx: Context, phase: str) -> dict:
         partial = ctx.out / f"phase_{phase}.partial.json"
         records = measure.run_forced(
             workload, strategies, refs, warmup=warmup, eos_ids=ctx.eos_ids, phase=phase, progress=bar.update,
-            checkpoint=lambda so_far: partial.write_text(json.dumps({"signature": signature, "records": so_far})),
+            checkpoint=lambda so_far: measure.write_json({"signature": signature, "records": so_far}, partial),
         )
         partial.unlink(missing_ok=True)
     bar.close()
@@ -244,7 +257,8 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     from kvcomm_agents.support import inspect_model
 
-    ctx = Context(args, profile, loaded, out, set(inspect_model(loaded.model, loaded.tokenizer, reuse=False, verify_rope=False).eos_ids))
+    info_eos = inspect_model(loaded.model, loaded.tokenizer, reuse=False, verify_rope=False).eos_ids
+    ctx = Context(args, profile, loaded, out, set(info_eos), device.type)
     print(f"model {args.model} ({loaded.tag}), {args.dtype}, strategies: {', '.join(args.strategies)}; output {out}",
           flush=True)
     results = {"versions": info, "profile": asdict(profile), "model": args.model, "dtype": args.dtype, "phases": {}}

@@ -32,11 +32,13 @@ from kvcomm_agents.prompt import render_prompt
 
 __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "NAMES"]
 
+#: byte budgets of each engine's segment store and anchor pools (several engines live side by
+#: side): CPU runs keep the library defaults' order of magnitude, a GPU run sizes for an 8B model
+#: (128 KiB of bf16 KV per token) so that no strategy loses its cache to the budget
+BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
+
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-template",
          "lower-bound")
-#: KV a strategy's engine may hold in its segment store; several engines live side by side
-STORE_BYTES = 1024**3
-
 
 @dataclass
 class CallOutcome:
@@ -82,6 +84,10 @@ class Strategy:
     def anchor_bytes(self) -> int:
         return 0
 
+    def evictions(self) -> int:
+        """Store entries evicted for the byte budget so far."""
+        return 0
+
 
 def _cuda_peak_start(device: torch.device) -> Optional[int]:
     if device.type != "cuda":
@@ -100,9 +106,10 @@ class EngineStrategy(Strategy):
 
     def __init__(self, name: str, model, tokenizer, settings: dict):
         self.name = name
-        self.settings = settings
-        self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(store_max_bytes=STORE_BYTES, **settings))
         self.device = model.get_input_embeddings().weight.device
+        store_gib, anchor_gib = BUDGETS_GIB.get(self.device.type, BUDGETS_GIB["cpu"])
+        self.settings = {"store_max_bytes": store_gib * 1024**3, "anchor_max_bytes": anchor_gib * 1024**3, **settings}
+        self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**self.settings))
 
     def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
         start = _cuda_peak_start(self.device)
@@ -121,6 +128,9 @@ class EngineStrategy(Strategy):
 
     def anchor_bytes(self) -> int:
         return self.engine.anchors.nbytes()
+
+    def evictions(self) -> int:
+        return self.engine.store.stats().evictions
 
 
 class LowerBound(Strategy):

@@ -15,10 +15,10 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .cache import hf_cache
-from .cache.assembly import PrefillResult, kv_at_positions
+from .cache.assembly import PrefillResult, kv_at_positions, stacked_kv_at_positions
 from .cache.anchors import AnchorRegistry
 from .cache.rope import RopeRotator
-from .cache.segments import Kind, KVSegment, SegmentRef
+from .cache.segments import Kind, KVSegment, SegmentRef, from_stacked
 from .cache.store import SegmentStore
 from .cache.templates import TemplateStore
 from .config import KVCommConfig
@@ -63,9 +63,14 @@ def cut_segment(
     Keys are de-rotated by ``-start`` so the segment's first token sits at position 0.
     """
     positions = torch.arange(start, start + len(token_ids))
-    keys, values = kv_at_positions(cache, slot_positions, positions)
-    keys = [rotator.shift(k, -start) for k in keys]
-    return KVSegment.create(
+    stacked = stacked_kv_at_positions(cache, slot_positions, positions)
+    if stacked is not None:  # one rotation for every layer; the segment keeps per-layer views
+        stacked = (rotator.shift(stacked[0], -start), stacked[1])
+        keys, values = from_stacked(*stacked)
+    else:
+        keys, values = kv_at_positions(cache, slot_positions, positions)
+        keys = [rotator.shift(k, -start) for k in keys]
+    segment = KVSegment.create(
         kind=kind,
         text=text,
         token_ids=token_ids,
@@ -74,6 +79,8 @@ def cut_segment(
         values=values,
         model_fingerprint=model_fingerprint,
     )
+    segment._stacked = stacked
+    return segment
 
 
 def message_kind(message: dict) -> Optional[Kind]:
@@ -131,6 +138,8 @@ class CallPackager:
             logger.debug("cache holds %d of %d tokens; nothing packaged", hf_cache.num_cached(cache), slots.numel())
             return None
         self.store_prefix(plan, generated, cache, slots)
+        if not self.config.segment_reuse:
+            return None  # exact prefix caching only: segments would never be read
         self.record_offsets(plan, agent, cache, slots)
         if self.config.capture_messages:
             # a message holding a known segment (e.g. "Agent 1 said: <reply>") is not stored again
@@ -201,8 +210,11 @@ class CallPackager:
         hit = self.store.longest_prefix(ids[:exact], self.fingerprint)
         if hit is not None and hit[1] >= exact:
             return
-        keys, values = kv_at_positions(cache, slots, torch.arange(exact))
-        self.store.put_prefix(ids[:exact], keys, values, self.fingerprint)
+        stacked = stacked_kv_at_positions(cache, slots, torch.arange(exact))
+        if stacked is not None:
+            self.store.put_prefix(ids[:exact], *from_stacked(*stacked), self.fingerprint, stacked=stacked)
+        else:
+            self.store.put_prefix(ids[:exact], *kv_at_positions(cache, slots, torch.arange(exact)), self.fingerprint)
 
     def capture_message(self, layout: PromptLayout, index: int, kind: Kind, cache, slots) -> Optional[SegmentRef]:
         """Store message ``index``'s content KV as a segment of ``kind``."""

@@ -138,6 +138,8 @@ class CallPlan:
         dense_reason: why the call runs fully dense, or None.
         observations: matched segment tokens computed in this call (offset observations).
         pieces: template pieces after shared segments (reused or to be recorded).
+        recompute: ``[r]`` int64 sorted prompt positions inside runs that are computed in the
+            prefill instead of reused (CacheBlend-style selective recompute), or None.
     """
 
     prompt_ids: torch.Tensor
@@ -147,6 +149,7 @@ class CallPlan:
     dense_reason: Optional[str] = None
     observations: list[Observation] = field(default_factory=list)
     pieces: list[TemplatePiece] = field(default_factory=list)
+    recompute: Optional[torch.Tensor] = None
 
     @property
     def num_prompt(self) -> int:
@@ -158,7 +161,8 @@ class CallPlan:
 
     @property
     def reused_tokens(self) -> int:
-        return self.prefix_length + sum(run.length for run in self.runs)
+        recomputed = 0 if self.recompute is None else int(self.recompute.numel())
+        return self.prefix_length + sum(run.length for run in self.runs) - recomputed
 
     @property
     def template_tokens(self) -> int:
@@ -171,7 +175,18 @@ class CallPlan:
         keep[: self.prefix_length] = False
         for run in self.runs:
             keep[run.prompt_start : run.prompt_end] = False
+        if self.recompute is not None:
+            keep[self.recompute] = True
         return keep.nonzero().flatten()
+
+    def reused_positions(self) -> torch.Tensor:
+        """``[R]`` int64 prompt positions of the reused slots, in storage order (the exact prefix,
+        then each run), recomputed positions left out."""
+        positions = torch.cat([torch.arange(self.prefix_length)]
+                              + [torch.arange(run.prompt_start, run.prompt_end) for run in self.runs])
+        if self.recompute is not None:
+            positions = positions[~torch.isin(positions, self.recompute)]
+        return positions
 
     def first_reused_run_start(self) -> int:
         """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""

@@ -116,3 +116,30 @@ def test_exact_prefix_reuse_gives_dense_logits(model, tokenizer, make_engine):
         reused = prefill(model, engine.info.rotator, plan)
     dense_logits, _ = dense_cache(model, layout.ids)
     torch.testing.assert_close(reused.logits, dense_logits, atol=1e-4, rtol=0)
+
+
+def test_stacked_assembly_equals_the_per_layer_one(llama, tokenizer):
+    """The whole-model assembly (one rotation, offset addition and concatenation per run) gives
+    the per-layer assembly's KV, with a prefix, offsets, a position offset and recomputed tokens."""
+    from kvcomm_agents.cache import assembly
+
+    messages = solver_messages("You are solver three.", "the answer is 72", "I think it is 72 as well")
+    ids = render_prompt(tokenizer, messages).ids
+    plan, info = _oracle_plan(llama, tokenizer, ids, [(8, 20), (26, 40)], prefix_len=5)
+    layers = llama.config.num_hidden_layers
+    generator = torch.Generator().manual_seed(0)
+    for run in plan.runs:
+        shape = (layers - 1, *run.segment.keys[0].shape[1:2], run.length, run.segment.keys[0].shape[3])
+        run.key_offsets = torch.randn(shape, generator=generator).to(llama.device) * 0.1
+        run.value_offsets = torch.randn(shape, generator=generator).to(llama.device) * 0.1
+    plan.recompute = torch.tensor([9, 30, 31])
+    stacked = assembly.assemble(plan, info.rotator, layers, position_offset=3)
+    keep = (~torch.isin(torch.cat([torch.arange(5), torch.arange(8, 20), torch.arange(26, 40)]), plan.recompute))
+    for layer in range(layers):
+        k, v = assembly.assemble_layer(plan, info.rotator, layer, position_offset=3)
+        index = keep.nonzero().flatten().to(k.device)
+        torch.testing.assert_close(stacked[layer][0], k.index_select(2, index), atol=tol(1e-6), rtol=rtol())
+        torch.testing.assert_close(stacked[layer][1], v.index_select(2, index), atol=tol(1e-6), rtol=rtol())
+    assert plan.reused_positions().tolist() == [p for p in range(40) if (p < 5 or 8 <= p < 20 or p >= 26)
+                                                and p not in (9, 30, 31)]
+    assert plan.reused_tokens == 5 + 12 + 14 - 3

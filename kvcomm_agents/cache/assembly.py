@@ -19,7 +19,7 @@ from . import hf_cache
 from .rope import RopeRotator
 from .segments import stacked_layers
 
-__all__ = ["position_mask", "PrefillResult", "prefill", "kv_at_positions", "assemble_layer", "assemble"]
+__all__ = ["position_mask", "PrefillResult", "prefill", "kv_at_positions", "stacked_kv_at_positions", "assemble_layer", "assemble"]
 
 
 def position_mask(
@@ -113,15 +113,25 @@ def _assemble_stacked(
         window = slice(run.segment_start, run.segment_start + run.length)
         keys.append(rotator.shift(_with_offsets(stacked[0][:, :, window], run.key_offsets), run.shift + position_offset))
         values.append(_with_offsets(stacked[1][:, :, window], run.value_offsets))
-    all_keys, all_values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    if len(keys) == 1:  # an exact prefix alone: views, the cache's update makes the one copy
+        all_keys, all_values = keys[0], values[0]
+    else:
+        all_keys, all_values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
     return [(all_keys[i : i + 1], all_values[i : i + 1]) for i in range(all_keys.shape[0])]
 
 
 def assemble(plan: CallPlan, rotator: RopeRotator, num_layers: int, position_offset: int = 0):
-    """Per-layer ``(keys, values)`` ``[1, kv_heads, reused, head_dim]`` of the reused slots."""
+    """Per-layer ``(keys, values)`` ``[1, kv_heads, reused, head_dim]`` of the reused slots, in
+    the order of ``plan.reused_positions()`` (recomputed positions dropped)."""
     layers = _assemble_stacked(plan, rotator, position_offset)
     if layers is None:
         layers = [assemble_layer(plan, rotator, i, position_offset) for i in range(num_layers)]
+    if plan.recompute is not None:
+        positions = torch.cat([torch.arange(plan.prefix_length)]
+                              + [torch.arange(run.prompt_start, run.prompt_end) for run in plan.runs])
+        keep = (~torch.isin(positions, plan.recompute)).nonzero().flatten()
+        index = keep.to(layers[0][0].device)
+        layers = [(k.index_select(2, index.to(k.device)), v.index_select(2, index.to(v.device))) for k, v in layers]
     return layers
 
 
@@ -152,10 +162,7 @@ def prefill(
     else:
         layers = assemble(plan, rotator, model.config.num_hidden_layers, position_offset)
         cache = hf_cache.cache_from_layers(model, layers)
-        cached_positions = torch.cat(
-            [torch.arange(plan.prefix_length)]
-            + [torch.arange(run.prompt_start, run.prompt_end) for run in plan.runs]
-        )
+        cached_positions = plan.reused_positions()
         mask = None
         if plan.runs:
             slots = torch.cat([cached_positions, computed])
@@ -173,6 +180,33 @@ def prefill(
     return PrefillResult(logits[0, -1].float(), cache, slot_positions, align_s)
 
 
+def _slots_of(slot_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    lookup = torch.full((int(slot_positions.max()) + 1,), -1, dtype=torch.long)
+    lookup[slot_positions] = torch.arange(slot_positions.numel())
+    slots = lookup[positions]
+    if bool((slots < 0).any()):
+        raise ValueError("asked for positions the cache does not hold")
+    return slots
+
+
+def stacked_kv_at_positions(
+    cache: DynamicCache, slot_positions: torch.Tensor, positions: torch.Tensor
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """As :func:`kv_at_positions`, but every layer in one ``[L, kv_heads, n, head_dim]`` keys and
+    one values tensor (gathered straight into them); None if the layers live on several devices."""
+    layers = [hf_cache.layer_kv(cache, layer) for layer in range(hf_cache.num_layers(cache))]
+    if len({k.device for k, _ in layers}) != 1:
+        return None
+    first_k, first_v = layers[0]
+    index = _slots_of(slot_positions, positions).to(first_k.device)
+    keys = first_k.new_empty((len(layers), first_k.shape[1], index.numel(), first_k.shape[3]))
+    values = first_v.new_empty((len(layers), first_v.shape[1], index.numel(), first_v.shape[3]))
+    for i, (k, v) in enumerate(layers):
+        torch.index_select(k[0], 1, index, out=keys[i])
+        torch.index_select(v[0], 1, index, out=values[i])
+    return keys, values
+
+
 def kv_at_positions(
     cache: DynamicCache, slot_positions: torch.Tensor, positions: torch.Tensor
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -186,11 +220,7 @@ def kv_at_positions(
     Returns:
         Per-layer keys and values, ``[1, kv_heads, n, head_dim]``, new contiguous tensors.
     """
-    lookup = torch.full((int(slot_positions.max()) + 1,), -1, dtype=torch.long)
-    lookup[slot_positions] = torch.arange(slot_positions.numel())
-    slots = lookup[positions]
-    if bool((slots < 0).any()):
-        raise ValueError("asked for positions the cache does not hold")
+    slots = _slots_of(slot_positions, positions)
     keys, values = [], []
     for layer in range(hf_cache.num_layers(cache)):
         k, v = hf_cache.layer_kv(cache, layer)

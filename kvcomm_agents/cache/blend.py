@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
 import torch
 from transformers import PreTrainedModel
 
-from ..plan import CallPlan, ReusedRun
+from ..plan import CallPlan
 from . import hf_cache
 from .assembly import assemble_layer
 from .rope import RopeRotator
@@ -48,8 +49,11 @@ def _probe_layer_kv(model: PreTrainedModel, plan: CallPlan, layer: int) -> tuple
     else:
         cache = hf_cache.new_cache(model)
 
+    prober = threading.get_ident()
+
     def stop(*_):
-        raise _ProbeDone
+        if threading.get_ident() == prober:  # another engine sharing the model runs on
+            raise _ProbeDone
 
     handle = _decoder_layers(model)[layer].register_forward_hook(stop)
     try:
@@ -74,30 +78,6 @@ def deviation_per_token(
     return (dk + dv).cpu()
 
 
-def _split_run(run: ReusedRun, drop: torch.Tensor) -> list[ReusedRun]:
-    """The pieces of ``run`` left after removing the prompt positions in ``drop`` (sorted)."""
-    keep = torch.ones(run.length, dtype=torch.bool)
-    inside = drop[(drop >= run.prompt_start) & (drop < run.prompt_end)] - run.prompt_start
-    if inside.numel() == 0:
-        return [run]
-    keep[inside] = False
-    pieces, i = [], 0
-    while i < run.length:
-        if not keep[i]:
-            i += 1
-            continue
-        j = i
-        while j < run.length and keep[j]:
-            j += 1
-        pieces.append(dataclasses.replace(
-            run, prompt_start=run.prompt_start + i, segment_start=run.segment_start + i, length=j - i,
-            key_offsets=None if run.key_offsets is None else run.key_offsets[:, :, i:j],
-            value_offsets=None if run.value_offsets is None else run.value_offsets[:, :, i:j],
-        ))
-        i = j
-    return pieces
-
-
 def select_recompute(
     model: PreTrainedModel, rotator: RopeRotator, plan: CallPlan, *, share: float, probe_layers: int = 2
 ) -> tuple[CallPlan, int]:
@@ -110,8 +90,8 @@ def select_recompute(
             layer 0 of re-rotated KV is exact, so at least 2).
 
     Returns:
-        ``(new_plan, recomputed)``: the plan with the chosen tokens removed from its runs, and
-        how many tokens were chosen.
+        ``(new_plan, recomputed)``: the plan with the chosen positions in ``recompute`` (the
+        assembly drops their reused KV, the prefill computes them), and how many were chosen.
     """
     reused = sum(run.length for run in plan.runs)
     count = min(reused, math.ceil(share * reused))
@@ -126,5 +106,4 @@ def select_recompute(
         (real_k.index_select(2, index), real_v.index_select(2, index)), reused_kv
     )
     chosen = positions[torch.topk(deviation, count).indices].sort().values
-    runs = [piece for run in plan.runs for piece in _split_run(run, chosen)]
-    return dataclasses.replace(plan, runs=runs), count
+    return dataclasses.replace(plan, recompute=chosen), count

@@ -131,16 +131,18 @@ def stacked_layers(holder) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """All layers of a KV holder (a :class:`KVSegment` or a prefix entry) as ``[L, kv_heads, T,
     head_dim]`` keys and values, or None when its layers live on different devices.
 
-    Stacked once, on first use: the holder's per-layer lists are then re-pointed at views of the
-    stacked tensors, so no second copy is kept, and whole-model operations (re-rotation, offsets,
-    anchor distances) become one tensor operation instead of one per layer."""
+    Holders the engine creates are stacked at creation (their per-layer tensors are views of the
+    stacked ones, see ``packaging.cut_segment``), so this is free; others are stacked here once
+    and kept (a copy)."""
     cached = holder._stacked
     if cached is None:
         if len({t.device for t in holder.keys}) != 1:
             return None
-        keys = torch.stack([t[0] for t in holder.keys])
-        values = torch.stack([t[0] for t in holder.values])
-        holder.keys = [keys[i : i + 1] for i in range(keys.shape[0])]
-        holder.values = [values[i : i + 1] for i in range(values.shape[0])]
-        cached = holder._stacked = (keys, values)
+        cached = (torch.stack([t[0] for t in holder.keys]), torch.stack([t[0] for t in holder.values]))
+        holder._stacked = cached
     return cached
+
+
+def from_stacked(keys: torch.Tensor, values: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer ``[1, kv_heads, T, head_dim]`` views of stacked ``[L, kv_heads, T, head_dim]`` KV."""
+    return [keys[i : i + 1] for i in range(keys.shape[0])], [values[i : i + 1] for i in range(values.shape[0])]

@@ -155,8 +155,11 @@ class SegmentStore:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         model: str,
+        *,
+        stacked: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> bool:
-        """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers."""
+        """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers.
+        ``stacked``: the same KV as ``[L, kv_heads, n, head_dim]`` tensors whose views the lists are."""
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
             hit = self.longest_prefix(ids, model)
@@ -167,7 +170,7 @@ class SegmentStore:
                     n = entry.token_ids.numel()
                     if n <= ids.numel() and entry.common_prefix(ids) == n:
                         self._remove(key)  # covered; a running call keeps its own tensors
-            entry = PrefixEntry(f"prefix-{next(_prefix_ids)}", ids, list(keys), list(values), model)
+            entry = PrefixEntry(f"prefix-{next(_prefix_ids)}", ids, list(keys), list(values), model, stacked)
             return self._insert(entry.id, entry)
 
     def longest_prefix(self, token_ids: torch.Tensor, model: str) -> tuple[PrefixEntry, int] | None:
