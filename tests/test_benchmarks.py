@@ -92,4 +92,4 @@ def test_workloads_have_the_declared_shape():
         request = workload.requests[0]
         k = len(request.agents) - 1
         ids = render_prompt(tokenizer, request.messages(k, ["reply"] * k)).ids
-        assert ids.numel() > 20 and len({r.key for r in workload.requests}) == 2
+        assert ids.numel() > 20 and len({r.key for r in workload.requests}) == len(workload.requests) >= 1
