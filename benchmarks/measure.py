@@ -137,6 +137,19 @@ def _stats_fields(out: CallOutcome) -> dict:
     }
 
 
+def _record(phase, workload, r, key, warmup, k, agent, strategy, out: CallOutcome, dense) -> dict:
+    """The fields every protocol records for one call of one strategy."""
+    return {
+        "phase": phase, "workload": workload.name, "request": r, "key": key, "warmup": warmup,
+        "agent_index": k + 1, "agent": agent, "strategy": strategy.name,
+        "prompt_tokens": out.prompt_tokens, "reused_tokens": out.reused_tokens, "ttft_s": out.ttft_s,
+        "dense_ttft_s": dense.ttft_s if dense else None, "before_prefill_s": out.before_prefill_s,
+        "anchor_bytes": strategy.anchor_bytes(), "kv_bytes": strategy.kv_bytes(),
+        "store_evictions": strategy.evictions(), "peak_extra_bytes": out.peak_extra_bytes,
+        **_stats_fields(out),
+    }
+
+
 def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,
                eos_ids, phase: str, progress: Callable[[int], None] = lambda n: None,
                checkpoint: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:
@@ -164,19 +177,12 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
             for strategy in strategies:
                 out = outcomes[strategy.name]
                 records.append({
-                    "phase": phase, "workload": workload.name, "request": r, "key": request.key,
-                    "warmup": r < warmup, "agent_index": k + 1, "agent": agent, "strategy": strategy.name,
-                    "prompt_tokens": out.prompt_tokens, "reused_tokens": out.reused_tokens,
-                    "ttft_s": out.ttft_s, "dense_ttft_s": dense.ttft_s,
+                    **_record(phase, workload, r, request.key, r < warmup, k, agent, strategy, out, dense),
                     "lower_bound_ttft_s": lower.ttft_s if lower else None,
-                    "before_prefill_s": out.before_prefill_s,
                     "kl": first_token_kl(dense.logits, out.logits),
                     # None when nothing can be compared (dense itself left the forced reply at once)
                     "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
                     "agree_window": window,
-                    "anchor_bytes": strategy.anchor_bytes(), "kv_bytes": strategy.kv_bytes(),
-                    "store_evictions": strategy.evictions(), "peak_extra_bytes": out.peak_extra_bytes,
-                    **_stats_fields(out),
                 })
             progress(1)
         checkpoint(records)
@@ -203,13 +209,8 @@ def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: in
             for strategy in strategies:
                 out = outcomes[strategy.name]
                 records.append({
-                    "phase": phase, "workload": workload.name, "request": r, "key": request.key,
-                    "warmup": r < warmup, "agent_index": k + 1, "agent": agent, "strategy": strategy.name,
-                    "prompt_tokens": out.prompt_tokens, "reused_tokens": out.reused_tokens, "ttft_s": out.ttft_s,
-                    "dense_ttft_s": dense.ttft_s if dense else None, "lower_bound_ttft_s": None,
-                    "before_prefill_s": out.before_prefill_s, "generated_tokens": len(out.token_ids),
-                    "anchor_bytes": strategy.anchor_bytes(), "kv_bytes": strategy.kv_bytes(),
-                    **_stats_fields(out),
+                    **_record(phase, workload, r, request.key, r < warmup, k, agent, strategy, out, dense),
+                    "lower_bound_ttft_s": None, "generated_tokens": len(out.token_ids),
                 })
             progress(1)
         final = workload.final_answer or (lambda texts: texts[-1])
