@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from transformers import LogitsProcessorList
@@ -159,22 +159,30 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
     names = [s.name for s in strategies]
     if "dense" not in names:
         raise ValueError("the forced protocol needs the dense strategy (the reference)")
+    if any(s.name == "dense" and s.requests is not None for s in strategies):
+        raise ValueError("the dense strategy is the reference: it takes part in every request")
     records = []
     turn = 0
     for r, request in enumerate(workload.requests):
         replies = refs[request.key]
         for k, agent in enumerate(request.agents):
             messages = request.messages(k, [c["text"] for c in replies[:k]])
-            # the last agent's reply feeds nobody: forcing the agreement window is enough
-            forced = replies[k]["ids"] if k + 1 < len(request.agents) else replies[k]["ids"][:AGREE_K]
+            forced = replies[k]["ids"]
+            # the last agent's reply feeds nobody, nor does what a non-caching strategy is forced:
+            # forcing the agreement window is enough for them
+            last = k + 1 == len(request.agents)
+            taking_part = [s for s in strategies if s.takes_part(r)]
             outcomes: dict[str, CallOutcome] = {}
-            for strategy in _rotated(strategies, turn):
-                outcomes[strategy.name] = strategy.call(messages, agent, forced_ids=forced)
+            for strategy in _rotated(taking_part, turn):
+                # dense gets the whole reply too: how far it follows the (batched) references
+                whole = strategy.name == "dense" or (strategy.keeps_replies and not last)
+                mine = forced if whole else forced[:AGREE_K]
+                outcomes[strategy.name] = strategy.call(messages, agent, forced_ids=mine)
             turn += 1
             dense = outcomes["dense"]
             window = min(agreement_window(forced, eos_ids), dense.greedy_prefix or 0)
             lower = outcomes.get("lower-bound")
-            for strategy in strategies:
+            for strategy in taking_part:
                 out = outcomes[strategy.name]
                 records.append({
                     **_record(phase, workload, r, request.key, r < warmup, k, agent, strategy, out, dense),
@@ -182,7 +190,7 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
                     "kl": first_token_kl(dense.logits, out.logits),
                     # None when nothing can be compared (dense itself left the forced reply at once)
                     "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
-                    "agree_window": window,
+                    "agree_window": window, "greedy_prefix": out.greedy_prefix, "forced_tokens": len(forced),
                 })
             progress(1)
         checkpoint(records)
@@ -190,9 +198,15 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
 
 
 def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: int, phase: str,
+                   refs: Optional[dict[str, list[dict]]] = None,
                    progress: Callable[[int], None] = lambda n: None) -> tuple[list[dict], list[dict]]:
     """Each strategy feeds itself (its own replies go downstream). Returns per-call records and
-    per-request answers (final answer per strategy, gold)."""
+    per-request answers (final answer per strategy, gold).
+
+    ``refs``: the dense pipeline's replies (``references``, greedy, batched), standing in for a
+    dense strategy that would decode them again; its final answer is recorded as ``dense``. The
+    forced protocol measures how closely the unbatched dense engine follows them
+    (``greedy_prefix`` of the dense strategy's records)."""
     records, answers = [], []
     turn = 0
     for r, request in enumerate(workload.requests):
@@ -213,6 +227,8 @@ def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: in
                     "lower_bound_ttft_s": None, "generated_tokens": len(out.token_ids),
                 })
             progress(1)
+        if refs is not None:
+            replies["dense"] = [reply["text"] for reply in refs[request.key]]
         final = workload.final_answer or (lambda texts: texts[-1])
         answers.append({
             "phase": phase, "request": r, "key": request.key, "warmup": r < warmup, "gold": request.gold,

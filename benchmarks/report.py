@@ -74,6 +74,20 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def dense_follows_references(records: list[dict]) -> dict:
+    """How closely the dense strategy (the engine, unbatched) follows the batched dense reference
+    replies it is forced with: the share of calls whose greedy run gives the whole reply, and the
+    mean share of reply tokens before the first departure. This bounds what batching changes in
+    the dense pipeline the end-to-end phase compares with."""
+    dense = [r for r in records if r["strategy"] == "dense" and r.get("greedy_prefix") is not None
+             and r.get("forced_tokens")]
+    if not dense:
+        return {"calls": 0, "whole_reply": None, "token_share": None}
+    return {"calls": len(dense),
+            "whole_reply": sum(r["greedy_prefix"] >= r["forced_tokens"] for r in dense) / len(dense),
+            "token_share": sum(min(1.0, r["greedy_prefix"] / r["forced_tokens"]) for r in dense) / len(dense)}
+
+
 def summarize_answers(answers: list[dict]) -> list[dict]:
     """Per strategy: final answers equal to the dense pipeline's, and task accuracy."""
     measured = [a for a in answers if not a["warmup"]]

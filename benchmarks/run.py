@@ -4,9 +4,12 @@ Phases (each resumable: a finished phase with the same settings is loaded, not r
 replies are cached request by request):
 
 - ``a``: (a) the paper's TTFT shape, forced protocol, every strategy.
-- ``b``: (b) GSM8K debate, forced protocol, every strategy, plus the noise floor (dense bf16).
-- ``b-e2e``: (b) end to end (each strategy feeds itself): dense, re-rotation only, KVCOMM.
-- ``b-gamma``: (b) KVCOMM (mean) at each gamma, with dense and re-rotation only.
+- ``b``: (b) GSM8K debate, forced protocol, every strategy; on its first questions also the
+  noise floor (dense bf16) and KVCOMM (mean) at every other gamma.
+- ``b-gamma``: the gamma sweep, read from phase ``b`` (runs it if needed): dense, re-rotation
+  only and KVCOMM (mean) at each gamma on the same first questions.
+- ``b-e2e``: (b) end to end (each strategy feeds itself): re-rotation only and KVCOMM against
+  the dense pipeline (the cached dense replies).
 - ``c``: (c) RAG hand-off, forced protocol. ``d``: (d) HumanEval pipeline, forced protocol.
 
     python -m benchmarks [--profile quick|default|smoke|gpu] [--model embedded|random:<shape>|PATH]
@@ -49,37 +52,42 @@ class Profile:
     b_agents: int = 4
     b_warmup: int = 5
     b_requests: int = 40
+    noise_requests: int = 10  # the bf16 noise floor, on the first measured questions of (b)
     e2e_warmup: int = 0
-    e2e_requests: int = 5  # issue: 20; decoding is ~0.1 s/token on 2 CPU cores
-    e2e_reply_tokens: int = 48
+    e2e_requests: int = 20
+    e2e_reply_tokens: int = 128
     gamma_values: tuple = (0.1, 0.3, 0.9)
-    gamma_requests: int = 10
+    gamma_requests: int = 10  # the first measured questions of (b)
     c_warmup: int = 2
-    c_requests: int = 4  # issue: 10; ~1,500-token prompts, ~25 s per agent for all strategies
+    c_requests: int = 10
     d_warmup: int = 2
-    d_requests: int = 4  # issue: 10
-    noise_floor: bool = True
+    d_requests: int = 10
+    #: strategies of (c) and (d) (None: all); the default profile leaves out exact prefix caching
+    #: and the two KVCOMM variants, measured in (a) and (b), to fit its time on 2 CPU cores
+    cd_strategies: Optional[tuple] = None
 
     def describe(self) -> str:
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens; (a) N={self.a_agents} P={self.a_lead} "
                 f"I={self.a_input} O={self.a_reply}, {self.a_warmup} warm-up + {self.a_requests} measured requests; "
-                f"(b) {self.b_agents} solvers, {self.b_warmup} warm-up + {self.b_requests} questions (fidelity), "
-                f"{self.e2e_warmup} + {self.e2e_requests} end to end (replies <= {self.e2e_reply_tokens}), gamma {list(self.gamma_values)} on "
-                f"{self.b_warmup} + {self.gamma_requests}; (c) {self.c_warmup} + {self.c_requests}; "
-                f"(d) {self.d_warmup} + {self.d_requests}")
+                f"(b) {self.b_agents} solvers, {self.b_warmup} warm-up + {self.b_requests} questions (fidelity; "
+                f"noise floor on the first {self.noise_requests}), "
+                f"{self.e2e_warmup} + {self.e2e_requests} end to end (replies <= {self.e2e_reply_tokens}), gamma {list(self.gamma_values)} on the first "
+                f"{self.gamma_requests} of (b); (c) {self.c_warmup} + {self.c_requests}; "
+                f"(d) {self.d_warmup} + {self.d_requests}"
+                + (f", (c) and (d) with {', '.join(self.cd_strategies)}" if self.cd_strategies else ""))
 
 
 PROFILES = {
-    "default": Profile("default"),
+    "default": Profile("default", cd_strategies=("dense", "rerotate", "cacheblend", "kvcomm-mean", "lower-bound")),
     "quick": Profile("quick", reply_tokens=64, a_agents=4, a_lead=128, a_input=256, a_reply=64, a_warmup=3,
-                     a_requests=3, b_warmup=4, b_requests=6, e2e_warmup=1, e2e_requests=3, e2e_reply_tokens=32, gamma_values=(0.1, 0.9),
+                     a_requests=3, b_warmup=4, b_requests=6, noise_requests=3, e2e_warmup=1, e2e_requests=3, e2e_reply_tokens=32, gamma_values=(0.1, 0.9),
                      gamma_requests=4, c_warmup=2, c_requests=2, d_warmup=2, d_requests=2),
     "smoke": Profile("smoke", reply_tokens=8, a_agents=3, a_lead=24, a_input=48, a_reply=8, a_warmup=1,
-                     a_requests=1, b_agents=3, b_warmup=1, b_requests=1, e2e_warmup=0, e2e_requests=1, e2e_reply_tokens=8,
-                     gamma_values=(0.3,), gamma_requests=1, c_warmup=0, c_requests=1, d_warmup=0, d_requests=1),
+                     a_requests=1, b_agents=3, b_warmup=1, b_requests=2, noise_requests=1, e2e_warmup=0, e2e_requests=1, e2e_reply_tokens=8,
+                     gamma_values=(0.1, 0.3), gamma_requests=1, c_warmup=0, c_requests=1, d_warmup=0, d_requests=1),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh): TTFT only, replies generated once
     "gpu": Profile("gpu", a_agents=5, a_lead=512, a_input=1024, a_reply=512, a_warmup=2, a_requests=2,
-                   noise_floor=False),
+                   noise_requests=0),
 }
 PHASES = ("a", "b", "b-gamma", "c", "d", "b-e2e")
 E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean")
@@ -145,9 +153,6 @@ def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
     if phase == "b-e2e":
         return gsm8k_debate(requests=p.e2e_warmup + p.e2e_requests, agents=p.b_agents,
                             reply_tokens=p.e2e_reply_tokens), p.e2e_warmup
-    if phase == "b-gamma":
-        return gsm8k_debate(requests=p.b_warmup + p.gamma_requests, agents=p.b_agents,
-                            reply_tokens=p.reply_tokens), p.b_warmup
     if phase == "c":
         return rag_handoff(requests=p.c_warmup + p.c_requests, reply_tokens=p.reply_tokens), p.c_warmup
     if phase == "d":
@@ -155,9 +160,8 @@ def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
     raise ValueError(f"unknown phase '{phase}'; known: {', '.join(PHASES)}")
 
 
-_PHASE_FIELDS = {"a": ("a_",), "b": ("b_", "reply_tokens", "noise_floor"), "b-e2e": ("b_agents", "e2e_"),
-                 "b-gamma": ("b_agents", "b_warmup", "gamma_", "reply_tokens"), "c": ("c_", "reply_tokens"),
-                 "d": ("d_", "reply_tokens")}
+_PHASE_FIELDS = {"a": ("a_",), "b": ("b_", "reply_tokens", "noise_", "gamma_"), "b-e2e": ("b_agents", "e2e_"),
+                 "c": ("c_", "reply_tokens"), "d": ("d_", "reply_tokens")}
 
 
 def _relevant(profile: dict, phase: str) -> dict:
@@ -167,8 +171,14 @@ def _relevant(profile: dict, phase: str) -> dict:
 
 def run_phase(ctx: Context, phase: str) -> dict:
     """Run (or load, if finished with the same settings) one phase; returns its saved dict."""
+    if phase == "b-gamma":
+        return gamma_sweep(ctx, run_phase(ctx, "b"))
     workload, warmup = _workload(ctx, phase)
-    names = [n for n in ctx.args.strategies if n in E2E_STRATEGIES] if phase == "b-e2e" else list(ctx.args.strategies)
+    names = list(ctx.args.strategies)
+    if phase == "b-e2e":
+        names = [n for n in names if n in E2E_STRATEGIES]
+    elif phase in ("c", "d") and ctx.profile.cd_strategies:
+        names = [n for n in names if n in ctx.profile.cd_strategies]
     signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "device": ctx.device,
                  "profile": _relevant(asdict(ctx.profile), phase),
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share}
@@ -181,25 +191,19 @@ def run_phase(ctx: Context, phase: str) -> dict:
             print(f"phase {phase}: finished earlier, loaded {path}")
             return saved
     started = time.perf_counter()
-    m = ctx.loaded
     calls = sum(len(r.agents) for r in workload.requests)
     answers: list[dict] = []
     if phase == "b-e2e":
-        strategies = _strategies(ctx, names)
-        bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")
-        records, answers = measure.run_end_to_end(workload, strategies, warmup=warmup, phase=phase, progress=bar.update)
+        # the dense pipeline is the dense replies every forced phase uses (greedy, batched):
+        # decoding them again unbatched would double this phase's time
+        refs = _refs(ctx, workload)
+        strategies = _strategies(ctx, [n for n in names if n != "dense"])
+        bar = _progress(calls, f"{phase} ({len(strategies)} strategies + dense replies)")
+        records, answers = measure.run_end_to_end(workload, strategies, warmup=warmup, phase=phase, refs=refs,
+                                                  progress=bar.update)
     else:
         refs = _refs(ctx, workload)
-        if phase == "b-gamma":
-            strategies = _strategies(ctx, [n for n in ("dense", "rerotate") if n in names])
-            for gamma in ctx.profile.gamma_values:
-                strategy = build("kvcomm-mean", m.model, m.tokenizer, gamma=gamma)
-                strategy.name = f"kvcomm-mean(gamma={gamma:g})"
-                strategies.append(strategy)
-        else:
-            strategies = _strategies(ctx, names)
-            if phase == "b" and ctx.profile.noise_floor:
-                strategies.append(noise_floor(m.model, m.tokenizer))
+        strategies = _strategies(ctx, names) + (_subset_strategies(ctx, names) if phase == "b" else [])
         bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")
         partial = ctx.out / f"phase_{phase}.partial.json"
         records = measure.run_forced(
@@ -210,10 +214,43 @@ def run_phase(ctx: Context, phase: str) -> dict:
     bar.close()
     saved = {"signature": signature, "title": workload.title, "elapsed_s": time.perf_counter() - started,
              "requests": {"warmup": warmup, "measured": len(workload.requests) - warmup},
-             "records": records, "answers": answers}
+             "records": [r for r in records if "gamma=" not in r["strategy"]], "answers": answers,
+             "gamma_records": [r for r in records if "gamma=" in r["strategy"]]}
     path.write_text(json.dumps(saved))
     print(f"phase {phase}: {saved['elapsed_s']:.0f} s, written {path}")
     return saved
+
+
+def _subset_strategies(ctx: Context, names: list[str]) -> list[Strategy]:
+    """The rows of (b) measured on its first questions only, in the same run (paired with the
+    same dense calls): the bf16 noise floor, and KVCOMM (mean) at every other gamma (its pools
+    filled by the same warm-up questions)."""
+    m, p = ctx.loaded, ctx.profile
+    extra: list[Strategy] = []
+    if p.noise_requests:
+        extra.append(noise_floor(m.model, m.tokenizer, requests=range(p.b_warmup, p.b_warmup + p.noise_requests)))
+    if "kvcomm-mean" in names:
+        for gamma in p.gamma_values:
+            if gamma != ctx.args.gamma:
+                strategy = build("kvcomm-mean", m.model, m.tokenizer, gamma=gamma)
+                strategy.name = f"kvcomm-mean(gamma={gamma:g})"
+                strategy.requests = range(p.b_warmup + p.gamma_requests)
+                extra.append(strategy)
+    return extra
+
+
+def gamma_sweep(ctx: Context, b: dict) -> dict:
+    """The gamma sweep, taken from phase (b)'s run: dense, re-rotation only and KVCOMM (mean) at
+    the run's gamma on the first questions, with the other gammas measured there alongside."""
+    p = ctx.profile
+    stop = p.b_warmup + p.gamma_requests
+    renamed = {"dense": "dense", "rerotate": "rerotate", "kvcomm-mean": f"kvcomm-mean(gamma={ctx.args.gamma:g})"}
+    records = [{**r, "phase": "b-gamma", "strategy": renamed[r["strategy"]]}
+               for r in b["records"] if r["request"] < stop and r["strategy"] in renamed]
+    records += [{**r, "phase": "b-gamma"} for r in b.get("gamma_records", [])]
+    return {"signature": b["signature"], "title": b["title"], "elapsed_s": 0.0,
+            "requests": {"warmup": p.b_warmup, "measured": min(p.gamma_requests, b["requests"]["measured"])},
+            "records": records, "answers": [], "derived_from": "b"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -269,11 +306,17 @@ def main(argv=None) -> dict:
         rows += phase_rows
         all_records += saved["records"]
         results["phases"][phase] = {"title": saved["title"], "requests": saved["requests"],
-                                    "elapsed_s": saved["elapsed_s"], "answers": report.summarize_answers(saved["answers"])}
+                                    "elapsed_s": saved["elapsed_s"], "answers": report.summarize_answers(saved["answers"]),
+                                    "dense_follows_references": report.dense_follows_references(saved["records"])}
         results["rows"] = rows
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for phase in args.phases:
         report.print_phase(phase, results["phases"][phase]["title"], rows, per_agent=phase == "a")
+        follows = results["phases"][phase]["dense_follows_references"]
+        if follows["calls"]:
+            print(f"  dense (engine, unbatched) follows the batched dense replies: whole reply in "
+                  f"{100 * follows['whole_reply']:.0f}% of {follows['calls']} calls, "
+                  f"{100 * follows['token_share']:.0f}% of reply tokens before a departure")
         for answer in results["phases"][phase]["answers"]:
             accuracy = "-" if answer["accuracy"] is None else f"{100 * answer['accuracy']:.0f}%"
             print(f"  end to end {answer['strategy']:<14} final answer = dense "

@@ -68,10 +68,23 @@ class CallOutcome:
 
 
 class Strategy:
-    """Interface: ``call(messages, agent, forced_ids=None, max_new_tokens=...)``."""
+    """Interface: ``call(messages, agent, forced_ids=None, max_new_tokens=...)``.
+
+    Attributes:
+        generates: can run end to end (feeding itself).
+        keeps_replies: later calls reuse what this strategy keeps of a forced reply, so the
+            forced protocol feeds it the whole reply; the others get only the agreement window.
+        requests: indices of the requests it takes part in (None: all), for the rows measured
+            on a subset (the noise floor, the gamma sweep).
+    """
 
     name: str
-    generates: bool = True  # can run end to end (feeding itself)
+    generates: bool = True
+    keeps_replies: bool = False
+    requests: Optional[range] = None
+
+    def takes_part(self, request: int) -> bool:
+        return self.requests is None or request in self.requests
 
     def call(self, messages: list[dict], agent: str, forced_ids: Optional[Sequence[int]] = None,
              max_new_tokens: int = 128) -> CallOutcome:
@@ -110,6 +123,7 @@ class EngineStrategy(Strategy):
         store_gib, anchor_gib = BUDGETS_GIB.get(self.device.type, BUDGETS_GIB["cpu"])
         self.settings = {"store_max_bytes": store_gib * 1024**3, "anchor_max_bytes": anchor_gib * 1024**3, **settings}
         self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**self.settings))
+        self.keeps_replies = self.engine.config.reuse
 
     def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
         start = _cuda_peak_start(self.device)
@@ -187,7 +201,10 @@ def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: f
     return EngineStrategy(name, model, tokenizer, settings_of(name, gamma=gamma, recompute_share=recompute_share))
 
 
-def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16) -> EngineStrategy:
-    """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's."""
+def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16, requests: Optional[range] = None) -> EngineStrategy:
+    """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's
+    (only on ``requests``, if given: on a CPU, bf16 is several times slower than fp32)."""
     other = copy.deepcopy(model).to(dtype)
-    return EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"reuse": False})
+    strategy = EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"reuse": False})
+    strategy.requests = requests
+    return strategy

@@ -20,18 +20,28 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     results = run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(out)])
     folder = out / "random-tiny" / "smoke"
-    records = [r for phase in run.PHASES for r in json.loads((folder / f"phase_{phase}.json").read_text())["records"]]
-    return results, records, folder, out
+    saved = {phase: json.loads((folder / f"phase_{phase}.json").read_text()) for phase in run.PHASES if phase != "b-gamma"}
+    records = [r for phase in saved.values() for r in phase["records"]]
+    return results, records, folder, out, saved
 
 
 def test_every_phase_and_strategy_is_reported(smoke):
-    results, records, folder, _ = smoke
+    results, records, folder, _, saved_phases = smoke
     assert set(results["phases"]) == set(run.PHASES)
     for phase in ("a", "b", "c", "d"):
         assert {r["strategy"] for r in records if r["phase"] == phase} >= set(NAMES)
-    assert {r["strategy"] for r in records if r["phase"] == "b-e2e"} == set(run.E2E_STRATEGIES)
+    # end to end: dense is the cached dense pipeline, not decoded again
+    assert {r["strategy"] for r in records if r["phase"] == "b-e2e"} == set(run.E2E_STRATEGIES) - {"dense"}
+    assert {a["strategy"] for a in results["phases"]["b-e2e"]["answers"]} == set(run.E2E_STRATEGIES)
     assert any(r["strategy"].startswith("noise-floor") for r in records if r["phase"] == "b")
-    assert any("gamma=" in r["strategy"] for r in records if r["phase"] == "b-gamma")
+    assert not (folder / "phase_b-gamma.json").exists()  # read from phase b, where it ran alongside
+    gamma_rows = {r["strategy"] for r in results["rows"] if r["phase"] == "b-gamma"}
+    assert gamma_rows == {"dense", "rerotate", "kvcomm-mean(gamma=0.1)", "kvcomm-mean(gamma=0.3)"}
+    # measured on (b)'s first questions only: warm-up 1 + gamma 1, and the noise floor on measured question 1
+    b = saved_phases["b"]
+    assert {r["request"] for r in b["gamma_records"]} == {0, 1}
+    assert {r["request"] for r in b["records"] if r["strategy"].startswith("noise-floor")} == {1}
+    assert {r["request"] for r in b["records"] if r["strategy"] == "dense"} == {0, 1, 2}
     saved = json.loads((folder / "results.json").read_text())
     assert saved["versions"]["torch"] and saved["rows"]
     assert {p.split("/")[-1] for p in saved["plots"]} == {
@@ -41,7 +51,7 @@ def test_every_phase_and_strategy_is_reported(smoke):
 
 
 def test_strategies_see_identical_prompts_and_the_exact_ones_are_exact(smoke):
-    _, records, _, _ = smoke
+    _, records, _, _, _ = smoke
     forced = [r for r in records if r["phase"] in ("a", "b", "c", "d")]
     by_slot = {}
     for r in forced:
@@ -52,12 +62,13 @@ def test_strategies_see_identical_prompts_and_the_exact_ones_are_exact(smoke):
             assert r["kl"] < 1e-4, r  # exact: dense on its own, an exact prefix, the exact cache
         if r["strategy"] == "dense":
             assert r["reused_tokens"] == 0 and r["agree"]
+            assert 0 <= r["greedy_prefix"] <= r["forced_tokens"]  # forced the whole reply
         if r["strategy"] == "prefix":
             assert set(r["prefilled_reasons"]) <= {"exact_only"}
 
 
 def test_reuse_strategies_reuse_downstream(smoke):
-    _, records, _, _ = smoke
+    _, records, _, _, _ = smoke
     downstream = [r for r in records if r["phase"] in ("a", "b") and r["agent_index"] > 1 and not r["warmup"]]
     for name in ("rerotate", "cacheblend"):
         mine = [r for r in downstream if r["strategy"] == name]
@@ -69,7 +80,7 @@ def test_reuse_strategies_reuse_downstream(smoke):
 
 
 def test_a_finished_phase_is_loaded_not_rerun(smoke, capsys):
-    _, _, folder, out = smoke
+    _, _, folder, out, _ = smoke
     before = (folder / "phase_b.json").stat().st_mtime_ns
     run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(out), "--phases", "b",
               "--no-plots"])
