@@ -1,10 +1,12 @@
 """The measurement protocols: dense reference replies, the forced (fidelity + TTFT) protocol and
 the end-to-end protocol. Every strategy gets identical token ids.
 
-Forced protocol: for each request and agent, every strategy (in an order that rotates from call
-to call) answers the same messages, with dense's reply forced as the agent's reply, so the
-upstream KV each strategy reuses is what its own engine made for that same reply and only the KV
-approximation differs. KL and k-token agreement are taken against the dense strategy's call on
+Forced protocol: for each request and agent, every strategy taking part (in an order that
+rotates from slot to slot) answers the same messages, with dense's reply forced as the agent's
+reply, so the upstream KV each strategy reuses is what its own engine made for that same reply
+and only the KV approximation differs. Strategies that keep nothing for later calls, and every
+strategy on the last agent, are forced only the agreement window; dense always gets the whole
+reply (how far it follows it is recorded). KL and k-token agreement are taken against the dense strategy's call on
 the same ids in the same slot; time to first token is paired with dense's and the lower bound's
 in the same slot (ratios, not absolute times, are what survives a noisy machine).
 """
@@ -34,9 +36,11 @@ def references(workload: Workload, model, tokenizer, path: Path, *, progress: Ca
     and extended batch by batch (a rerun generates only the missing ones).
 
     Replies are generated for a batch of requests at once (left padding), agent by agent: batched
-    rounding may pick another token at a near-tie than an unbatched run would, which is harmless:
-    the replies are only the text every strategy is fed, and agreement is measured against the
-    dense strategy's own greedy run on the same ids (see ``run_forced``)."""
+    rounding may pick another token at a near-tie than an unbatched run would. In the forced
+    protocol that is harmless (the replies are only the text every strategy is fed, and agreement
+    is measured against the dense strategy's own greedy run on the same ids); the end-to-end
+    protocol uses them as the dense pipeline, and ``run_forced`` records how far the unbatched
+    dense engine follows them (``report.dense_follows_references``)."""
     refs: dict[str, list[dict]] = torch.load(path) if path.is_file() else {}
     missing = [r for r in workload.requests if r.key not in refs]
     progress(len(workload.requests) - len(missing))
@@ -111,6 +115,11 @@ def _within_vocab(tokenizer) -> LogitsProcessorList:
 
 # ---- protocols ------------------------------------------------------------------------------
 def _rotated(strategies: list[Strategy], turn: int) -> list[Strategy]:
+    """The strategies in the order of slot ``turn``: callers pass request + agent index, so that
+    every agent index sees every strategy in every position across requests (a running call
+    count would not when the agent count and the strategy count share a factor)."""
+    if not strategies:
+        return []
     turn %= len(strategies)
     return strategies[turn:] + strategies[:turn]
 
@@ -153,16 +162,17 @@ def _record(phase, workload, r, key, warmup, k, agent, strategy, out: CallOutcom
 def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,
                eos_ids, phase: str, progress: Callable[[int], None] = lambda n: None,
                checkpoint: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:
-    """The forced protocol over every request; the first ``warmup`` requests are marked warm-up
-    (they fill stores and anchor pools and are left out of the summaries). ``checkpoint`` gets
-    the records so far after each request."""
+    """The forced protocol over every request, for the strategies taking part in it
+    (``Strategy.takes_part``; dense takes part in all); the first ``warmup`` requests are marked
+    warm-up (they fill stores and anchor pools and are left out of the summaries). ``checkpoint``
+    gets the records so far after each request. ``forced_tokens``: the reply length the strategy
+    was forced; ``greedy_prefix``: how many of them its greedy run gives too."""
     names = [s.name for s in strategies]
     if "dense" not in names:
         raise ValueError("the forced protocol needs the dense strategy (the reference)")
     if any(s.name == "dense" and s.requests is not None for s in strategies):
         raise ValueError("the dense strategy is the reference: it takes part in every request")
     records = []
-    turn = 0
     for r, request in enumerate(workload.requests):
         replies = refs[request.key]
         for k, agent in enumerate(request.agents):
@@ -173,12 +183,12 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
             last = k + 1 == len(request.agents)
             taking_part = [s for s in strategies if s.takes_part(r)]
             outcomes: dict[str, CallOutcome] = {}
-            for strategy in _rotated(taking_part, turn):
+            mine_of: dict[str, list[int]] = {}
+            for strategy in _rotated(taking_part, r + k):
                 # dense gets the whole reply too: how far it follows the (batched) references
                 whole = strategy.name == "dense" or (strategy.keeps_replies and not last)
-                mine = forced if whole else forced[:AGREE_K]
+                mine = mine_of[strategy.name] = forced if whole else forced[:AGREE_K]
                 outcomes[strategy.name] = strategy.call(messages, agent, forced_ids=mine)
-            turn += 1
             dense = outcomes["dense"]
             window = min(agreement_window(forced, eos_ids), dense.greedy_prefix or 0)
             lower = outcomes.get("lower-bound")
@@ -190,7 +200,7 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
                     "kl": first_token_kl(dense.logits, out.logits),
                     # None when nothing can be compared (dense itself left the forced reply at once)
                     "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
-                    "agree_window": window, "greedy_prefix": out.greedy_prefix, "forced_tokens": len(forced),
+                    "agree_window": window, "greedy_prefix": out.greedy_prefix, "forced_tokens": len(mine_of[strategy.name]),
                 })
             progress(1)
         checkpoint(records)
@@ -208,17 +218,15 @@ def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: in
     forced protocol measures how closely the unbatched dense engine follows them
     (``greedy_prefix`` of the dense strategy's records)."""
     records, answers = [], []
-    turn = 0
     for r, request in enumerate(workload.requests):
         replies: dict[str, list[str]] = {s.name: [] for s in strategies}
         for k, agent in enumerate(request.agents):
             outcomes: dict[str, CallOutcome] = {}
-            for strategy in _rotated(strategies, turn):
+            for strategy in _rotated(strategies, r + k):
                 out = strategy.call(request.messages(k, replies[strategy.name]), agent,
                                     max_new_tokens=workload.reply_tokens)
                 outcomes[strategy.name] = out
                 replies[strategy.name].append(out.text)
-            turn += 1
             dense = outcomes.get("dense")
             for strategy in strategies:
                 out = outcomes[strategy.name]

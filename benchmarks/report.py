@@ -78,9 +78,10 @@ def dense_follows_references(records: list[dict]) -> dict:
     """How closely the dense strategy (the engine, unbatched) follows the batched dense reference
     replies it is forced with: the share of calls whose greedy run gives the whole reply, and the
     mean share of reply tokens before the first departure. This bounds what batching changes in
-    the dense pipeline the end-to-end phase compares with."""
-    dense = [r for r in records if r["strategy"] == "dense" and r.get("greedy_prefix") is not None
-             and r.get("forced_tokens")]
+    the dense pipeline the end-to-end phase compares with. (Only for replies generated without
+    suppressed tokens: workload (a)'s exact-length replies depart by construction.)"""
+    dense = [r for r in records if r["strategy"] == "dense" and not r["warmup"]
+             and r.get("greedy_prefix") is not None and r.get("forced_tokens")]
     if not dense:
         return {"calls": 0, "whole_reply": None, "token_share": None}
     return {"calls": len(dense),

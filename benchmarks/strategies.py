@@ -73,7 +73,9 @@ class Strategy:
     Attributes:
         generates: can run end to end (feeding itself).
         keeps_replies: later calls reuse what this strategy keeps of a forced reply, so the
-            forced protocol feeds it the whole reply; the others get only the agreement window.
+            forced protocol feeds it the whole reply (except the last agent's, which feeds
+            nobody); the others get only the agreement window, but for dense (the reference),
+            which gets the whole reply so that ``run_forced`` records how far it follows it.
         requests: indices of the requests it takes part in (None: all), for the rows measured
             on a subset (the noise floor, the gamma sweep).
     """
