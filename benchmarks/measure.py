@@ -208,33 +208,33 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
 
 
 def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: int, phase: str,
-                   refs: Optional[dict[str, list[dict]]] = None,
+                   refs: Optional[dict[str, list[dict]]] = None, concurrent: bool = False,
                    progress: Callable[[int], None] = lambda n: None) -> tuple[list[dict], list[dict]]:
     """Each strategy feeds itself (its own replies go downstream). Returns per-call records and
-    per-request answers (final answer per strategy, gold).
+    per-request answers (final answer per strategy, gold). ``progress`` gets 1 per strategy call.
 
     ``refs``: the dense pipeline's replies (``references``, greedy, batched), standing in for a
     dense strategy that would decode them again; its final answer is recorded as ``dense``. The
     forced protocol measures how closely the unbatched dense engine follows them
-    (``greedy_prefix`` of the dense strategy's records)."""
+    (``greedy_prefix`` of the dense strategy's records).
+
+    ``concurrent``: each strategy's pipeline runs in its own thread, the CPU threads split
+    between them (the pipelines are independent: one engine each, and the model is only read).
+    Their times then share the machine: this protocol is for answers, and its records are marked
+    ``concurrent``; without it the strategies take turns slot by slot, as in ``run_forced``."""
+    run = _pipelines_concurrently if concurrent else _pipelines_interleaved
+    outcomes = run(workload, strategies, progress)  # name -> (request, agent index) -> outcome
     records, answers = [], []
     for r, request in enumerate(workload.requests):
-        replies: dict[str, list[str]] = {s.name: [] for s in strategies}
         for k, agent in enumerate(request.agents):
-            outcomes: dict[str, CallOutcome] = {}
-            for strategy in _rotated(strategies, r + k):
-                out = strategy.call(request.messages(k, replies[strategy.name]), agent,
-                                    max_new_tokens=workload.reply_tokens)
-                outcomes[strategy.name] = out
-                replies[strategy.name].append(out.text)
-            dense = outcomes.get("dense")
+            dense = outcomes["dense"][r, k] if "dense" in outcomes else None
             for strategy in strategies:
-                out = outcomes[strategy.name]
+                out = outcomes[strategy.name][r, k]
                 records.append({
                     **_record(phase, workload, r, request.key, r < warmup, k, agent, strategy, out, dense),
-                    "lower_bound_ttft_s": None, "generated_tokens": len(out.token_ids),
+                    "lower_bound_ttft_s": None, "generated_tokens": len(out.token_ids), "concurrent": concurrent,
                 })
-            progress(1)
+        replies = {s.name: [outcomes[s.name][r, k].text for k in range(len(request.agents))] for s in strategies}
         if refs is not None:
             replies["dense"] = [reply["text"] for reply in refs[request.key]]
         final = workload.final_answer or (lambda texts: texts[-1])
@@ -244,3 +244,40 @@ def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: in
         })
     return records, answers
 
+
+def _pipeline(workload: Workload, strategy: Strategy, progress) -> dict[tuple[int, int], CallOutcome]:
+    """One strategy's pipelines over every request, feeding itself."""
+    outcomes = {}
+    for r, request in enumerate(workload.requests):
+        texts: list[str] = []
+        for k, agent in enumerate(request.agents):
+            out = outcomes[r, k] = strategy.call(request.messages(k, texts), agent, max_new_tokens=workload.reply_tokens)
+            texts.append(out.text)
+            progress(1)
+    return outcomes
+
+
+def _pipelines_concurrently(workload: Workload, strategies: list[Strategy], progress) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // max(1, len(strategies))))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, len(strategies))) as pool:
+            futures = {s.name: pool.submit(_pipeline, workload, s, progress) for s in strategies}
+            return {name: future.result() for name, future in futures.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pipelines_interleaved(workload: Workload, strategies: list[Strategy], progress) -> dict:
+    outcomes: dict[str, dict] = {s.name: {} for s in strategies}
+    for r, request in enumerate(workload.requests):
+        texts: dict[str, list[str]] = {s.name: [] for s in strategies}
+        for k, agent in enumerate(request.agents):
+            for strategy in _rotated(strategies, r + k):
+                out = outcomes[strategy.name][r, k] = strategy.call(
+                    request.messages(k, texts[strategy.name]), agent, max_new_tokens=workload.reply_tokens)
+                texts[strategy.name].append(out.text)
+                progress(1)
+    return outcomes

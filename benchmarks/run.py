@@ -200,9 +200,10 @@ def run_phase(ctx: Context, phase: str) -> dict:
         # decoding them again unbatched would double this phase's time
         refs = _refs(ctx, workload)
         strategies = _strategies(ctx, [n for n in names if n != "dense"])
-        bar = _progress(calls, f"{phase} ({len(strategies)} strategies + dense replies)")
+        bar = _progress(calls * len(strategies), f"{phase} ({len(strategies)} strategies + dense replies)")
+        # answers, not speed: on a CPU the pipelines run side by side, one thread each
         records, answers = measure.run_end_to_end(workload, strategies, warmup=warmup, phase=phase, refs=refs,
-                                                  progress=bar.update)
+                                                  concurrent=ctx.device == "cpu", progress=bar.update)
     else:
         refs = _refs(ctx, workload)
         strategies = _strategies(ctx, names) + (_subset_strategies(ctx, names) if phase == "b" else [])
@@ -217,7 +218,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
     saved = {"signature": signature, "title": workload.title, "elapsed_s": time.perf_counter() - started,
              "requests": {"warmup": warmup, "measured": len(workload.requests) - warmup},
              "records": [r for r in records if "gamma=" not in r["strategy"]], "answers": answers,
-             "gamma_records": [r for r in records if "gamma=" in r["strategy"]]}
+             "gamma_records": [r for r in records if "gamma=" in r["strategy"]],
+             "concurrent": any(r.get("concurrent") for r in records)}
     path.write_text(json.dumps(saved))
     print(f"phase {phase}: {saved['elapsed_s']:.0f} s, written {path}")
     ctx.done[phase] = saved
@@ -311,13 +313,15 @@ def main(argv=None) -> dict:
         rows += phase_rows
         all_records += saved["records"]
         results["phases"][phase] = {"title": saved["title"], "requests": saved["requests"],
-                                    "elapsed_s": saved["elapsed_s"], "answers": report.summarize_answers(saved["answers"])}
+                                    "elapsed_s": saved["elapsed_s"], "answers": report.summarize_answers(saved["answers"]),
+                                    "concurrent": saved.get("concurrent", False)}
         if phase in ("b", "c", "d"):  # replies generated freely (not (a)'s exact-length ones)
             results["phases"][phase]["dense_follows_references"] = report.dense_follows_references(saved["records"])
         results["rows"] = rows
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for phase in args.phases:
-        report.print_phase(phase, results["phases"][phase]["title"], rows, per_agent=phase == "a")
+        report.print_phase(phase, results["phases"][phase]["title"], rows, per_agent=phase == "a",
+                           timed=not results["phases"][phase]["concurrent"])
         follows = results["phases"][phase].get("dense_follows_references") or {}
         if follows.get("calls"):
             print(f"  dense (engine, unbatched) follows the batched dense replies: whole reply in "

@@ -33,6 +33,8 @@ def test_every_phase_and_strategy_is_reported(smoke):
     # end to end: dense is the cached dense pipeline, not decoded again
     assert {r["strategy"] for r in records if r["phase"] == "b-e2e"} == set(run.E2E_STRATEGIES) - {"dense"}
     assert {a["strategy"] for a in results["phases"]["b-e2e"]["answers"]} == set(run.E2E_STRATEGIES)
+    assert results["phases"]["b-e2e"]["concurrent"]  # on a CPU the pipelines run side by side
+    assert all(r["concurrent"] for r in records if r["phase"] == "b-e2e")
     assert any(r["strategy"].startswith("noise-floor") for r in records if r["phase"] == "b")
     assert not (folder / "phase_b-gamma.json").exists()  # read from phase b, where it ran alongside
     gamma_rows = {r["strategy"] for r in results["rows"] if r["phase"] == "b-gamma"}
@@ -49,6 +51,12 @@ def test_every_phase_and_strategy_is_reported(smoke):
         "ttft_by_agent_a.png", "ttft_by_agent_b.png", "ttft_by_agent_c.png", "ttft_by_agent_d.png",
         "speedup_vs_prompt_length.png", "kl_vs_reuse_gamma.png"}
     assert all((folder / "plots" / name).stat().st_size > 1000 for name in ("kl_vs_reuse_gamma.png",))
+    from benchmarks.report import _label, markdown
+
+    text = markdown(saved)  # the tables of docs/benchmarks.md
+    for phase in ("a", "b", "c", "d"):
+        assert all(f"| {_label(name)} |" in text for name in NAMES), phase
+    assert "| KVCOMM mean, γ=0.1 |" in text and "final answer = dense pipeline's" in text
 
 
 def test_strategies_see_identical_prompts_and_the_exact_ones_are_exact(smoke):
