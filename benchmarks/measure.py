@@ -31,9 +31,12 @@ AGREE_K = 32
 
 # ---- dense reference replies ----------------------------------------------------------------
 def references(workload: Workload, model, tokenizer, path: Path, *, progress: Callable[[int], None] = lambda n: None,
-               batch_size: int = 16) -> dict[str, list[dict]]:
+               batch_size: int = 16, seed: Optional[Path] = None) -> dict[str, list[dict]]:
     """Per request key, per agent: the dense greedy reply (``ids``, ``text``), cached at ``path``
-    and extended batch by batch (a rerun generates only the missing ones).
+    and extended batch by batch (a rerun generates only the missing ones). ``seed``: a JSON file
+    of replies shipped with the checkout for the same model, dtype and device, taken for the keys
+    the cache lacks (keys name the request's content, so a seed never stands in for another
+    prompt).
 
     Replies are generated for a batch of requests at once (left padding), agent by agent: batched
     rounding may pick another token at a near-tie than an unbatched run would. In the forced
@@ -42,6 +45,8 @@ def references(workload: Workload, model, tokenizer, path: Path, *, progress: Ca
     protocol uses them as the dense pipeline, and ``run_forced`` records how far the unbatched
     dense engine follows them (``report.dense_follows_references``)."""
     refs: dict[str, list[dict]] = torch.load(path) if path.is_file() else {}
+    if seed is not None and seed.is_file():
+        refs = {**json.loads(seed.read_text()), **refs}
     missing = [r for r in workload.requests if r.key not in refs]
     progress(len(workload.requests) - len(missing))
     eos = _eos_ids(model, tokenizer) | (set(tokenizer.all_special_ids) if workload.exact_replies else set())

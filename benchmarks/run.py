@@ -90,6 +90,11 @@ PROFILES = {
                    noise_requests=0),
 }
 PHASES = ("a", "b", "b-gamma", "c", "d", "b-e2e")
+#: dense replies shipped with the checkout (``<model tag>/<dtype>-<device>/<workload>.json``):
+#: the default profile's, for the embedded model on a CPU, so that a fresh checkout does not
+#: spend its first 17 minutes regenerating them (regenerated, they are identical: see
+#: docs/benchmarks.md); ``--no-seed-replies`` ignores them
+SEED_REPLIES = Path(__file__).parent / "replies"
 E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean")
 
 
@@ -137,9 +142,11 @@ def _progress(total: int, desc: str, unit: str = "call"):
 
 def _refs(ctx: Context, workload: Workload) -> dict:
     _fingerprint(workload)
-    path = ctx.out.parent / "refs" / f"{ctx.args.dtype}-{ctx.device}" / f"{workload.name}.pt"
+    where = f"{ctx.args.dtype}-{ctx.device}"
+    path = ctx.out.parent / "refs" / where / f"{workload.name}.pt"
+    seed = None if ctx.args.no_seed_replies else SEED_REPLIES / ctx.loaded.tag / where / f"{workload.name}.json"
     bar = _progress(len(workload.requests), f"dense replies {workload.name}", unit="request")
-    refs = measure.references(workload, ctx.loaded.model, ctx.loaded.tokenizer, path, progress=bar.update)
+    refs = measure.references(workload, ctx.loaded.model, ctx.loaded.tokenizer, path, progress=bar.update, seed=seed)
     bar.close()
     return refs
 
@@ -274,6 +281,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--fresh", action="store_true", help="rerun finished phases (cached dense replies are kept)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-seed-replies", action="store_true",
+                        help="generate every dense reply instead of taking the ones shipped in benchmarks/replies/")
     args = parser.parse_args(argv)
     args.phases = [p for p in args.phases.split(",") if p]
     args.strategies = [s for s in args.strategies.split(",") if s]

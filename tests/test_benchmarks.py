@@ -122,3 +122,22 @@ def test_every_agent_index_sees_every_strategy_first():
     for k in range(4):
         assert {_rotated(strategies, r + k)[0] for r in range(8)} == set(strategies)
     assert _rotated([], 3) == []
+
+
+def test_shipped_replies_are_taken_for_their_keys_only(tmp_path):
+    import torch
+
+    from benchmarks import measure
+    from benchmarks.models import load
+
+    loaded = load("random:tiny", device="cpu", dtype=torch.float32)
+    workload = gsm8k_debate(requests=2, agents=2, reply_tokens=4)
+    run._fingerprint(workload)
+    generated = measure.references(workload, loaded.model, loaded.tokenizer, tmp_path / "first.pt")
+    shipped_key = workload.requests[0].key
+    seed = tmp_path / "seed.json"  # a marker text shows which source a reply came from
+    seed.write_text(json.dumps({shipped_key: [{"ids": [1], "text": "shipped"}] * 2, "other-prompt": []}))
+    refs = measure.references(workload, loaded.model, loaded.tokenizer, tmp_path / "second.pt", seed=seed)
+    assert refs[shipped_key][0]["text"] == "shipped"
+    other = workload.requests[1].key
+    assert refs[other] == generated[other]  # no seed for this prompt: generated
