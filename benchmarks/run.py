@@ -62,8 +62,7 @@ class Profile:
     c_requests: int = 10
     d_warmup: int = 2
     d_requests: int = 10
-    #: strategies of (c) and (d) (None: all); the default profile leaves out exact prefix caching
-    #: and the two KVCOMM variants, measured in (a) and (b), to fit its time on 2 CPU cores
+    #: strategies of (c) and (d) (None: all), to cut a long run short
     cd_strategies: Optional[tuple] = None
 
     def describe(self) -> str:
@@ -78,7 +77,7 @@ class Profile:
 
 
 PROFILES = {
-    "default": Profile("default", cd_strategies=("dense", "rerotate", "cacheblend", "kvcomm-mean", "lower-bound")),
+    "default": Profile("default"),
     "quick": Profile("quick", reply_tokens=64, a_agents=4, a_lead=128, a_input=256, a_reply=64, a_warmup=3,
                      a_requests=3, b_warmup=4, b_requests=6, noise_requests=3, e2e_warmup=1, e2e_requests=3, e2e_reply_tokens=32, gamma_values=(0.1, 0.9),
                      gamma_requests=4, c_warmup=2, c_requests=2, d_warmup=2, d_requests=2),
