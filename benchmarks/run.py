@@ -62,8 +62,6 @@ class Profile:
     c_requests: int = 10
     d_warmup: int = 2
     d_requests: int = 10
-    #: strategies of (c) and (d) (None: all), to cut a long run short
-    cd_strategies: Optional[tuple] = None
 
     def describe(self) -> str:
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens; (a) N={self.a_agents} P={self.a_lead} "
@@ -72,8 +70,7 @@ class Profile:
                 f"noise floor on the first {self.noise_requests}), "
                 f"{self.e2e_warmup} + {self.e2e_requests} end to end (replies <= {self.e2e_reply_tokens}), gamma {list(self.gamma_values)} on the first "
                 f"{self.gamma_requests} of (b); (c) {self.c_warmup} + {self.c_requests}; "
-                f"(d) {self.d_warmup} + {self.d_requests}"
-                + (f", (c) and (d) with {', '.join(self.cd_strategies)}" if self.cd_strategies else ""))
+                f"(d) {self.d_warmup} + {self.d_requests}")
 
 
 PROFILES = {
@@ -91,7 +88,7 @@ PROFILES = {
 PHASES = ("a", "b", "b-gamma", "c", "d", "b-e2e")
 #: dense replies shipped with the checkout (``<model tag>/<dtype>-<device>/<workload>.json``):
 #: the default profile's, for the embedded model on a CPU, so that a fresh checkout does not
-#: spend its first 17 minutes regenerating them (regenerated, they are identical: see
+#: spend 23 minutes regenerating them (regenerated, they are identical: see
 #: docs/benchmarks.md); ``--no-seed-replies`` ignores them
 SEED_REPLIES = Path(__file__).parent / "replies"
 E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean")
@@ -184,8 +181,6 @@ def run_phase(ctx: Context, phase: str) -> dict:
     names = list(ctx.args.strategies)
     if phase == "b-e2e":
         names = [n for n in names if n in E2E_STRATEGIES]
-    elif phase in ("c", "d") and ctx.profile.cd_strategies:
-        names = [n for n in names if n in ctx.profile.cd_strategies]
     signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "device": ctx.device,
                  "profile": _relevant(asdict(ctx.profile), phase),
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share}
