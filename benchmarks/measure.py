@@ -61,7 +61,7 @@ def references(workload: Workload, model, tokenizer, path: Path, *, progress: Ca
 def _eos_ids(model, tokenizer) -> set[int]:
     from kvcomm_agents.support import inspect_model
 
-    return set(inspect_model(model, tokenizer, reuse=False, verify_rope=False).eos_ids)
+    return set(inspect_model(model, tokenizer, reuse=False).eos_ids)
 
 
 def _save(obj, path: Path) -> None:
@@ -141,13 +141,13 @@ def _stats_fields(out: CallOutcome) -> dict:
     s = out.stats
     if s is None:
         return {"shared_found": False, "fully_reused": False, "opted_out": False, "recomputed_tokens": 0,
-                "template_tokens": 0, "prefilled_reasons": [], "mode": "lower-bound"}
+                "own_text_tokens": 0, "prefilled_reasons": [], "mode": "lower-bound"}
     shared = s.shared_decisions
     return {
         "shared_found": bool(shared), "fully_reused": s.fully_reused, "opted_out": s.opted_out,
-        "recomputed_tokens": s.recomputed_tokens, "template_tokens": s.template_tokens, "mode": s.mode,
+        "recomputed_tokens": s.recomputed_tokens, "own_text_tokens": s.own_text_tokens, "mode": s.mode,
         "prefilled_reasons": [d.reason for d in shared if d.status == "prefilled"],
-        "plan_s": s.plan_s, "align_s": s.align_s, "recompute_s": s.recompute_s, "prefill_s": s.prefill_s,
+        "plan_s": s.plan_s, "align_s": s.align_s, "hook_s": s.hook_s, "prefill_s": s.prefill_s,
     }
 
 

@@ -107,7 +107,7 @@ def summarize_answers(answers: list[dict]) -> list[dict]:
     return rows
 
 
-_STRATEGY_ORDER = ["dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-template",
+_STRATEGY_ORDER = ["dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
                    "lower-bound"]
 
 
@@ -173,7 +173,7 @@ LEGEND = ("TTFT: median time to first token; x dense: median over calls of dense
 # ---- Markdown (docs/benchmarks.md) ----------------------------------------------------------
 LABELS = {"dense": "dense", "prefix": "prefix (exact)", "rerotate": "re-rotation only",
           "cacheblend": "CacheBlend-style 15%", "kvcomm-mean": "KVCOMM mean (default)",
-          "kvcomm-weighted": "KVCOMM weighted", "kvcomm-template": "KVCOMM mean + template",
+          "kvcomm-weighted": "KVCOMM weighted", "kvcomm-own-text": "KVCOMM mean + own text",
           "lower-bound": "lower bound", "noise-floor (dense bfloat16)": "noise floor: dense bf16 vs fp32"}
 
 MD_COLUMNS = [("calls", "calls", "int"), ("prompt", "prompt_tokens_mean", "int"), ("TTFT median", "ttft_median_ms", "ms"),

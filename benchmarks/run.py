@@ -304,7 +304,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     from kvcomm_agents.support import inspect_model
 
-    info_eos = inspect_model(loaded.model, loaded.tokenizer, reuse=False, verify_rope=False).eos_ids
+    info_eos = inspect_model(loaded.model, loaded.tokenizer, reuse=False).eos_ids
     ctx = Context(args, profile, loaded, out, set(info_eos), device.type)
     print(f"model {args.model} ({loaded.tag}), {args.dtype}, strategies: {', '.join(args.strategies)}; output {out}",
           flush=True)

@@ -1,17 +1,19 @@
 """Every way of prefilling a downstream agent's prompt, behind one interface.
 
 A strategy answers one agent call: given the messages (identical ids for every strategy) and,
-in the fidelity protocol, the reply to force, it returns a :class:`CallOutcome` with its time to
-first token and first-token logits. All but the lower bound are a :class:`KVCommEngine` with
-one setting changed, so they share the prompt rendering, the decoding and the timing points:
+in the fidelity protocol, the reply to force (``engine.replay``), it returns a
+:class:`CallOutcome` with its time to first token and first-token logits. All but the lower bound
+are a :class:`KVCommEngine` with one setting changed, so they share the prompt rendering, the
+decoding and the timing points:
 
-- ``dense``: full prefill (``reuse=False``).
-- ``prefix``: exact prefix caching only, what vLLM and SGLang give (``segment_reuse=False``).
-- ``rerotate``: shared segments re-rotated, no offsets (``offsets="none"``).
-- ``cacheblend``: re-rotation plus CacheBlend-style selective recompute of the given share.
+- ``dense``: full prefill (``method="dense"``).
+- ``prefix``: exact prefix caching only, what vLLM and SGLang give (``method="exact_prefix"``).
+- ``rerotate``: shared segments re-rotated, no offsets (``method="rerotate"``).
+- ``cacheblend``: re-rotation plus CacheBlend-style selective recompute of the given share
+  (``benchmarks.cacheblend``, through the engine's plan hook).
 - ``kvcomm-mean`` / ``kvcomm-weighted``: KVCOMM anchors with either estimator, gamma configurable.
-- ``kvcomm-template``: ``kvcomm-mean`` that also reuses the receiver's own template text (role
-  headers between messages) with the anchors' prefix offsets, as the paper does.
+- ``kvcomm-own-text``: ``kvcomm-mean`` that also reuses the receiver's own text (role headers
+  between messages) with the anchors' own-text offsets, as the paper does with its prefixes.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
   untimed): the fastest any reuse can be. Its timed part renders the prompt too, as every
   strategy must.
@@ -26,9 +28,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvcomm_agents import KVCommConfig, KVCommEngine
-from kvcomm_agents.cache import hf_cache
+from kvcomm_agents import ExperimentalSettings, KVCommConfig, KVCommEngine
+from kvcomm_agents.engines import hf
 from kvcomm_agents.prompt import render_prompt
+
+from .cacheblend import CacheBlend
 
 __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "NAMES"]
 
@@ -37,7 +41,7 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "
 #: (128 KiB of bf16 KV per token) so that no strategy loses its cache to the budget
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
-NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-template",
+NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "lower-bound")
 
 @dataclass
@@ -48,7 +52,7 @@ class CallOutcome:
         ttft_s: time to first token (entering the call to the first token id, device synced).
         before_prefill_s: rendering, planning, anchor matching, offsets, recompute selection and
             cache assembly: everything before the prefill forward ("time aligning").
-        logits: ``[vocab]`` float32 first-token logits (CPU).
+        logits: ``[vocab]`` float32 first-token logits (CPU), None for a free (end-to-end) run.
         greedy_prefix: leading forced reply ids greedy decoding also gives (teacher forcing).
         token_ids / text: the reply (generated or forced).
         stats: the engine's ``CallStats`` (None for the lower bound).
@@ -59,7 +63,7 @@ class CallOutcome:
     before_prefill_s: float
     prompt_tokens: int
     reused_tokens: int
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     greedy_prefix: Optional[int]
     token_ids: list[int]
     text: str
@@ -93,7 +97,7 @@ class Strategy:
         raise NotImplementedError
 
     def kv_bytes(self) -> int:
-        """KV this strategy holds between calls (store, anchors, templates)."""
+        """KV this strategy holds between calls (store, anchors, own text)."""
         return 0
 
     def anchor_bytes(self) -> int:
@@ -119,28 +123,33 @@ def _cuda_peak_extra(device: torch.device, start: Optional[int]) -> Optional[int
 class EngineStrategy(Strategy):
     """A :class:`KVCommEngine` with the given settings (its own store and anchors)."""
 
-    def __init__(self, name: str, model, tokenizer, settings: dict):
+    def __init__(self, name: str, model, tokenizer, settings: dict, plan_hook=None):
         self.name = name
         self.device = model.get_input_embeddings().weight.device
         store_gib, anchor_gib = BUDGETS_GIB.get(self.device.type, BUDGETS_GIB["cpu"])
         self.settings = {"store_max_bytes": store_gib * 1024**3, "anchor_max_bytes": anchor_gib * 1024**3, **settings}
-        self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**self.settings))
+        self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**self.settings), plan_hook=plan_hook)
         self.keeps_replies = self.engine.config.reuse
 
     def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
         start = _cuda_peak_start(self.device)
-        result = self.engine.chat(messages, agent=agent, force_reply_ids=forced_ids, return_logits=True,
-                                  max_new_tokens=max_new_tokens)
+        if forced_ids is not None:
+            replay = self.engine.replay(messages, agent=agent, reply_ids=forced_ids)
+            result, logits, greedy = replay.result, replay.first_token_logits, replay.greedy_prefix
+        else:
+            # a free run's first-token logits: the same prompt replayed with its own first token
+            # would cost a second prefill, so free runs report the greedy pick only
+            result = self.engine.chat(messages, agent=agent, max_new_tokens=max_new_tokens)
+            logits, greedy = None, None
         s = result.stats
         return CallOutcome(
-            ttft_s=s.ttft_s, before_prefill_s=s.plan_s + s.recompute_s + s.align_s, prompt_tokens=s.prompt_tokens,
-            reused_tokens=s.reused_tokens, logits=result.first_token_logits.cpu(),
-            greedy_prefix=result.forced_greedy_tokens, token_ids=result.token_ids, text=result.text, stats=s,
-            peak_extra_bytes=_cuda_peak_extra(self.device, start),
+            ttft_s=s.ttft_s, before_prefill_s=s.plan_s + s.hook_s + s.align_s, prompt_tokens=s.prompt_tokens,
+            reused_tokens=s.reused_tokens, logits=logits, greedy_prefix=greedy, token_ids=result.token_ids,
+            text=result.text, stats=s, peak_extra_bytes=_cuda_peak_extra(self.device, start),
         )
 
     def kv_bytes(self) -> int:
-        return self.engine.store.stats().bytes + self.engine.anchors.nbytes() + self.engine.templates.nbytes()
+        return self.engine.store.stats().bytes + self.engine.anchors.nbytes() + self.engine.own_texts.nbytes()
 
     def anchor_bytes(self) -> int:
         return self.engine.anchors.nbytes()
@@ -163,12 +172,12 @@ class LowerBound(Strategy):
     def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
         ids = render_prompt(self.tokenizer, messages).ids
         n = int(ids.numel())
-        cache = hf_cache.new_cache(self.model)
-        hf_cache.run_forward(self.model, ids[None, :-1].to(self.device), cache)
+        cache = hf.new_cache(self.model)
+        hf.run_forward(self.model, ids[None, :-1].to(self.device), cache)
         start = _cuda_peak_start(self.device)
         t0 = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages)  # timed: every strategy renders its prompt
-        logits = hf_cache.run_forward(
+        logits = hf.run_forward(
             self.model, layout.ids[None, -1:].to(self.device), cache,
             position_ids=torch.tensor([[n - 1]], device=self.device),
         )[0, -1].float()
@@ -180,16 +189,16 @@ class LowerBound(Strategy):
         )
 
 
-def settings_of(name: str, *, gamma: float = 0.3, recompute_share: float = 0.15) -> dict:
+def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     """The engine settings a strategy name stands for."""
     table = {
-        "dense": {"reuse": False},
-        "prefix": {"segment_reuse": False},
-        "rerotate": {"offsets": "none"},
-        "cacheblend": {"offsets": "none", "recompute_share": recompute_share},
-        "kvcomm-mean": {"offsets": "mean", "gamma": gamma},
-        "kvcomm-weighted": {"offsets": "weighted", "gamma": gamma},
-        "kvcomm-template": {"offsets": "mean", "gamma": gamma, "template": "reuse"},
+        "dense": {"method": "dense"},
+        "prefix": {"method": "exact_prefix"},
+        "rerotate": {"method": "rerotate"},
+        "cacheblend": {"method": "rerotate"},
+        "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
+        "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
+        "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
     }
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")
@@ -200,13 +209,14 @@ def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: f
     """A fresh strategy (fresh store and anchors) by name."""
     if name == "lower-bound":
         return LowerBound(model, tokenizer)
-    return EngineStrategy(name, model, tokenizer, settings_of(name, gamma=gamma, recompute_share=recompute_share))
+    hook = CacheBlend(recompute_share) if name == "cacheblend" else None
+    return EngineStrategy(name, model, tokenizer, settings_of(name, gamma=gamma), hook)
 
 
 def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16, requests: Optional[range] = None) -> EngineStrategy:
     """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's
     (only on ``requests``, if given: on a CPU, bf16 is several times slower than fp32)."""
     other = copy.deepcopy(model).to(dtype)
-    strategy = EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"reuse": False})
+    strategy = EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"method": "dense"})
     strategy.requests = requests
     return strategy

@@ -14,7 +14,7 @@ token share, over all questions and after the anchor warm-up.
 
 Run from the repository root:
     python -m examples.debate_demo [--questions 5] [--agents 4] [--max-new-tokens 64] [--warmup 2]
-                                   [--offsets none|mean|weighted] [--template in_context|reuse]
+                                   [--method kvcomm|rerotate|exact_prefix] [--own-text in_context|reuse]
                                    [--data ../shared/data/gsm8k-dev.jsonl] [--json out.json]
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.workloads import DEFAULT_GSM8K, debate_messages, gold_answer, gsm8k_questions, last_number
+from .tasks import DEFAULT_GSM8K, debate_messages, gold_answer, gsm8k_questions, last_number
 from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
 
 COMPARE = 8  # first generated token ids compared with dense
@@ -41,9 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2, help="questions that fill the anchor pools (reported apart)")
-    p.add_argument("--offsets", choices=["none", "mean", "weighted"], default=defaults.offsets)
-    p.add_argument("--template", choices=["in_context", "reuse"], default=defaults.template)
-    p.add_argument("--gate", choices=["entropy", "error"], default=defaults.gate)
+    p.add_argument("--method", choices=["kvcomm", "rerotate", "exact_prefix"], default=defaults.method)
+    p.add_argument("--own-text", choices=["in_context", "reuse"], default=defaults.experimental.own_text,
+                   help="experimental: reuse the solvers' own text around shared segments")
     p.add_argument("--data", type=Path, default=DEFAULT_GSM8K, help="GSM8K jsonl (default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write per-call results here")
     args = p.parse_args(argv)
@@ -138,7 +138,7 @@ their messages. Reuse shortens the prefill (time to first token), not decoding, 
 the wall time here. Speed-ups are bounded: a 135M model on a couple of CPU cores with prompts of a
 few hundred tokens, where the computed remainder, re-rotation and cache assembly still cost time,
 and CPU timings are noisy (other busy processes distort them; rerun on an idle machine). Reused
-keys are re-rotated to their new positions exactly; with --offsets mean|weighted the context they
+keys are re-rotated to their new positions exactly; with --method kvcomm (the default) the context they
 were computed in is corrected by KVCOMM's anchor offsets, and a segment the anchor gate judges new
 is prefilled (reason new_anchor) and recorded, so the first questions are a warm-up. Reuse
 outputs only approximately match dense ones: 'first-8' counts the calls whose first 8 greedy
@@ -167,7 +167,7 @@ def warm_up(*engines: KVCommEngine) -> None:
         engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
         engine.store.clear()
         engine.anchors.clear()
-        engine.templates.clear()
+        engine.own_texts.clear()
 
 
 def main(argv=None) -> None:
@@ -175,13 +175,13 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     questions, source = load_questions(args.data, args.questions)
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts it, ~40 s) ...")
-    config = KVCommConfig(offsets=args.offsets, template=args.template, gate=args.gate)
+    config = KVCommConfig(method=args.method, experimental={"own_text": args.own_text})
     reuse = KVCommEngine.from_pretrained(config=config)
-    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(reuse=False))
+    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(method="dense"))
     warm_up(reuse, dense)
     print(f"{len(questions)} question(s) from {source}, {args.agents} solvers, greedy, "
           f"max {args.max_new_tokens} new tokens, on {describe_device(reuse)}; "
-          f"offsets={config.offsets}, template={config.template}, gate={config.gate}")
+          f"method={config.method}, own_text={config.experimental.own_text}")
     records, answers = [], []
     for qi, row in enumerate(questions, start=1):
         replies = []

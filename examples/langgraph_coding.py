@@ -23,7 +23,7 @@ from langgraph.graph import END, START, StateGraph
 
 from kvcomm_langgraph import ChatKVComm
 
-from benchmarks.workloads import load_problems
+from .tasks import load_problems
 
 from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 from .sandbox import run_isolated

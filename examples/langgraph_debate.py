@@ -22,7 +22,7 @@ import time
 from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 
-from benchmarks.workloads import gold_answer, gsm8k_questions, last_number
+from .tasks import gold_answer, gsm8k_questions, last_number
 from kvcomm_agents import ReuseSummary
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     agree = correct = 0
     questions = gsm8k_questions(args.questions)
     print(f"{len(questions)} GSM8K questions, {args.solvers} solvers + judge, greedy, max {args.max_tokens} tokens; "
-          f"offsets={reuse_engine.config.offsets}, gate={reuse_engine.config.gate}")
+          f"method={reuse_engine.config.method}")
     for i, row in enumerate(questions, 1):
         finals = {}
         for name, graph in graphs.items():

@@ -21,7 +21,7 @@ from langgraph.graph import END, START, StateGraph
 
 from kvcomm_langgraph import ChatKVComm
 
-from benchmarks.workloads import stdlib_doc
+from .tasks import stdlib_doc
 
 from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
 

@@ -19,7 +19,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Command
 
-from benchmarks.workloads import gold_answer, gsm8k_questions, last_number
+from .tasks import gold_answer, gsm8k_questions, last_number
 from kvcomm_langgraph import ChatKVComm
 
 from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table

@@ -39,21 +39,19 @@ class CallRecorder(BaseCallbackHandler):
 
 
 def add_engine_arguments(parser) -> None:
-    """``--offsets`` and ``--gate``: the KVCOMM settings of the reuse engine (defaults: the library's)."""
-    defaults = KVCommConfig()
-    parser.add_argument("--offsets", choices=["none", "mean", "weighted"], default=defaults.offsets,
-                        help="'none' = re-rotation only: reuses from the first call, no anchor warm-up")
-    parser.add_argument("--gate", choices=["entropy", "error"], default=defaults.gate)
+    """``--method``: how the reuse engine reuses shared text (default: the library's)."""
+    parser.add_argument("--method", choices=["kvcomm", "rerotate", "exact_prefix"], default=KVCommConfig().method,
+                        help="'rerotate' = re-rotation only: reuses from the first call, no anchor warm-up")
 
 
 def config_from(args) -> KVCommConfig:
-    return KVCommConfig(offsets=args.offsets, gate=args.gate)
+    return KVCommConfig(method=args.method)
 
 
 def engines(config: KVCommConfig | None = None) -> tuple[KVCommEngine, KVCommEngine]:
     """A reuse engine on the embedded model and a dense engine sharing its weights."""
     reuse = KVCommEngine.from_pretrained(config=config)
-    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(reuse=False))
+    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(method="dense"))
     for engine in (reuse, dense):  # first-call overheads off the measured calls
         engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
         engine.store.clear()

@@ -1,16 +1,19 @@
 """kvcomm-agents: cross-agent KV-cache reuse for multi-agent LLM systems on local HF models."""
 
-from .cache.segments import SegmentRef
-from .cache.store import StoreStats
-from .config import KVCommConfig
+from .config import ExperimentalSettings, KVCommConfig
 from .engine import KVCommEngine
+from . import errors
 from .errors import (
     InvalidMessagesError,
+    InvalidRequestError,
     KVCommError,
     ModelNotAvailableError,
     RopeCheckError,
     UnsupportedModelError,
 )
+from .evaluation import Replay
+from .kv.segments import SegmentRef
+from .kv.store import StoreStats
 from .plan import GateRecord, SegmentDecision
 from .results import CallStats, ChatResult, ReuseSummary
 
@@ -19,16 +22,14 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCommEngine",
     "KVCommConfig",
+    "ExperimentalSettings",
     "SegmentRef",
     "ChatResult",
     "CallStats",
     "SegmentDecision",
     "GateRecord",
     "ReuseSummary",
+    "Replay",
     "StoreStats",
-    "KVCommError",
-    "UnsupportedModelError",
-    "RopeCheckError",
-    "ModelNotAvailableError",
-    "InvalidMessagesError",
+    *errors.__all__,
 ]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Optional, Sequence
 
 import torch
+
+from .errors import InvalidRequestError
 
 __all__ = ["TokenSampler", "TextAccumulator"]
 
@@ -20,10 +23,12 @@ class TokenSampler:
     """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None):
-        if temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.temperature = temperature
         self.top_p = top_p
         self._generator = torch.Generator(device="cpu")

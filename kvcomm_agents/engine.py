@@ -1,45 +1,64 @@
 """``KVCommEngine``: run a local causal LM for many agents, reusing KV across their prompts.
 
-One call: render the prompt with the chat template -> plan (exact prefix, re-rotated shared
-segments, the rest computed) -> one prefill forward -> decode -> package the reply's KV (and
-any user/tool message seen for the first time) as segments for the next agents.
+One call: render the prompt -> plan (exact prefix, re-rotated shared segments, the rest
+computed; :mod:`.planner`) -> align the reused KV (:mod:`.alignment`) -> one prefill forward and
+the decode loop (:mod:`.engines.hf`) -> keep the reply's KV and any new user/tool message as
+segments, and the anchors' observations (:mod:`.capture`, :mod:`.anchors`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .cache import hf_cache
-from .cache.assembly import prefill
-from .cache.blend import select_recompute
-from .cache.anchors import AnchorRegistry
-from .cache.segments import Kind, SegmentRef
-from .cache.store import SegmentStore
-from .cache.templates import TemplateStore
+from .alignment import assemble
+from .anchors import KVCommAnchors
+from .capture import CallCapture
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
-from .errors import InvalidMessagesError
+from .engines import hf
+from .errors import InvalidMessagesError, InvalidRequestError
+from .evaluation import Replay, greedy_prefix, trim_at_eos
 from .fidelity import first_token_kl
+from .kv.freeze import FreezeCount
+from .kv.own_text import OwnTextStore
+from .kv.segments import Kind, SegmentRef
+from .kv.store import SegmentStore
 from .models import load_model
-from .packaging import CallPackager
-from .plan import CallPlan, Observation
+from .plan import CallPlan
 from .planner import plan_call
-from .prompt import PromptLayout, render_prompt
+from .prompt import PromptLayout, normalize_messages, render_prompt
 from .results import CallStats, ChatResult
 from .support import inspect_model
 
-__all__ = ["KVCommEngine"]
+__all__ = ["KVCommEngine", "PlanHook"]
 
 logger = logging.getLogger("kvcomm_agents")
 Messages = Sequence[Mapping[str, Any]]
+#: Called with each call's plan between planning and prefill; returns the plan to prefill (a
+#: baseline's variant, e.g. the benchmark's CacheBlend-style recompute). Runs under the engine lock.
+PlanHook = Callable[["KVCommEngine", CallPlan], CallPlan]
+
+
+@dataclass
+class _Prepared:
+    """A call up to its first token: the prompt, its plan, the filled cache, the timings."""
+
+    layout: PromptLayout
+    plan: CallPlan
+    pre: hf.Prefill
+    started: float
+    plan_s: float
+    hook_s: float
+    align_s: float
+    prefill_s: float
 
 
 class KVCommEngine:
@@ -50,30 +69,31 @@ class KVCommEngine:
         tokenizer: its tokenizer, with a chat template (fast, for reuse).
         config: settings; defaults to ``KVCommConfig()``.
         store: a segment store to share between engines; a new one by default.
+        plan_hook: see :data:`PlanHook` (benchmarks only; None in production).
 
     Raises:
         UnsupportedModelError: the model cannot be re-rotated (the message says what is
-            supported and how to run with ``KVCommConfig(reuse=False)``).
+            supported and how to run with ``KVCommConfig(method="dense")``).
     """
 
-    def __init__(self, model, tokenizer, *, config: Optional[KVCommConfig] = None, store: Optional[SegmentStore] = None):
+    def __init__(self, model, tokenizer, *, config: Optional[KVCommConfig] = None,
+                 store: Optional[SegmentStore] = None, plan_hook: Optional[PlanHook] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or KVCommConfig()
-        self.info = inspect_model(model, tokenizer, reuse=self.config.reuse, verify_rope=self.config.verify_rope)
-        self._store = store if store is not None else SegmentStore(self.config.store_max_bytes)
+        self.info = inspect_model(model, tokenizer, reuse=self.config.reuse)
+        self.plan_hook = plan_hook
+        c, x = self.config, self.config.experimental
+        self._store = store if store is not None else SegmentStore(c.store_max_bytes)
         self._lock = threading.RLock()
-        c = self.config
-        self._anchors = AnchorRegistry(
-            max_anchors=c.max_anchors, eviction_window=c.eviction_window, max_bytes=c.anchor_max_bytes,
-            estimator="weighted" if c.offsets == "weighted" else "mean", gate=c.gate, gamma=c.gamma,
-            max_error=c.max_error, min_anchors=c.min_anchors, temperature=c.anchor_temperature,
-            activation_top_p=c.activation_top_p,
+        self._freeze = FreezeCount()
+        self._anchors = KVCommAnchors(
+            max_anchors=c.max_anchors, eviction_window=x.eviction_window, max_bytes=c.anchor_max_bytes,
+            estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
+            activation_top_p=x.activation_top_p, freeze=self._freeze,
         )
-        self._templates = TemplateStore(c.template_max_bytes)
-        self._packager = CallPackager(
-            self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._anchors, self._templates
-        )
+        self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
+        self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._reused_calls = 0
 
     @classmethod
@@ -99,35 +119,34 @@ class KVCommEngine:
 
     @property
     def store(self) -> SegmentStore:
-        """The segment store (``stats()``, ``clear()``)."""
+        """The segment store (``stats()``, ``clear()``, ``resize(n)``)."""
         return self._store
 
     @property
-    def anchors(self) -> AnchorRegistry:
+    def anchors(self) -> KVCommAnchors:
         """KVCOMM anchor pools (``nbytes()``, ``clear()``, ``anchors(kind)``, ``pool(kind)``)."""
         return self._anchors
 
     @property
-    def templates(self) -> TemplateStore:
-        """The agents' template KV (``config.template == "reuse"``)."""
-        return self._templates
-
-    @contextmanager
-    def freeze_anchors(self) -> Iterator[None]:
-        """Stop anchor pools and template KV from changing inside the block (reproducible runs:
-        no anchor is added, evicted, credited or given offsets)."""
-        with self._lock:
-            was = self._anchors.frozen, self._templates.frozen
-            self._anchors.frozen = self._templates.frozen = True
-        try:
-            yield
-        finally:
-            self._anchors.frozen, self._templates.frozen = was
+    def own_texts(self) -> OwnTextStore:
+        """The agents' own-text KV (``experimental.own_text="reuse"``)."""
+        return self._own_texts
 
     @property
     def fingerprint(self) -> str:
         """Identifies this engine's model, dtype and tokenizer."""
         return self.info.fingerprint
+
+    @contextmanager
+    def freeze_anchors(self) -> Iterator[None]:
+        """Stop anchor pools and own-text KV from changing inside the block (reproducible runs:
+        no anchor is added, evicted, credited or given offsets). Blocks nest and interleave
+        across threads: the pools stay frozen until the last block ends."""
+        self._freeze.enter()
+        try:
+            yield
+        finally:
+            self._freeze.leave()
 
     # ---- public calls ---------------------------------------------------------------------
     def chat(self, messages: Messages, *, agent: str, **options) -> ChatResult:
@@ -136,7 +155,6 @@ class KVCommEngine:
         for item in self.stream(messages, agent=agent, **options):
             if isinstance(item, ChatResult):
                 result = item
-        assert result is not None
         return result
 
     def stream(
@@ -151,8 +169,6 @@ class KVCommEngine:
         seed: Optional[int] = None,
         reuse: Optional[bool] = None,
         tools: Optional[list] = None,
-        force_reply_ids: Optional[Sequence[int]] = None,
-        return_logits: bool = False,
     ) -> Iterator[Union[str, ChatResult]]:
         """Generate one agent's reply, yielding text pieces and finally the :class:`ChatResult`.
 
@@ -162,189 +178,107 @@ class KVCommEngine:
             agent: the calling agent's name (its replies become segments of kind
                 ``(agent, "assistant")``).
             max_new_tokens, temperature, top_p, stop, seed: decoding; temperature 0 is greedy.
-            reuse: False makes this call dense (it still packages its KV for others).
+            reuse: False makes this call dense (it still keeps its KV for others).
             tools: passed to the chat template.
-            force_reply_ids: process these ids as the reply instead of sampling (measurement).
-            return_logits: keep the first token's logits in ``ChatResult.first_token_logits``.
+
+        Raises:
+            InvalidRequestError: an argument is wrong (before any compute).
         """
-        if not isinstance(agent, str) or not agent:
-            raise InvalidMessagesError("agent must be a non-empty string")
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if force_reply_ids is not None and len(force_reply_ids) == 0:
-            raise ValueError("force_reply_ids must hold at least one token id")
+        _check_agent(agent)
+        _check_max_new_tokens(max_new_tokens)
         sampler = TokenSampler(temperature, top_p, seed)
-        # The engine lock is taken around each compute step inside _run, never across a yield:
-        # a paused or cross-thread-resumed stream (LangChain's async streaming) blocks nobody.
-        for item in self._run(messages, agent, max_new_tokens, sampler, stop, reuse, tools, force_reply_ids):
-            if isinstance(item, ChatResult) and not return_logits:
-                item.first_token_logits = None
-            yield item
+        # The engine lock is taken around each compute step, never across a yield: a paused or
+        # cross-thread-resumed stream (LangChain's async streaming) blocks nobody.
+        started = time.perf_counter()
+        layout = render_prompt(self.tokenizer, messages, tools=tools)
+        with self._prepared(layout, agent, reuse, max_new_tokens, started) as call:
+            text = TextAccumulator(self.tokenizer, stop)
+            first = sampler(call.pre.logits)
+            ttft = time.perf_counter() - started
+            finish = yield from self._decode(call, first, sampler, text, max_new_tokens)
+            tail = text.flush()
+            if tail:
+                yield tail
+            segment, audit_kl = self._keep(call, messages, agent, text)
+        yield self._result(call, agent, reuse, text, finish, segment, ttft, audit_kl)
+
+    def replay(self, messages: Messages, *, agent: str, reply_ids: Sequence[int], reuse: Optional[bool] = None,
+               tools: Optional[list] = None) -> Replay:
+        """Run one agent call with ``reply_ids`` as its reply (teacher forcing, up to the first
+        end-of-sequence id), for evaluation: the prompt, planning and the KV kept for later
+        agents are exactly ``chat``'s. Returns the logits predicting each reply token and how
+        many of them greedy decoding would have produced (:mod:`.evaluation`)."""
+        _check_agent(agent)
+        ids = trim_at_eos(_check_ids(reply_ids, len(self.tokenizer)), self.info.eos_ids)
+        started = time.perf_counter()
+        layout = render_prompt(self.tokenizer, messages, tools=tools)
+        with self._prepared(layout, agent, reuse, len(ids), started) as call:
+            int(torch.argmax(call.pre.logits))  # what greedy decoding would do first (waits for the device)
+            ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
+            logits = self._force(call, ids)
+            text = TextAccumulator(self.tokenizer)
+            for token in ids:
+                text.push(token)
+            text.flush()
+            segment, audit_kl = self._keep(call, messages, agent, text)
+        result = self._result(call, agent, reuse, text, "forced", segment, ttft, audit_kl)
+        return Replay(result, logits.cpu(), greedy_prefix(logits, ids))
 
     def add_segment(self, text: str, *, kind: Optional[Kind] = None) -> SegmentRef:
         """Register text no agent generated (a document, a tool result) so later prompts reuse it.
 
         Its KV is computed as a user message of this model's chat template and cut out. With
-        reuse off nothing is computed or stored and later calls report ``reuse_off``.
+        ``method="dense"`` nothing is computed or stored and later calls report ``reuse_off``.
         """
         if not isinstance(text, str) or not text:
-            raise ValueError("text must be a non-empty string")
+            raise InvalidRequestError("text must be a non-empty string")
+        if kind is not None and (isinstance(kind, str) or len(tuple(kind)) != 2):
+            raise InvalidRequestError("kind must be a (producer, role) pair such as ('document', None)")
         kind = tuple(kind) if kind else ("document", None)  # type: ignore[assignment]
         existing = self._store.find_text(text, self.fingerprint)
         if existing is not None and existing.ref.kind == kind:
             return existing.ref
-        messages = [{"role": "user", "content": text}]
-        layout = render_prompt(self.tokenizer, messages)
+        layout = render_prompt(self.tokenizer, [{"role": "user", "content": text}])
+        if not self.config.reuse:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return SegmentRef(id="reuse-off", kind=kind, num_tokens=len(ids), text_hash="", fingerprint=self.fingerprint)
+        if layout.content_spans[0] is None:
+            raise InvalidRequestError("the chat template altered the text (e.g. trimmed its whitespace); pass it stripped")
         with self._lock, torch.inference_mode():
-            if not self.config.reuse:
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                return SegmentRef(id="reuse-off", kind=kind, num_tokens=len(ids), text_hash="", model=self.fingerprint)
-            pre = prefill(self.model, self.info.rotator, CallPlan(layout.ids))
-            if layout.content_spans[0] is None:
-                raise ValueError("the chat template altered the text (e.g. trimmed its whitespace); pass it stripped")
-            ref = self._packager.capture_message(layout, 0, kind, pre.cache, pre.slot_positions)
+            pre = hf.prefill(self.model, layout.ids, torch.arange(layout.ids.numel()))
+            ref = self._capture.capture_message(layout, 0, kind, _kv_reader(pre.cache, pre.slot_positions))
         if ref is None:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the text is shorter than min_match_tokens ({self.config.min_match_tokens} tokens) "
                 "or larger than the store's byte budget"
             )
         return ref
 
-    # ---- one call -------------------------------------------------------------------------
-    def _run(self, messages, agent, max_new_tokens, sampler, stop, reuse, tools, forced) -> Iterator:
-        started = time.perf_counter()
-        layout = render_prompt(self.tokenizer, messages, tools=tools)
+    # ---- the steps of one call ------------------------------------------------------------
+    @contextmanager
+    def _prepared(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int,
+                  started: float) -> Iterator[_Prepared]:
+        """Plan, run the plan hook, align the reused KV and prefill: the call up to its first
+        token. The store entries the plan uses stay pinned until the block ends."""
         with self._lock, torch.inference_mode():  # anchor bookkeeping tensors are inference tensors
-            plan = self._plan(layout, messages, agent, reuse, max_new_tokens if forced is None else len(forced))
-        planned = time.perf_counter()
-        plan, recomputed = self._select_recompute(plan)
-        selected = time.perf_counter()
-        pinned = [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
-        with self._store.pinned(pinned):
+            plan = self._plan(layout, agent, reuse, new_tokens)
+            planned = time.perf_counter()
+            hooked = planned  # hook_s is 0.0 when no hook ran
+            if self.plan_hook is not None and plan.runs:
+                plan = self.plan_hook(self, plan)
+                hooked = time.perf_counter()
+        with self._store.pinned(_pins(plan)):
             with self._lock, torch.inference_mode():
-                pre = prefill(self.model, self.info.rotator, plan)
-            prefill_done = time.perf_counter()
-            text = TextAccumulator(self.tokenizer, stop)
-            if forced is not None:
-                sampler(pre.logits)  # what decoding would do first (waits for the device)
-                ttft = time.perf_counter() - started  # the forced reply's own forward comes after
-                ids, logits = self._force(plan, pre, forced)
-                greedy_prefix = _greedy_prefix(logits, ids)
-                finish = "forced"
-                for token in ids:
-                    piece = text.push(token)
-                    if piece:
-                        yield piece
-            else:
-                greedy_prefix = None
-                next_id = sampler(pre.logits)
-                ttft = time.perf_counter() - started
-                finish = None
-                position = plan.num_prompt
-                while finish is None:
-                    piece = text.push(next_id)
-                    if piece:
-                        yield piece
-                    finish = self._finish_reason(next_id, text, max_new_tokens)
-                    if finish is not None:
-                        break
-                    with self._lock, torch.inference_mode():
-                        logits = hf_cache.run_forward(
-                            self.model, torch.tensor([[next_id]], device=self._device),
-                            pre.cache, position_ids=torch.tensor([[position]], device=self._device),
-                        )[0, -1].float()
-                    position += 1
-                    next_id = sampler(logits)
-            tail = text.flush()
-            if tail:
-                yield tail
-            with self._lock, torch.inference_mode():
-                segment = None
-                if self.config.reuse:
-                    segment = self._packager.package(layout, messages, plan, pre, agent, text.ids, text.text)
-                audit_kl = self._audit(plan, pre.logits, agent)
-        stats = CallStats(
-            agent=agent,
-            prompt_tokens=plan.num_prompt,
-            reused_tokens=plan.reused_tokens,
-            computed_tokens=plan.num_prompt - plan.reused_tokens,
-            prefix_tokens=plan.prefix_length,
-            generated_tokens=len(text.ids),
-            ttft_s=ttft,
-            align_s=pre.align_s,
-            plan_s=planned - started,
-            prefill_s=prefill_done - selected - pre.align_s,
-            recompute_s=(selected - planned) if recomputed else 0.0,
-            recomputed_tokens=recomputed,
-            total_s=time.perf_counter() - started,
-            mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
-            dense_reason=plan.dense_reason,
-            decisions=plan.decisions,
-            opted_out=self.config.reuse and (reuse is False or agent in self.config.dense_agents),
-            template_tokens=plan.template_tokens,
-            anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
-            anchor_bytes=self._anchors.nbytes() if self.config.offsets != "none" else 0,
-            audit_kl=audit_kl,
-        )
-        yield ChatResult(
-            text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats,
-            first_token_logits=pre.logits, forced_greedy_tokens=greedy_prefix,
-        )
+                block = assemble(plan, self.info.rotator) if plan.reused_tokens else None
+                assembled = time.perf_counter()
+                pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), block,
+                                 plan.reused_positions() if block is not None else None, masked=bool(plan.runs))
+                done = time.perf_counter()
+            align_s = (assembled - hooked) + pre.align_s
+            yield _Prepared(layout, plan, pre, started, planned - started, hooked - planned, align_s,
+                            done - hooked - align_s)
 
-    def _select_recompute(self, plan: CallPlan) -> tuple[CallPlan, int]:
-        """CacheBlend-style: hand the most deviating re-rotated tokens back to the prefill."""
-        if not self.config.recompute_share or not plan.runs:
-            return plan, 0
-        with self._lock, torch.inference_mode():
-            return select_recompute(
-                self.model, self.info.rotator, plan,
-                share=self.config.recompute_share, probe_layers=self.config.recompute_probe_layers,
-            )
-
-    def _force(self, plan: CallPlan, pre, forced: Sequence[int]) -> tuple[list[int], torch.Tensor]:
-        """Process forced reply ids (up to the first end-of-sequence) in one forward, as decoding
-        would have cached them. Returns the ids and ``[k, vocab]`` logits predicting each of them
-        (row 0: the prompt's last token)."""
-        ids = [int(t) for t in forced]
-        ends = [i for i, t in enumerate(ids) if t in self.info.eos_ids]
-        ids = ids[: ends[0] + 1] if ends else ids
-        rows = [pre.logits[None]]
-        if len(ids) > 1:
-            n = plan.num_prompt
-            with self._lock, torch.inference_mode():
-                rows.append(hf_cache.run_forward(
-                    self.model, torch.tensor([ids[:-1]], device=self._device), pre.cache,
-                    position_ids=torch.arange(n, n + len(ids) - 1, device=self._device)[None],
-                    last_logits_only=False,
-                )[0].float())
-        return ids, torch.cat([r.to(rows[0].device) for r in rows])
-
-    def _audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
-        """Every ``audit_every``-th reused call: prefill densely and return KL(dense || reuse).
-
-        The dense pass is exact everywhere, so the reused segments' real offsets are recorded as
-        anchors too: the error gate's measurement stays fresh while calls are being reused."""
-        if not self.config.audit_every or not plan.runs:
-            return None
-        self._reused_calls += 1
-        if self._reused_calls % self.config.audit_every:
-            return None
-        dense = prefill(self.model, self.info.rotator, CallPlan(plan.prompt_ids))
-        if self.config.reuse:
-            observed = CallPlan(
-                plan.prompt_ids,
-                observations=[Observation(r.segment, r.prompt_start, r.segment_start, r.length)
-                              for r in plan.runs if not r.template],
-                pieces=[dataclasses.replace(p, reused=False, observed=True) for p in plan.pieces],
-            )
-            self._packager.record_offsets(observed, agent, dense.cache, dense.slot_positions)
-        return first_token_kl(dense.logits, logits)
-
-    @property
-    def _device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
-
-    def _plan(self, layout: PromptLayout, messages: Messages, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
+    def _plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         if not self.config.reuse:
             return CallPlan(layout.ids, dense_reason="reuse_off")
         refuse = None
@@ -353,10 +287,117 @@ class KVCommEngine:
             refuse = "reuse_off"
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
-        return plan_call(
-            layout, messages, store=self._store, model=self.fingerprint, config=self.config,
-            refuse_reason=refuse, agent=agent, anchors=self._anchors, templates=self._templates,
+        return plan_call(layout, store=self._store, fingerprint=self.fingerprint, config=self.config, agent=agent,
+                         refuse_reason=refuse, anchors=self._anchors, own_texts=self._own_texts)
+
+    def _decode(self, call: _Prepared, next_id: int, sampler: TokenSampler, text: TextAccumulator,
+                max_new_tokens: int) -> Iterator[str]:
+        """The decode loop from the first token; yields text pieces, returns the finish reason."""
+        position = call.plan.num_prompt
+        while True:
+            piece = text.push(next_id)
+            if piece:
+                yield piece
+            finish = self._finish_reason(next_id, text, max_new_tokens)
+            if finish is not None:
+                return finish
+            with self._lock, torch.inference_mode():
+                logits = hf.run_forward(
+                    self.model, torch.tensor([[next_id]], device=self._device), call.pre.cache,
+                    position_ids=torch.tensor([[position]], device=self._device),
+                )[0, -1].float()
+            position += 1
+            next_id = sampler(logits)
+
+    def _force(self, call: _Prepared, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids[:-1]`` after the prompt in one forward; ``[k, vocab]`` logits predicting each
+        of ``ids`` (row 0: the prompt's last token)."""
+        rows = [call.pre.logits[None]]
+        if len(ids) > 1:
+            n = call.plan.num_prompt
+            with self._lock, torch.inference_mode():
+                rows.append(hf.run_forward(
+                    self.model, torch.tensor([ids[:-1]], device=self._device), call.pre.cache,
+                    position_ids=torch.arange(n, n + len(ids) - 1, device=self._device)[None],
+                    last_logits_only=False,
+                )[0].float())
+        return torch.cat([r.to(rows[0].device) for r in rows])
+
+    def _keep(self, call: _Prepared, messages: Messages, agent: str, text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
+        """After the reply: keep its KV and what else the call computed, then the audit."""
+        with self._lock, torch.inference_mode():
+            segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
+            return segment, self._audit(call.plan, call.pre.logits, agent)
+
+    def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
+        plan, cache = call.plan, call.pre.cache
+        n = plan.num_prompt
+        generated = ids[:-1]  # the last generated id was never fed: it has no KV
+        slots = torch.cat([call.pre.slot_positions, torch.arange(n, n + len(generated))])
+        if hf.num_cached(cache) != slots.numel():  # a sliding window dropped early KV
+            logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
+            return None
+        kv_at = _kv_reader(cache, slots)
+        self._capture.store_prefix(plan, generated, kv_at)
+        if self.config.method == "exact_prefix":
+            return None  # segments would never be read
+        self._observe(plan, agent, kv_at)
+        roles = [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]
+        self._capture.capture_messages(call.layout, roles, plan, kv_at)
+        return self._capture.capture_reply(n, generated, reply, agent, kv_at)
+
+    def _observe(self, plan: CallPlan, agent: str, kv_at) -> None:
+        """Own-text KV first seen, then the anchors' observations of this exact pass."""
+        bases = self._capture.keep_own_text(plan, agent, kv_at)
+        if self.config.method == "kvcomm":
+            self._anchors.observe(agent, plan, lambda start, length: kv_at(torch.arange(start, start + length)),
+                                  self.info.rotator, bases)
+
+    def _audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
+        """Every ``audit_every``-th reused call: prefill densely and return KL(dense || reuse).
+
+        The dense pass is exact everywhere, so the reused segments' real offsets are observed too."""
+        if not self.config.audit_every or not plan.runs:
+            return None
+        self._reused_calls += 1
+        if self._reused_calls % self.config.audit_every:
+            return None
+        dense = hf.prefill(self.model, plan.prompt_ids, torch.arange(plan.num_prompt))
+        self._observe(plan.as_observed(), agent, _kv_reader(dense.cache, dense.slot_positions))
+        return first_token_kl(dense.logits, logits)
+
+    def _result(self, call: _Prepared, agent: str, reuse: Optional[bool], text: TextAccumulator, finish: str,
+                segment: Optional[SegmentRef], ttft: float, audit_kl: Optional[float]) -> ChatResult:
+        plan = call.plan
+        recomputed = 0 if plan.recompute is None else int(plan.recompute.numel())
+        stats = CallStats(
+            agent=agent,
+            prompt_tokens=plan.num_prompt,
+            reused_tokens=plan.reused_tokens,
+            computed_tokens=plan.num_prompt - plan.reused_tokens,
+            prefix_tokens=plan.prefix_length,
+            generated_tokens=len(text.ids),
+            ttft_s=ttft,
+            align_s=call.align_s,
+            plan_s=call.plan_s,
+            prefill_s=call.prefill_s,
+            hook_s=call.hook_s,
+            recomputed_tokens=recomputed,
+            total_s=time.perf_counter() - call.started,
+            mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
+            dense_reason=plan.dense_reason,
+            decisions=list(plan.decisions),
+            opted_out=self.config.reuse and (reuse is False or agent in self.config.dense_agents),
+            own_text_tokens=plan.own_text_tokens,
+            anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
+            anchor_bytes=self._anchors.nbytes() if self.config.method == "kvcomm" else 0,
+            audit_kl=audit_kl,
         )
+        return ChatResult(text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats)
+
+    @property
+    def _device(self) -> torch.device:
+        return hf.input_device(self.model)
 
     def _finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int) -> Optional[str]:
         if token_id in self.info.eos_ids:
@@ -368,7 +409,32 @@ class KVCommEngine:
         return None
 
 
-def _greedy_prefix(logits: torch.Tensor, ids: list[int]) -> int:
-    """How many leading ``ids`` greedy decoding would also produce (``logits[i]`` predicts ``ids[i]``)."""
-    agree = (logits.argmax(dim=-1).cpu() == torch.tensor(ids)).long()
-    return int(agree.cumprod(0).sum())
+def _pins(plan: CallPlan) -> list:
+    """Store entries a call uses (kept from eviction while it runs)."""
+    return [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
+
+
+def _kv_reader(cache, slots: torch.Tensor):
+    """``positions -> KVBlock`` over a filled cache whose slot ``i`` holds position ``slots[i]``."""
+    return lambda positions: hf.kv_at_positions(cache, slots, positions)
+
+
+def _check_agent(agent) -> None:
+    if not isinstance(agent, str) or not agent:
+        raise InvalidMessagesError("agent must be a non-empty string")
+
+
+def _check_max_new_tokens(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+
+
+def _check_ids(ids, vocab_size: int) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or len(ids) == 0:
+        raise InvalidRequestError("reply_ids must be a non-empty sequence of token ids")
+    out = []
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"reply_ids holds {token!r}, not a token id of this vocabulary (0..{vocab_size - 1})")
+        out.append(token)
+    return out

@@ -7,7 +7,10 @@ The tree::
     ├── RopeCheckError               the load-time re-rotation self-check failed
     │                                (subclass of UnsupportedModelError)
     ├── ModelNotAvailableError       the model or the embedded default cannot be found offline
-    └── InvalidMessagesError         the messages given to ``chat`` are malformed
+    └── InvalidRequestError          an argument of a call is wrong (also a ``ValueError``)
+        └── InvalidMessagesError     the messages given to ``chat`` are malformed
+
+Argument errors are raised before any compute.
 
 A missing, evicted, stale or foreign cache segment is *not* an error: the engine prefills that
 text instead and records the reason in ``ChatResult.stats.decisions``.
@@ -20,6 +23,7 @@ __all__ = [
     "UnsupportedModelError",
     "RopeCheckError",
     "ModelNotAvailableError",
+    "InvalidRequestError",
     "InvalidMessagesError",
 ]
 
@@ -27,7 +31,7 @@ SUPPORTED_MODELS_HINT = (
     "kvcomm-agents reuses KV caches of decoder-only models with rotary position embeddings of "
     "rope_type 'default', 'linear' or 'llama3' (Llama, Qwen2, Mistral families and the like), "
     "loaded with attn_implementation 'sdpa' or 'eager', with a chat template and a fast tokenizer. "
-    "To run any other causal LM without reuse, pass config=KVCommConfig(reuse=False)."
+    "To run any other causal LM without reuse, pass config=KVCommConfig(method='dense')."
 )
 
 
@@ -51,5 +55,9 @@ class ModelNotAvailableError(KVCommError):
     """The requested model (or the embedded default) is not available on this machine."""
 
 
-class InvalidMessagesError(KVCommError, ValueError):
+class InvalidRequestError(KVCommError, ValueError):
+    """An argument of a call is wrong; the message names it."""
+
+
+class InvalidMessagesError(InvalidRequestError):
     """``messages`` is not a list of ``{"role": ..., "content": ...}`` dicts."""

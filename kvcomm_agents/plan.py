@@ -1,18 +1,23 @@
-"""Typed results of planning one call: what is reused exactly, what is re-rotated, what is computed."""
+"""Typed results of planning one call: what is reused exactly, what is re-rotated, what is computed.
+
+A :class:`CallPlan` is built once by the planner and never changed afterwards (frozen
+dataclasses, tuples); a baseline that wants another plan (the benchmark's CacheBlend-style
+recompute) derives a new one with ``dataclasses.replace``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from .cache.segments import KVSegment, SegmentRef
-from .cache.store import PrefixEntry
+from .kv.segments import KVSegment, SegmentRef
+from .kv.store import PrefixEntry
 
 __all__ = [
-    "SegmentDecision", "GateRecord", "ReusedRun", "Observation", "TemplatePiece", "PrefixHit", "CallPlan",
+    "SegmentDecision", "GateRecord", "ReusedRun", "Observation", "OwnTextPiece", "PrefixHit", "CallPlan",
     "DecisionReason",
 ]
 
@@ -30,22 +35,26 @@ DecisionReason = Literal[
     "sliding_window",  # prefilled: prompt plus reply exceed the model's sliding window
     "new_anchor",  # prefilled: the anchor gate judged it new (too few or too dissimilar anchors); recorded now
     "after_new_anchor",  # prefilled: it follows a new-anchor segment, computed densely from there
-    "exact_only",  # prefilled: segment reuse is off (segment_reuse=False); only exact prefixes are reused
+    "exact_only",  # prefilled: method="exact_prefix"; only exact prefixes are reused
+    "bad_reference",  # prefilled: the message's segment reference is malformed (another version, hand-written)
 ]
 
 
 class GateRecord(BaseModel):
-    """The anchor gate's verdict on one segment for one receiver (KVCOMM offsets only)."""
+    """The anchor gate's verdict on one segment for one receiver (``method="kvcomm"`` only)."""
+
+    model_config = ConfigDict(frozen=True)
 
     decision: Literal["reuse", "new_anchor"]
     anchors: int = Field(description="Length-compatible anchors holding this receiver's offsets (consulted).")
-    score: Optional[float] = Field(default=None, description="The score the configured gate compared with its threshold.")
+    score: Optional[float] = Field(default=None, description="The score the gate compared with its threshold.")
     entropy: Optional[float] = Field(default=None, description="The paper's H / log2 N over the consulted anchors.")
-    error: Optional[float] = Field(default=None, description="Measured relative KV error of this receiver's estimates for the kind.")
 
 
 class SegmentDecision(BaseModel):
     """What the engine did with one shared segment found in a prompt."""
+
+    model_config = ConfigDict(frozen=True)
 
     segment: Optional[SegmentRef] = Field(description="The segment (None if only its id was known).")
     segment_id: str
@@ -57,7 +66,7 @@ class SegmentDecision(BaseModel):
     gate: Optional[GateRecord] = Field(default=None, description="The anchor gate's verdict, if it ran.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReusedRun:
     """A run of prompt tokens served from a stored segment, re-rotated to its new position.
 
@@ -71,7 +80,7 @@ class ReusedRun:
     length: int
     key_offsets: Optional[torch.Tensor] = None  # [L-1, kv_heads, length, head_dim]: layers 1..L-1, canonical frame
     value_offsets: Optional[torch.Tensor] = None
-    template: bool = False  # a piece of the receiver's own template, not a shared segment
+    own_text: bool = False  # a piece of the receiver's own text, not a shared segment
     verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
 
     @property
@@ -84,7 +93,7 @@ class ReusedRun:
         return self.prompt_start - self.segment_start
 
 
-@dataclass
+@dataclass(frozen=True)
 class Observation:
     """Segment tokens the receiver computes itself in this call (same ids as the segment's):
     where the context before them is exact, their real KV minus the segment's base KV is an
@@ -101,13 +110,13 @@ class Observation:
         return self.segment_start + self.length == self.segment.num_tokens
 
 
-@dataclass
-class TemplatePiece:
+@dataclass(frozen=True)
+class OwnTextPiece:
     """The receiver's own text right after a shared segment, up to the next segment or the last
     prompt token: prompt positions ``start .. end``, ids keyed by ``key``.
 
-    ``reused``: served from the agent's template KV. ``observed``: the segment before it was
-    computed in this call (its prefix offsets can be recorded if the context is exact)."""
+    ``reused``: served from the agent's own-text KV. ``observed``: the segment before it was
+    computed in this call (its own-text offsets can be recorded if the context is exact)."""
 
     start: int
     end: int
@@ -118,7 +127,7 @@ class TemplatePiece:
     observed: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefixHit:
     """The first ``length`` prompt tokens are served, exactly, from a stored prefix."""
 
@@ -126,7 +135,7 @@ class PrefixHit:
     length: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class CallPlan:
     """How one prompt is prefilled.
 
@@ -137,18 +146,19 @@ class CallPlan:
         decisions: one per shared segment found.
         dense_reason: why the call runs fully dense, or None.
         observations: matched segment tokens computed in this call (offset observations).
-        pieces: template pieces after shared segments (reused or to be recorded).
+        pieces: own-text pieces after shared segments (reused or to be recorded).
         recompute: ``[r]`` int64 sorted prompt positions inside runs that are computed in the
-            prefill instead of reused (CacheBlend-style selective recompute), or None.
+            prefill instead of reused (set by a plan hook, e.g. the benchmark's CacheBlend-style
+            baseline), or None.
     """
 
     prompt_ids: torch.Tensor
     prefix: Optional[PrefixHit] = None
-    runs: list[ReusedRun] = field(default_factory=list)
-    decisions: list[SegmentDecision] = field(default_factory=list)
+    runs: tuple[ReusedRun, ...] = ()
+    decisions: tuple[SegmentDecision, ...] = ()
     dense_reason: Optional[str] = None
-    observations: list[Observation] = field(default_factory=list)
-    pieces: list[TemplatePiece] = field(default_factory=list)
+    observations: tuple[Observation, ...] = ()
+    pieces: tuple[OwnTextPiece, ...] = ()
     recompute: Optional[torch.Tensor] = None
 
     @property
@@ -165,9 +175,9 @@ class CallPlan:
         return self.prefix_length + sum(run.length for run in self.runs) - recomputed
 
     @property
-    def template_tokens(self) -> int:
-        """Reused tokens that are the receiver's own template text."""
-        return sum(run.length for run in self.runs if run.template)
+    def own_text_tokens(self) -> int:
+        """Reused tokens that are the receiver's own text."""
+        return sum(run.length for run in self.runs if run.own_text)
 
     def computed_positions(self) -> torch.Tensor:
         """``[Q]`` int64 positions the model computes (everything not reused), ascending."""
@@ -188,6 +198,16 @@ class CallPlan:
             positions = positions[~torch.isin(positions, self.recompute)]
         return positions
 
-    def first_reused_run_start(self) -> int:
+    def exact_until(self) -> int:
         """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""
         return self.runs[0].prompt_start if self.runs else self.num_prompt
+
+    def as_observed(self) -> "CallPlan":
+        """The same prompt as if computed densely: every reused shared run becomes an observation
+        and every own-text piece an observed, computed one (what an audit's dense pass saw)."""
+        return CallPlan(
+            self.prompt_ids,
+            observations=tuple(Observation(r.segment, r.prompt_start, r.segment_start, r.length)
+                               for r in self.runs if not r.own_text),
+            pieces=tuple(replace(p, reused=False, observed=True) for p in self.pieces),
+        )

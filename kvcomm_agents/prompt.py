@@ -8,7 +8,7 @@ for token. Tokenizing a chat prompt piece by piece gives other ids (measured on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -29,12 +29,20 @@ class PromptLayout:
         offsets: for each id, its ``(start, end)`` character span in ``text``.
         content_spans: for each message, the ``(start, end)`` span of its content in ``text``,
             or None when the template altered the content beyond recognition.
+        refs: for each message, its ``segment`` entry as given (a ``SegmentRef``, its dict, or
+            None): where the message says its content came from.
     """
 
     text: str
     ids: torch.Tensor
     offsets: list[tuple[int, int]]
     content_spans: list[Optional[tuple[int, int]]]
+    refs: list[Any] = field(default_factory=list)
+
+    def content(self, index: int) -> Optional[str]:
+        """Message ``index``'s content as rendered, or None if it could not be located."""
+        span = self.content_spans[index]
+        return None if span is None else self.text[span[0] : span[1]]
 
     def tokens_within(self, start: int, end: int) -> range:
         """Indices of the tokens lying entirely inside characters ``[start, end)``."""
@@ -73,7 +81,8 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], *, tools=Non
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
     offsets = [tuple(span) for span in encoded["offset_mapping"]]
-    return PromptLayout(text, ids, offsets, _locate_contents(text, clean))
+    refs = [message.get("segment") for message in messages]
+    return PromptLayout(text, ids, offsets, _locate_contents(text, clean), refs)
 
 
 def _locate_contents(text: str, messages: list[dict[str, Any]]) -> list[Optional[tuple[int, int]]]:

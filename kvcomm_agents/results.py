@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Optional
+from typing import Iterable, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from .cache.segments import SegmentRef
+from .kv.segments import SegmentRef
 from .plan import SegmentDecision
 
 __all__ = ["CallStats", "ChatResult", "ReuseSummary"]
@@ -25,9 +25,9 @@ class CallStats(BaseModel):
     align_s: float = Field(description="Re-rotation, offsets and cache assembly.")
     plan_s: float = Field(default=0.0, description="Rendering the prompt and planning reuse.")
     prefill_s: float = Field(default=0.0, description="The prefill forward pass alone.")
-    recompute_s: float = Field(default=0.0, description="Choosing the tokens to recompute (recompute_share > 0).")
+    hook_s: float = Field(default=0.0, description="The engine's plan hook, if any (benchmark baselines).")
     recomputed_tokens: int = Field(
-        default=0, description="Re-rotated tokens handed back to the prefill (recompute_share > 0); counted as computed."
+        default=0, description="Re-rotated tokens a plan hook handed back to the prefill; counted as computed."
     )
     total_s: float = 0.0
     mode: Literal["dense", "prefix", "reuse"] = Field(
@@ -38,7 +38,7 @@ class CallStats(BaseModel):
     )
     decisions: list[SegmentDecision] = Field(default_factory=list)
     opted_out: bool = Field(default=False, description="Reuse switched off for this call or agent.")
-    template_tokens: int = Field(default=0, description="Of the reused tokens, the agent's own template text.")
+    own_text_tokens: int = Field(default=0, description="Of the reused tokens, the agent's own text (own-text reuse).")
     anchors_consulted: int = Field(default=0, description="Anchors the gate consulted, over all segments.")
     anchor_bytes: int = Field(default=0, description="Bytes held by all anchor pools after the call.")
     audit_kl: Optional[float] = Field(
@@ -99,21 +99,10 @@ class ReuseSummary(BaseModel):
 class ChatResult(BaseModel):
     """The reply of one agent call."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
     text: str
     token_ids: list[int] = Field(description="Generated ids only (eos included, as generate does).")
     segment: Optional[SegmentRef] = Field(description="Reference to the reply's KV, or None.")
-    finish_reason: Literal["stop", "length", "stop_string", "forced"]
+    finish_reason: Literal["stop", "length", "stop_string", "forced"] = Field(
+        description="'forced' for ``engine.replay`` (the reply was given)."
+    )
     stats: CallStats
-    forced_greedy_tokens: Optional[int] = Field(
-        default=None,
-        description=(
-            "With force_reply_ids: how many leading forced ids greedy decoding would also have "
-            "produced (teacher forcing), so k-token agreement needs no second run."
-        ),
-    )
-    first_token_logits: Optional[Any] = Field(
-        default=None, exclude=True, repr=False,
-        description="``[vocab]`` float32 logits of the last prompt token, with ``return_logits=True``.",
-    )

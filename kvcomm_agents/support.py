@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from transformers import PreTrainedModel
 
-from .cache import hf_cache
-from .cache.rope import RopeRotator
+from .engines import hf
+from .kv.rope import RopeRotator
 from .errors import RopeCheckError, UnsupportedModelError
 
 __all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint"]
@@ -127,16 +127,16 @@ def check_rerotation(model: PreTrainedModel, rotator: RopeRotator, tokenizer=Non
     input_ids = torch.tensor([ids], device=device)
     caches = []
     for start in (0, _CHECK_SHIFT):
-        cache = hf_cache.new_cache(model)
+        cache = hf.new_cache(model)
         positions = torch.arange(start, start + len(ids), device=device)[None]
-        hf_cache.run_forward(model, input_ids, cache, position_ids=positions)
+        hf.run_forward(model, input_ids, cache, position_ids=positions)
         caches.append(cache)
     # Shifting every token by the same amount leaves relative positions, hence hidden states,
     # unchanged: every RoPE layer's keys must differ by exactly R(shift), values not at all.
     full_precision = model.dtype in (torch.float32, torch.float64)
     worst = 0.0
-    for layer in range(hf_cache.num_layers(caches[0])):
-        (k0, v0), (k1, v1) = (hf_cache.layer_kv(c, layer) for c in caches)
+    for layer in range(hf.num_layers(caches[0])):
+        (k0, v0), (k1, v1) = (hf.layer_kv(c, layer) for c in caches)
         moved = rotator.shift(k0.float(), _CHECK_SHIFT)
         error = float((moved - k1.float()).abs().max() / k1.float().abs().max().clamp_min(1e-6))
         value_error = float((v0.float() - v1.float()).abs().max() / v1.float().abs().max().clamp_min(1e-6))
@@ -193,7 +193,7 @@ def _eos_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, verify_rope: bool) -> ModelInfo:
+def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, verify_rope: bool = True) -> ModelInfo:
     """Check ``model`` and ``tokenizer`` and describe them, or raise :class:`UnsupportedModelError`."""
     if not getattr(tokenizer, "chat_template", None):
         raise UnsupportedModelError("the tokenizer has no chat template")

@@ -3,6 +3,9 @@
 The models live on ``$KVCOMM_TEST_DEVICE`` (default cpu) in ``$KVCOMM_TEST_DTYPE`` (default
 float32): ``benchmarks/gpu_check.sh`` runs the ``exact`` tests on CUDA in fp32 and bf16.
 Tests marked ``exact`` are written to run on any device; their tolerances scale with the dtype.
+
+Tiers: every test that uses a model fixture (or builds or loads a model itself, marked by hand)
+is marked ``model``; ``pytest -m "not model"`` runs the fast, model-free tier alone.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import pytest
 import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.alignment import assemble
+from kvcomm_agents.engines import hf
 from kvcomm_agents.testing import tiny_llama, tiny_qwen2, tiny_tokenizer
 
 torch.set_num_threads(2)
@@ -22,6 +27,22 @@ DTYPE = getattr(torch, os.environ.get("KVCOMM_TEST_DTYPE", "float32"))
 #: tolerance multiplier of the exactness checks (a bf16 ulp is 2**-8 relative: dense and reused
 #: paths round in different places)
 TOLERANCE_SCALE = {torch.float32: 1.0, torch.bfloat16: 1000.0, torch.float16: 200.0}[DTYPE]
+
+#: Fixtures that build, load or wrap a model: a test using any of them (directly or through
+#: another fixture) is in the ``model`` tier.
+MODEL_FIXTURES = frozenset({
+    "llama", "qwen2", "model", "make_engine",  # tests/conftest.py
+    "engine", "tools_engine",  # tests/integrations/conftest.py, tests/test_embedded.py
+    "smoke",  # tests/test_benchmarks.py: a benchmark run on a tiny model
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that needs a model ``model`` (the fast tier is ``-m "not model"``)."""
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ()))
+        if uses & MODEL_FIXTURES or item.get_closest_marker("embedded") is not None:
+            item.add_marker(pytest.mark.model)
 
 
 def tol(fp32_atol: float) -> float:
@@ -56,15 +77,17 @@ def model(request, llama, qwen2):
 
 @pytest.fixture
 def make_engine(tokenizer):
-    """Engines for tests of the reuse mechanics: re-rotation only unless ``offsets`` is given
-    (the default, KVCOMM anchors, first prefills what it has not seen; tests/cache/test_anchors.py)."""
-    def make(model, **config):
-        return KVCommEngine(model, tokenizer, config=KVCommConfig(**{"offsets": "none", **config}))
+    """Engines for tests of the reuse mechanics: re-rotation only unless ``method`` is given
+    (the default, KVCOMM anchors, first prefills what it has not seen; tests/anchors)."""
+    def make(model, *, plan_hook=None, **config):
+        return KVCommEngine(model, tokenizer, config=KVCommConfig(**{"method": "rerotate", **config}),
+                            plan_hook=plan_hook)
 
     return make
 
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+REPLY = "The answer is 72 because 48 plus 24 equals 72."
 
 
 def solver_messages(system: str, *upstream: str) -> list[dict]:
@@ -73,3 +96,29 @@ def solver_messages(system: str, *upstream: str) -> list[dict]:
     for i, reply in enumerate(upstream, 1):
         messages.append({"role": "user", "content": f"Agent {i} said: {reply}"})
     return messages
+
+
+def forced(tokenizer, text: str = REPLY) -> list[int]:
+    """Ids of a reply ``text`` ending with end-of-sequence, for ``engine.replay``."""
+    return tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def replayed(engine, messages, agent: str, text: str = REPLY):
+    """The engine's ``ChatResult`` for ``messages`` with ``text`` as the agent's reply."""
+    return engine.replay(messages, agent=agent, reply_ids=forced(engine.tokenizer, text)).result
+
+
+def first_logits(engine, messages, agent: str = "x") -> torch.Tensor:
+    """``[vocab]`` logits of the prompt's last token under ``engine`` (row 0 of a replay does
+    not depend on the replayed reply: one end-of-sequence id is replayed)."""
+    return engine.replay(messages, agent=agent, reply_ids=[engine.tokenizer.eos_token_id]).first_token_logits
+
+
+@torch.inference_mode()
+def run_plan(model, rotator, plan, position_offset: int = 0) -> hf.Prefill:
+    """Prefill ``plan`` as the engine does (assembly, position mask when runs are re-rotated),
+    optionally with the whole prompt ``position_offset`` positions later."""
+    block = assemble(plan, rotator, position_offset) if plan.reused_tokens else None
+    return hf.prefill(model, plan.prompt_ids, plan.computed_positions(), block,
+                      plan.reused_positions() if block is not None else None, masked=bool(plan.runs),
+                      position_offset=position_offset)

@@ -124,6 +124,7 @@ def test_every_agent_index_sees_every_strategy_first():
     assert _rotated([], 3) == []
 
 
+@pytest.mark.model
 def test_shipped_replies_are_taken_for_their_keys_only(tmp_path):
     import torch
 

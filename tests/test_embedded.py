@@ -11,7 +11,7 @@ QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold 
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVCommEngine.from_pretrained(device="cpu", config=KVCommConfig(offsets="none"))
+    return KVCommEngine.from_pretrained(device="cpu", config=KVCommConfig(method="rerotate"))
 
 
 def solver_messages(k: int, question: str, replies: list[str]) -> list[dict]:
@@ -52,7 +52,7 @@ def test_default_kvcomm_records_anchors_then_reuses(engine):
     downstream solvers prefill what they have not seen twice (new anchors, recorded); on the
     third the gate consults two anchors per kind and reuses."""
     kvcomm = KVCommEngine(engine.model, engine.tokenizer)
-    assert kvcomm.config.offsets == "mean"
+    assert (kvcomm.config.method, kvcomm.config.experimental.estimator) == ("kvcomm", "mean")
     per_question = []
     for question in QUESTIONS:
         replies, calls = [], []

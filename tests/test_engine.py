@@ -1,19 +1,14 @@
 """The engine on tiny real models: dense equivalence, reuse, visible fallbacks, decoding options."""
 
 import pytest
-import torch
 
-from kvcomm_agents import ChatResult, InvalidMessagesError, KVCommConfig, KVCommEngine, ReuseSummary
+from kvcomm_agents import (
+    ChatResult, InvalidMessagesError, InvalidRequestError, KVCommConfig, KVCommEngine, KVCommError, ReuseSummary,
+)
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.testing import tiny_llama
 
-from .conftest import solver_messages
-
-REPLY = "The answer is 72 because 48 plus 24 equals 72."
-
-
-def forced(tokenizer, text=REPLY):
-    return tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+from .conftest import REPLY, first_logits, replayed, solver_messages
 
 
 def generate_text(model, tokenizer, messages, max_new_tokens):
@@ -26,7 +21,7 @@ def generate_text(model, tokenizer, messages, max_new_tokens):
 @pytest.mark.exact
 @pytest.mark.parametrize("how", ["engine", "call"])
 def test_reuse_off_is_plain_generate(model, tokenizer, make_engine, how):
-    engine = make_engine(model, reuse=(how == "call"))
+    engine = make_engine(model, method="rerotate" if how == "call" else "dense")
     engine.chat(solver_messages("You are solver one."), agent="s1", max_new_tokens=8)  # fills the store
     messages = solver_messages("You are solver two.", REPLY)
     result = engine.chat(messages, agent="s2", max_new_tokens=16, reuse=(False if how == "call" else None))
@@ -42,7 +37,7 @@ def test_reuse_off_is_plain_generate(model, tokenizer, make_engine, how):
 
 def test_second_agent_reuses_question_and_reply(model, tokenizer, make_engine):
     engine = make_engine(model)
-    first = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer))
+    first = replayed(engine, solver_messages("You are solver one."), "s1")
     assert first.segment is not None and first.segment.kind == ("s1", "assistant")
     messages = solver_messages("You are solver two.") + [
         {"role": "user", "content": first.text, "segment": first.segment.model_dump()}  # as JSON state gives it
@@ -57,7 +52,7 @@ def test_second_agent_reuses_question_and_reply(model, tokenizer, make_engine):
 
 
 def _dense_result(model, tokenizer, messages, max_new_tokens=12):
-    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(reuse=False))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     return dense.chat(messages, agent="x", max_new_tokens=max_new_tokens)
 
 
@@ -70,16 +65,26 @@ def _receiver(ref_or_dict, content=REPLY):
 
 def test_missing_segment_falls_back_to_dense(model, tokenizer, make_engine):
     producer = make_engine(model)
-    ref = producer.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    ref = replayed(producer, solver_messages("You are solver one."), "s1").segment
     fresh = make_engine(model)  # e.g. after a restart: the reference survives, the KV does not
     result = fresh.chat(_receiver(ref), agent="judge", max_new_tokens=12)
     assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "not_found")]
     assert result.text == _dense_result(model, tokenizer, _receiver(ref)).text
 
 
+@pytest.mark.parametrize("bad", [{"id": "x"}, {"id": "x", "kind": "user", "num_tokens": -1}, "not a ref"])
+def test_malformed_reference_falls_back_to_dense(llama, tokenizer, make_engine, bad):
+    engine = make_engine(llama)
+    replayed(engine, solver_messages("You are solver one."), "s1")  # the reply is in the store
+    result = engine.chat(_receiver(bad), agent="judge", max_new_tokens=12)
+    assert [(d.status, d.reason, d.segment) for d in result.stats.decisions] == [("prefilled", "bad_reference", None)]
+    assert result.stats.mode != "reuse"
+    assert result.text == _dense_result(llama, tokenizer, _receiver(bad)).text
+
+
 def test_evicted_segment_falls_back_to_dense(model, tokenizer, make_engine):
     engine = make_engine(model)
-    ref = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    ref = replayed(engine, solver_messages("You are solver one."), "s1").segment
     engine.store.resize(0)  # everything unpinned is evicted
     assert engine.store.stats().evictions > 0
     result = engine.chat(_receiver(ref), agent="judge", max_new_tokens=12)
@@ -92,7 +97,7 @@ def test_foreign_model_segment_is_never_used(tokenizer, llama):
     other = tiny_llama(tokenizer, seed=7)
     engine_a = KVCommEngine(llama, tokenizer)
     engine_b = KVCommEngine(other, tokenizer, store=engine_a.store)  # one store, two models
-    ref = engine_a.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    ref = replayed(engine_a, solver_messages("You are solver one."), "s1").segment
     result = engine_b.chat(_receiver(ref), agent="judge", max_new_tokens=12)
     assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "foreign_model")]
     assert result.stats.mode != "reuse"  # an exact prefix (the system header) may still be reused
@@ -101,7 +106,7 @@ def test_foreign_model_segment_is_never_used(tokenizer, llama):
 
 def test_message_edited_from_first_token_is_stale(model, tokenizer, make_engine):
     engine = make_engine(model)
-    ref = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    ref = replayed(engine, solver_messages("You are solver one."), "s1").segment
     edited = "Actually, " + REPLY.lower()
     result = engine.chat(_receiver(ref, edited), agent="judge", max_new_tokens=12)
     assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "stale")]
@@ -111,7 +116,7 @@ def test_message_edited_from_first_token_is_stale(model, tokenizer, make_engine)
 
 def test_message_edited_at_the_end_reuses_only_the_unchanged_start(model, tokenizer, make_engine):
     engine = make_engine(model)
-    ref = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer)).segment
+    ref = replayed(engine, solver_messages("You are solver one."), "s1").segment
     edited = REPLY.replace("equals 72.", "makes 73!")
     result = engine.chat(_receiver(ref, edited), agent="judge", max_new_tokens=4)
     (decision,) = result.stats.decisions
@@ -192,6 +197,29 @@ def test_bad_messages_get_clear_errors(llama, make_engine):
         engine.chat([{"role": "user", "content": "hi"}], agent="")
 
 
+@pytest.mark.parametrize("option", [
+    {"max_new_tokens": 0}, {"max_new_tokens": True}, {"temperature": -1.0}, {"temperature": float("nan")},
+    {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1}, {"seed": "3"},
+])
+def test_bad_options_are_request_errors_before_any_compute(llama, make_engine, option):
+    engine = make_engine(llama)
+    with pytest.raises(InvalidRequestError) as error:
+        engine.chat(solver_messages("You are solver one."), agent="a", **option)
+    assert isinstance(error.value, ValueError) and isinstance(error.value, KVCommError)
+    assert len(engine.store) == 0  # nothing was computed or kept
+    assert issubclass(InvalidMessagesError, InvalidRequestError)
+
+
+def test_add_segment_checks_its_arguments(llama, make_engine):
+    engine = make_engine(llama)
+    for kind in ("document", ("a", "b", "c")):
+        with pytest.raises(InvalidRequestError, match="kind"):
+            engine.add_segment("some shared text for everyone to read", kind=kind)
+    with pytest.raises(InvalidRequestError):
+        engine.add_segment("")
+    assert len(engine.store) == 0
+
+
 def test_engine_calls_are_thread_safe(llama, tokenizer, make_engine):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -214,18 +242,6 @@ def test_tool_results_become_segments_that_other_agents_reuse(llama, tokenizer, 
               {"role": "user", "content": f"The tester reported:\n{tool_output}"}]
     result = engine.chat(reader, agent="planner", max_new_tokens=2)
     assert [(d.segment_id, d.status) for d in result.stats.decisions] == [(segment.id, "reused")]
-
-
-def test_forced_reply_reports_greedy_agreement_and_logits(llama, tokenizer, make_engine):
-    engine = make_engine(llama, reuse=False)
-    messages = solver_messages("You are solver one.")
-    free = engine.chat(messages, agent="s1", max_new_tokens=10, return_logits=True)
-    assert free.first_token_logits is not None and free.first_token_logits.shape == (len(tokenizer),)
-    same = engine.chat(messages, agent="s1", force_reply_ids=free.token_ids)
-    assert same.token_ids == free.token_ids and same.forced_greedy_tokens == 10 and same.finish_reason == "forced"
-    altered = free.token_ids[:4] + [(free.token_ids[4] + 1) % 300] + free.token_ids[5:]
-    assert engine.chat(messages, agent="s1", force_reply_ids=altered).forced_greedy_tokens == 4
-    assert same.first_token_logits is None  # only kept when asked
 
 
 def test_streamed_pieces_never_include_a_cut_stop_string():
@@ -270,27 +286,9 @@ def threading_resume(generator):
     return items
 
 
-def test_empty_forced_reply_is_a_clear_error(llama, make_engine):
-    with pytest.raises(ValueError, match="force_reply_ids"):
-        make_engine(llama).chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=[])
-
-
-def test_forced_reply_is_cached_as_decoding_would_cache_it(llama, tokenizer, make_engine):
-    """Forced ids are processed in one forward: the reply segment's KV matches free decoding's."""
-    messages = solver_messages("You are solver one.")
-    free_engine, forced_engine = make_engine(llama), make_engine(llama)
-    free = free_engine.chat(messages, agent="s1", max_new_tokens=12)
-    again = forced_engine.chat(messages, agent="s1", force_reply_ids=free.token_ids)
-    a, b = free_engine.store.get(free.segment.id), forced_engine.store.get(again.segment.id)
-    assert a.token_ids == b.token_ids and again.text == free.text
-    for layer in range(len(a.keys)):
-        torch.testing.assert_close(a.keys[layer], b.keys[layer], atol=1e-5, rtol=0)
-        torch.testing.assert_close(a.values[layer], b.values[layer], atol=1e-5, rtol=0)
-
-
 def test_dense_agents_opt_out_and_are_counted_apart(llama, tokenizer, make_engine):
     engine = make_engine(llama, dense_agents=frozenset({"judge"}))
-    first = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer))
+    first = replayed(engine, solver_messages("You are solver one."), "s1")
     second = engine.chat(solver_messages("You are solver two.", first.text), agent="s2", max_new_tokens=2)
     judge = engine.chat(solver_messages("You are the judge.", first.text), agent="judge", max_new_tokens=2)
     assert judge.stats.opted_out and judge.stats.reused_tokens == 0
@@ -302,15 +300,14 @@ def test_dense_agents_opt_out_and_are_counted_apart(llama, tokenizer, make_engin
 
 def test_audit_every_records_the_drift_of_reused_calls(llama, tokenizer, make_engine):
     engine = make_engine(llama, audit_every=2)
-    first = engine.chat(solver_messages("You are solver one."), agent="s1", force_reply_ids=forced(tokenizer))
+    first = replayed(engine, solver_messages("You are solver one."), "s1")
     assert first.stats.audit_kl is None  # nothing reused, nothing to audit
     audited = []
     for system in ("You are solver two.", "You are solver three."):
         messages = solver_messages(system, first.text)
-        result = engine.chat(messages, agent=system, max_new_tokens=1, return_logits=True)
-        dense_logits = KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=False)).chat(
-            messages, agent="x", max_new_tokens=1, return_logits=True).first_token_logits
-        audited.append((result, first_token_kl(dense_logits, result.first_token_logits)))
+        result = engine.replay(messages, agent=system, reply_ids=[tokenizer.eos_token_id])
+        dense_logits = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages)
+        audited.append((result.result, first_token_kl(dense_logits, result.first_token_logits)))
     (one, _), (two, kl) = audited
     assert one.stats.mode == "reuse" and one.stats.audit_kl is None  # 1st reused call: not sampled
     assert two.stats.audit_kl == pytest.approx(kl, abs=1e-6) and kl > 0

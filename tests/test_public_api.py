@@ -6,9 +6,9 @@ import sys
 import kvcomm_agents
 
 EXPECTED = {
-    "KVCommEngine", "KVCommConfig", "SegmentRef", "ChatResult", "CallStats", "SegmentDecision", "GateRecord", "ReuseSummary",
-    "StoreStats", "KVCommError", "UnsupportedModelError", "RopeCheckError",
-    "ModelNotAvailableError", "InvalidMessagesError",
+    "KVCommEngine", "KVCommConfig", "ExperimentalSettings", "SegmentRef", "ChatResult", "CallStats", "SegmentDecision",
+    "GateRecord", "ReuseSummary", "Replay", "StoreStats", "KVCommError", "UnsupportedModelError", "RopeCheckError",
+    "ModelNotAvailableError", "InvalidRequestError", "InvalidMessagesError",
 }
 
 

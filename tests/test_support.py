@@ -18,6 +18,7 @@ def small(config_class, tokenizer, **fields):
     return config_class(**base)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(
     "rope, match",
     [
@@ -29,10 +30,11 @@ def test_unsupported_rope_types_fail_at_load(tokenizer, rope, match):
     model = tiny_llama(tokenizer, rope_parameters=rope)
     with pytest.raises(UnsupportedModelError, match=match) as error:
         KVCommEngine(model, tokenizer)
-    assert "KVCommConfig(reuse=False)" in str(error.value)  # says how to run without reuse
+    assert "KVCommConfig(method='dense')" in str(error.value)  # says how to run without reuse
     assert "'default', 'linear' or 'llama3'" in str(error.value)  # says what is supported
 
 
+@pytest.mark.model
 def test_linear_and_llama3_rope_are_accepted(tokenizer):
     KVCommEngine(tiny_llama(tokenizer, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), tokenizer)
     llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -40,21 +42,24 @@ def test_linear_and_llama3_rope_are_accepted(tokenizer):
     KVCommEngine(tiny_llama(tokenizer, rope_parameters=llama3), tokenizer)
 
 
+@pytest.mark.model
 def test_partial_rotary_model_is_refused(tokenizer):
     model = PhiForCausalLM(small(PhiConfig, tokenizer, partial_rotary_factor=0.5)).eval()
     with pytest.raises(UnsupportedModelError, match="partial rotary"):
         KVCommEngine(model, tokenizer)
 
 
+@pytest.mark.model
 def test_absolute_position_model_is_refused_but_runs_dense(tokenizer):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=512)).eval()
     with pytest.raises(UnsupportedModelError, match="no rotary"):
         KVCommEngine(model, tokenizer)
-    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(reuse=False))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     result = dense.chat(solver_messages("You are solver one."), agent="a", max_new_tokens=4)
     assert result.stats.dense_reason == "reuse_off" and len(result.token_ids) == 4
 
 
+@pytest.mark.model
 def test_attention_kernels_that_ignore_masks_are_refused(tokenizer):
     model = tiny_llama(tokenizer)
     model.config._attn_implementation = "flash_attention_2"  # as loaded with that kernel
@@ -62,17 +67,19 @@ def test_attention_kernels_that_ignore_masks_are_refused(tokenizer):
         KVCommEngine(model, tokenizer)
 
 
+@pytest.mark.model
 def test_missing_chat_template_is_refused():
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = None
     with pytest.raises(UnsupportedModelError, match="chat template"):
-        KVCommEngine(tiny_llama(tokenizer), tokenizer, config=KVCommConfig(reuse=False))
+        KVCommEngine(tiny_llama(tokenizer), tokenizer, config=KVCommConfig(method="dense"))
 
 
+@pytest.mark.model
 def test_sliding_window_is_used_only_when_it_covers_the_call(tokenizer):
     torch.manual_seed(0)
     model = MistralForCausalLM(small(MistralConfig, tokenizer, sliding_window=90, head_dim=16)).eval()
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(offsets="none"))
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate"))
     engine.chat(solver_messages("You are solver one."), agent="a", max_new_tokens=2)
     fits = engine.chat(solver_messages("You are solver two."), agent="b", max_new_tokens=2)
     assert fits.stats.mode == "reuse"

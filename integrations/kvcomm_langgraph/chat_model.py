@@ -22,7 +22,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field
 
 from kvcomm_agents import ChatResult as EngineResult
-from kvcomm_agents import KVCommEngine
+from kvcomm_agents import InvalidRequestError, KVCommEngine
 
 from .agents import current_scope, node_agent
 from .messages import parse_tool_calls, to_engine_messages
@@ -102,11 +102,12 @@ class ChatKVComm(BaseChatModel):
         ``tool_choice`` is recorded but not enforced: the model decides whether to call a tool.
 
         Raises:
-            ValueError: the model's chat template has no tool support (e.g. the embedded SmolLM2).
+            InvalidRequestError: (a ``ValueError``) the model's chat template has no tool support
+                (e.g. the embedded SmolLM2).
         """
         engine = self._engine()
         if not supports_tools(engine):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{self.model_name}: this model's chat template does not render tools, so tool calling "
                 "cannot work. Use a model whose template supports tools (Qwen2.5-Instruct style "
                 "<tool_call> JSON), or call the model without tools."

@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.tool import ToolCall, tool_call
 
+from kvcomm_agents import InvalidMessagesError
+
 __all__ = ["to_engine_messages", "parse_tool_calls", "TOOL_CALL_PATTERN", "message_text"]
 
 TOOL_CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -34,7 +36,7 @@ def message_text(message: BaseMessage) -> str:
             parts.append(block.get("text", ""))
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ValueError(f"ChatKVComm serves text-only models; got a {kind!r} content block")
+            raise InvalidMessagesError(f"ChatKVComm serves text-only models; got a {kind!r} content block")
     return "".join(parts)
 
 
@@ -73,7 +75,7 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
         elif isinstance(message, ChatMessage):
             entry = {"role": message.role, "content": message_text(message)}
         else:
-            raise ValueError(f"unsupported message type {type(message).__name__}")
+            raise InvalidMessagesError(f"unsupported message type {type(message).__name__}")
         if getattr(message, "name", None) and "name" not in entry and not isinstance(message, ToolMessage):
             entry["name"] = message.name
         out.append(entry)

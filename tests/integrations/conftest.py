@@ -11,7 +11,7 @@ from kvcomm_agents.testing import TOOLS_TEMPLATE, tiny_qwen2, tiny_tokenizer
 
 class ScriptedEngine:
     """Wraps a real engine; each call's reply is the next scripted text, processed by the model
-    as that agent's reply (``force_reply_ids``), so prompts, reuse and stats stay real."""
+    as that agent's reply (``engine.replay``), so prompts, reuse and stats stay real."""
 
     def __init__(self, engine: KVCommEngine, replies: list[str]):
         self.engine, self.replies = engine, list(replies)
@@ -23,7 +23,10 @@ class ScriptedEngine:
         text = self.replies.pop(0)
         ids = self.engine.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.engine.tokenizer.eos_token_id]
         kept = {k: v for k, v in options.items() if k in ("reuse", "tools")}
-        yield from self.engine.stream(messages, agent=agent, force_reply_ids=ids, **kept)
+        result = self.engine.replay(messages, agent=agent, reply_ids=ids, **kept).result
+        if result.text:
+            yield result.text
+        yield result
 
     def chat(self, messages, *, agent, **options):
         return list(self.stream(messages, agent=agent, **options))[-1]
@@ -31,8 +34,8 @@ class ScriptedEngine:
 
 @pytest.fixture
 def engine(llama, tokenizer):
-    """Re-rotation only, so a second agent reuses on its first call (anchors: tests/cache)."""
-    return KVCommEngine(llama, tokenizer, config=KVCommConfig(offsets="none"))
+    """Re-rotation only, so a second agent reuses on its first call (anchors: tests/anchors)."""
+    return KVCommEngine(llama, tokenizer, config=KVCommConfig(method="rerotate"))
 
 
 @pytest.fixture(scope="session")
@@ -42,4 +45,4 @@ def tools_tokenizer():
 
 @pytest.fixture
 def tools_engine(tools_tokenizer):
-    return KVCommEngine(tiny_qwen2(tools_tokenizer, seed=3), tools_tokenizer, config=KVCommConfig(offsets="none"))
+    return KVCommEngine(tiny_qwen2(tools_tokenizer, seed=3), tools_tokenizer, config=KVCommConfig(method="rerotate"))

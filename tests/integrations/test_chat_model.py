@@ -69,7 +69,7 @@ def test_async_and_batch_calls(engine):
 def test_reuse_off_gives_the_dense_output(engine, llama, tokenizer):
     first = ChatKVComm(engine=ScriptedEngine(engine, [REPLY]), agent="s1").invoke(prompt("You are solver one."))
     history = prompt("You are solver two.", first)
-    dense = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=False)), max_tokens=12)
+    dense = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), max_tokens=12)
     off = ChatKVComm(engine=engine, agent="s2", max_tokens=12, reuse=False).invoke(history)
     assert off.content == dense.invoke(history).content
     assert off.usage_metadata["input_token_details"]["cache_read"] == 0

@@ -56,7 +56,7 @@ def test_reuse_off_graph_equals_dense(llama, tokenizer):
 
     engine = KVCommEngine(llama, tokenizer)
     off = ChatKVComm(engine=engine, max_tokens=12, reuse=False)
-    dense = run(KVCommConfig(reuse=False))
+    dense = run(KVCommConfig(method="dense"))
     assert [m.content for m in two_solver_graph(off).invoke({"messages": [HumanMessage(QUESTION)]})["messages"]] == dense
 
 
@@ -68,7 +68,7 @@ class FanOut(TypedDict):
 def test_send_fan_out_equals_serial_with_reuse_on_and_off(llama, tokenizer):
     systems = ["You are solver one.", "You are solver two.", "You are solver three."]
     for reuse in (True, False):
-        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(reuse=reuse, offsets="none"))
+        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="rerotate" if reuse else "dense"))
         engine.add_segment(QUESTION, kind=("user", None))  # the shared input, registered before the fan-out
         model = ChatKVComm(engine=engine, max_tokens=8)
 

@@ -8,7 +8,7 @@ from kvcomm_langgraph.agents import node_agent
 
 
 def test_roles_tool_calls_and_segment_refs_convert():
-    ref = {"id": "abc", "kind": ["solver", "assistant"], "num_tokens": 3, "text_hash": "h", "model": "m"}
+    ref = {"id": "abc", "kind": ["solver", "assistant"], "num_tokens": 3, "text_hash": "h", "fingerprint": "m"}
     messages = [
         SystemMessage("sys"), HumanMessage("question", name="alice"),
         AIMessage("reply", response_metadata={"kvcomm": {"segment": ref}}),

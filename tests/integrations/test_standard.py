@@ -21,6 +21,8 @@ from kvcomm_agents import KVCommEngine
 from kvcomm_agents.testing import TOOLS_TEMPLATE, tiny_qwen2, tiny_tokenizer
 from kvcomm_langgraph import ChatKVComm
 
+pytestmark = pytest.mark.model  # every suite here builds an engine on a model
+
 
 @lru_cache(maxsize=1)
 def _tiny_tools_engine() -> KVCommEngine:

@@ -1,40 +1,15 @@
-"""Segment references survive JSON; the store keeps its byte budget and never evicts pinned entries."""
+"""The store keeps its byte budget, never evicts pinned entries, finds segments per model."""
 
-import json
-
-import pytest
 import torch
 
-from kvcomm_agents import SegmentRef
-from kvcomm_agents.cache.segments import KVSegment, content_hash
-from kvcomm_agents.cache.store import SegmentStore
+from kvcomm_agents.kv.block import KVBlock
+from kvcomm_agents.kv.store import SegmentStore
+
+from .test_segments import make_segment
 
 
-def make_segment(text="hello world", tokens=4, layers=2, model="m1", kind=("user", None)):
-    keys = [torch.zeros(1, 2, tokens, 8) for _ in range(layers)]
-    values = [torch.ones(1, 2, tokens, 8) for _ in range(layers)]
-    spans = [(i, i + 1) for i in range(tokens)]
-    return KVSegment.create(kind=kind, text=text, token_ids=list(range(tokens)), char_spans=spans,
-                            keys=keys, values=values, model_fingerprint=model)
-
-
-def test_ref_survives_json_round_trip():
-    ref = make_segment(kind=("solver-1", "assistant")).ref
-    restored = SegmentRef.model_validate(json.loads(ref.model_dump_json()))
-    assert restored == ref
-    assert SegmentRef.coerce(ref.model_dump()) == ref
-    assert restored.kind == ("solver-1", "assistant")
-
-
-def test_content_hash_changes_with_text_and_ids():
-    assert content_hash("a b", [1, 2]) != content_hash("a c", [1, 2])
-    assert content_hash("a b", [1, 2]) != content_hash("a b", [1, 3])
-
-
-def test_segment_rejects_mismatched_kv():
-    with pytest.raises(ValueError):
-        KVSegment.create(kind=("user", None), text="x", token_ids=[1, 2], char_spans=[(0, 1), None],
-                         keys=[torch.zeros(1, 1, 3, 4)], values=[torch.zeros(1, 1, 3, 4)], model_fingerprint="m")
+def block(tokens: int) -> KVBlock:
+    return KVBlock.stacked(torch.zeros(1, 1, tokens, 2), torch.zeros(1, 1, tokens, 2))
 
 
 def test_budget_evicts_least_recently_used():
@@ -70,9 +45,9 @@ def test_oversized_segment_is_refused():
 
 def test_find_in_text_is_per_model_and_non_overlapping():
     store = SegmentStore(max_bytes=1 << 30)
-    long = make_segment("the answer is 72", model="m1")
-    inner = make_segment("answer", model="m1")
-    other = make_segment("Agent", model="m2")
+    long = make_segment("the answer is 72", fingerprint="m1")
+    inner = make_segment("answer", fingerprint="m1")
+    other = make_segment("Agent", fingerprint="m2")
     for seg in (long, inner, other):
         store.put(seg)
     found = store.find_in_text("Agent 1 said: the answer is 72. Final answer", "m1")
@@ -82,13 +57,11 @@ def test_find_in_text_is_per_model_and_non_overlapping():
 
 def test_prefix_lookup_and_domination():
     store = SegmentStore(max_bytes=1 << 30)
-    kv = [torch.zeros(1, 1, 5, 2)]
-    store.put_prefix(torch.tensor([1, 2, 3, 4, 5]), kv, kv, "m1")
+    store.put_prefix(torch.tensor([1, 2, 3, 4, 5]), block(5), "m1")
     entry, n = store.longest_prefix(torch.tensor([1, 2, 3, 9]), "m1")
-    assert n == 3
+    assert n == 3 and entry.fingerprint == "m1" and entry.kv.num_tokens == 5
     assert store.longest_prefix(torch.tensor([1, 2, 3]), "m2") is None
-    longer = [torch.zeros(1, 1, 7, 2)]
-    store.put_prefix(torch.tensor([1, 2, 3, 4, 5, 6, 7]), longer, longer, "m1")
+    store.put_prefix(torch.tensor([1, 2, 3, 4, 5, 6, 7]), block(7), "m1")
     assert store.stats().prefixes == 1  # the shorter entry is covered and dropped
     store.clear()
     assert len(store) == 0

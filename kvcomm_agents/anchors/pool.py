@@ -1,40 +1,21 @@
-"""One KVCOMM anchor pool: the stacked storage of a segment kind's anchors, their eviction,
-and the offset estimate (paper weights or mean) from a set of consulted anchors.
-
-An *anchor* is one earlier shared segment of a kind (the user question, agent X's reply, a tool
-result): its base KV (canonical frame, layers 1..L-1) plus, for each receiving agent that computed
-it with exact context, the observed offsets ``real - base`` of the segment itself ("placeholder")
-and of the receiver's template piece that follows it ("prefix", keyed by the piece's ids).
+"""Storage of one KVCOMM anchor pool: a segment kind's anchors, their offsets, their eviction.
 
 Everything of a pool lives in stacked tensors ``[slots, L-1, kv_heads, tokens, head_dim]`` that
 grow by doubling (slots up to ``max_anchors``, tokens up to the longest anchor), so matching is a
-handful of vectorised reductions with no per-call gathers of anchor tensors. Keys are in the
-canonical RoPE frame (token ``t`` at position ``t``): offsets apply wherever a segment lands.
-Layer 0 is never offset (it is exact after re-rotation) and is not stored. The gate and the byte
-budget across pools are in :mod:`.anchors`.
+handful of vectorised reductions with no per-call gathers of anchor tensors. What an anchor is:
+:mod:`kvcomm_agents.anchors`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 
-from .segments import Kind, KVSegment, stacked_layers
+from ..kv.segments import Kind, KVSegment
 
-__all__ = ["AnchorPool", "OffsetStack", "OffsetEstimate", "stacked_kv", "take", "top_p_members"]
-
-Estimator = Literal["mean", "weighted"]
-
-
-def stacked_kv(segment: KVSegment) -> tuple[torch.Tensor, torch.Tensor]:
-    """A segment's keys and values of layers 1..L-1, ``[L-1, kv_heads, T, head_dim]`` each
-    (views of its stacked KV when all layers share a device)."""
-    stacked = stacked_layers(segment)
-    if stacked is not None:
-        return stacked[0][1:], stacked[1][1:]
-    return torch.stack([k[0] for k in segment.keys[1:]]), torch.stack([v[0] for v in segment.values[1:]])
+__all__ = ["AnchorPool", "OffsetStack", "take", "top_p_members"]
 
 
 def _zeros_like_grown(t: Optional[torch.Tensor], slots: int, tokens: int, like: torch.Tensor) -> torch.Tensor:
@@ -48,7 +29,7 @@ def _zeros_like_grown(t: Optional[torch.Tensor], slots: int, tokens: int, like: 
 
 @dataclass(eq=False)
 class OffsetStack:
-    """Offsets of one receiver (and, for prefixes, one template piece) for every anchor slot.
+    """Offsets of one receiver (and, for own text, one piece) for every anchor slot.
 
     Attributes:
         keys, values: ``[slots, L-1, kv_heads, tokens, head_dim]`` canonical-frame offsets.
@@ -84,19 +65,6 @@ class OffsetStack:
     def clear_slot(self, slot: int) -> None:
         if slot < self.has.numel():
             self.has[slot] = False
-
-
-@dataclass
-class OffsetEstimate:
-    """Estimated canonical-frame offsets, ``[L-1, kv_heads, tokens, head_dim]`` float32.
-
-    ``prefix_keys``/``prefix_values`` are for the template piece after the segment (None when the
-    anchors hold none for it)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    prefix_keys: Optional[torch.Tensor] = None
-    prefix_values: Optional[torch.Tensor] = None
 
 
 def take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -136,7 +104,7 @@ class AnchorPool:
         self.base_keys: Optional[torch.Tensor] = None  # [slots, L-1, H, tokens, D]
         self.base_values: Optional[torch.Tensor] = None
         self.placeholder: dict[str, OffsetStack] = {}
-        self.prefix: dict[tuple[str, str], OffsetStack] = {}
+        self.own_text: dict[tuple[str, str], OffsetStack] = {}
         self._clock = 0
 
     # ---- membership -----------------------------------------------------------------------
@@ -153,7 +121,7 @@ class AnchorPool:
     def nbytes(self) -> int:
         tensors = [t for t in (self.base_keys, self.base_values) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(
-            s.nbytes for s in (*self.placeholder.values(), *self.prefix.values())
+            s.nbytes for s in (*self.placeholder.values(), *self.own_text.values())
         )
 
     def add(self, segment: KVSegment) -> int:
@@ -162,7 +130,7 @@ class AnchorPool:
         if existing is not None:
             return existing
         slot = self._free_slot()
-        keys, values = stacked_kv(segment)  # [L-1, H, T, D]
+        keys, values = segment.kv.upper_layers()  # [L-1, H, T, D]
         slots = len(self.segment_ids)
         tokens = keys.shape[2]
         cap_tokens = self.base_keys.shape[3] if self.base_keys is not None else 0
@@ -181,7 +149,7 @@ class AnchorPool:
         self.activations[slot] = 0
         self._clock += 1
         self.created[slot] = self._clock
-        for stack in (*self.placeholder.values(), *self.prefix.values()):
+        for stack in (*self.placeholder.values(), *self.own_text.values()):
             stack.clear_slot(slot)
         return slot
 
@@ -203,7 +171,7 @@ class AnchorPool:
         victim = min(oldest, key=lambda i: (int(self.activations[i]), self.created[i]))
         self.segment_ids[victim] = None
         self.lengths[victim] = 0
-        for stack in (*self.placeholder.values(), *self.prefix.values()):
+        for stack in (*self.placeholder.values(), *self.own_text.values()):
             stack.clear_slot(victim)
         return victim
 
@@ -212,9 +180,9 @@ class AnchorPool:
         stack = self.placeholder.setdefault(receiver, OffsetStack())
         stack.write(slot, start, keys, values, *self._capacity)
 
-    def record_prefix(self, slot: int, receiver: str, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Offsets ``[L-1, H, P, D]`` of the receiver's template piece ``piece`` after the segment."""
-        stack = self.prefix.setdefault((receiver, piece), OffsetStack())
+    def record_own_text(self, slot: int, receiver: str, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Offsets ``[L-1, H, P, D]`` of the receiver's own-text piece ``piece`` after the segment."""
+        stack = self.own_text.setdefault((receiver, piece), OffsetStack())
         stack.write(slot, 0, keys, values, self._capacity[0], 0)
 
     @property
@@ -227,12 +195,16 @@ class AnchorPool:
         stack = self.placeholder.get(receiver)
         if stack is None or not self.segment_ids:
             return torch.zeros(0, dtype=torch.long)
-        has = torch.zeros(len(self.segment_ids), dtype=torch.bool)
-        has[: stack.has.numel()] = stack.has[: len(self.segment_ids)]
-        ok = has & (self.lengths >= length)
+        ok = self.held_by(stack) & (self.lengths >= length)
         if exclude is not None:
             ok[exclude] = False
         return ok.nonzero().flatten()
+
+    def held_by(self, stack: OffsetStack) -> torch.Tensor:
+        """``[slots]`` bool: which of the pool's slots hold offsets in ``stack``."""
+        has = torch.zeros(len(self.segment_ids), dtype=torch.bool)
+        has[: stack.has.numel()] = stack.has[: len(self.segment_ids)]
+        return has
 
     def value_distances(self, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """``[N]`` L2 distances between ``values`` ``[L-1, H, T, D]`` and the anchors' first T tokens."""
@@ -243,58 +215,6 @@ class AnchorPool:
     def credit(self, slots: torch.Tensor, weights: torch.Tensor, top_p: float) -> None:
         """Raise the activation count of the anchors among the nearest (top-p of ``weights``)."""
         self.activations[slots[top_p_members(weights, top_p)]] += 1
-
-    def estimate(
-        self,
-        receiver: str,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        slots: torch.Tensor,
-        estimator: Estimator,
-        temperature: float,
-        piece: Optional[str] = None,
-    ) -> OffsetEstimate:
-        """Offsets of a new segment with canonical base ``keys``/``values`` ``[L-1, H, T, D]``.
-
-        ``"weighted"`` (the paper): per-token softmax weights over anchors (left-aligned) for the
-        placeholder, per (layer, head, channel) weights over anchors (right-aligned) for the
-        prefix piece. ``"mean"``: the plain average over the same anchors.
-        """
-        t = keys.shape[2]
-        stack = self.placeholder[receiver]
-        device = stack.keys.device
-        k_off, v_off = take(stack.keys, slots)[:, :, :, :t].float(), take(stack.values, slots)[:, :, :, :t].float()
-        query_k, query_v = keys.float().to(device), values.float().to(device)
-        if estimator == "weighted":
-            base_k = take(self.base_keys, slots)[:, :, :, :t].float()
-            base_v = take(self.base_values, slots)[:, :, :, :t].float()
-            w_k = torch.softmax(-(base_k - query_k[None]).abs().mean(dim=(1, 2, 4)) / temperature, dim=0)  # [N, T]
-            w_v = torch.softmax(-(base_v - query_v[None]).abs().mean(dim=(1, 2, 4)) / temperature, dim=0)
-            est_k = torch.einsum("nt,nlhtd->lhtd", w_k, k_off)
-            est_v = torch.einsum("nt,nlhtd->lhtd", w_v, v_off)
-        else:
-            est_k, est_v = k_off.mean(dim=0), v_off.mean(dim=0)
-        result = OffsetEstimate(est_k, est_v)
-        pre = self.prefix.get((receiver, piece)) if piece is not None else None
-        if pre is not None:
-            has = torch.zeros(len(self.segment_ids), dtype=torch.bool)
-            has[: pre.has.numel()] = pre.has[: len(self.segment_ids)]
-            chosen = slots[has[slots]]
-            if chosen.numel():
-                pk, pv = take(pre.keys, chosen).float(), take(pre.values, chosen).float()
-                if estimator == "weighted":
-                    # right-aligned: each anchor's last T tokens, nearest the following piece
-                    index = (self.lengths[chosen] - t)[:, None] + torch.arange(t)[None]  # [N, T]
-                    gather = index.to(device)[:, None, None, :, None].expand(-1, *keys.shape[:2], -1, keys.shape[3])
-                    near_k = take(self.base_keys, chosen).float().gather(3, gather)
-                    near_v = take(self.base_values, chosen).float().gather(3, gather)
-                    u_k = torch.softmax(-(near_k - query_k[None]).norm(dim=3) / temperature, dim=0)  # [N, L, H, D]
-                    u_v = torch.softmax(-(near_v - query_v[None]).norm(dim=3) / temperature, dim=0)
-                    result.prefix_keys = torch.einsum("nlhd,nlhpd->lhpd", u_k, pk)
-                    result.prefix_values = torch.einsum("nlhd,nlhpd->lhpd", u_v, pv)
-                else:
-                    result.prefix_keys, result.prefix_values = pk.mean(dim=0), pv.mean(dim=0)
-        return result
 
     def compact(self) -> None:
         """Drop the storage of emptied slots (occupied ones keep their order), so that an
@@ -307,7 +227,7 @@ class AnchorPool:
         n = len(keep)
         self.base_keys = self.base_keys[index].clone() if n else None
         self.base_values = self.base_values[index].clone() if n else None
-        for stack in (*self.placeholder.values(), *self.prefix.values()):
+        for stack in (*self.placeholder.values(), *self.own_text.values()):
             if stack.keys is None:
                 continue
             kept = index[index < stack.keys.shape[0]]  # ascending: a prefix of the new slots

@@ -7,6 +7,9 @@ exact prefix), compare the real KV of the last probed layer with the reused KV a
 positions, and hand the top ``share`` of reused tokens back to the prefill forward, which computes
 them in context (attending to the reused KV around them, under the position mask). The probe's
 cost is part of the call's time to first token.
+
+A baseline, not part of the product: it plugs into the engine through its one plan hook
+(``KVCommEngine(plan_hook=CacheBlend(share))``), between planning and prefill.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ import threading
 import torch
 from transformers import PreTrainedModel
 
-from ..plan import CallPlan
-from . import hf_cache
-from .assembly import assemble_layer
-from .rope import RopeRotator
+from kvcomm_agents.engines import hf
+from kvcomm_agents.kv.rope import RopeRotator
+from kvcomm_agents.plan import CallPlan
 
-__all__ = ["select_recompute", "deviation_per_token"]
+__all__ = ["CacheBlend", "select_recompute", "deviation_per_token"]
 
 
 class _ProbeDone(Exception):
@@ -38,16 +40,12 @@ def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
 def _probe_layer_kv(model: PreTrainedModel, plan: CallPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense KV of layer ``layer`` for every prompt position (``[1, kv_heads, N, head_dim]``),
     computing only layers ``0..layer``; the exact prefix is taken from the plan, not recomputed."""
-    device = model.get_input_embeddings().weight.device
-    n_layers = model.config.num_hidden_layers
+    device = hf.input_device(model)
     prefix = plan.prefix_length
     if prefix:
-        entry = plan.prefix.entry
-        cache = hf_cache.cache_from_layers(
-            model, [(entry.keys[i][:, :, :prefix], entry.values[i][:, :, :prefix]) for i in range(n_layers)]
-        )
+        cache = hf.cache_from_block(model, plan.prefix.entry.kv.window(0, prefix))
     else:
-        cache = hf_cache.new_cache(model)
+        cache = hf.new_cache(model)
 
     prober = threading.get_ident()
 
@@ -57,7 +55,7 @@ def _probe_layer_kv(model: PreTrainedModel, plan: CallPlan, layer: int) -> tuple
 
     handle = _decoder_layers(model)[layer].register_forward_hook(stop)
     try:
-        hf_cache.run_forward(
+        hf.run_forward(
             model, plan.prompt_ids[prefix:][None].to(device), cache,
             position_ids=torch.arange(prefix, plan.num_prompt, device=device)[None],
         )
@@ -65,7 +63,19 @@ def _probe_layer_kv(model: PreTrainedModel, plan: CallPlan, layer: int) -> tuple
         pass
     finally:
         handle.remove()
-    return hf_cache.layer_kv(cache, layer)
+    return hf.layer_kv(cache, layer)
+
+
+def _runs_at_layer(plan: CallPlan, rotator: RopeRotator, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs' reused ``(keys, values)`` ``[1, kv_heads, R, head_dim]`` of one layer, keys at
+    their prompt positions (offsets, if any, added as the engine's assembly adds them)."""
+    keys, values = [], []
+    for run in plan.runs:
+        kv = run.segment.kv.window(run.segment_start, run.segment_start + run.length)
+        k, v = kv.with_offsets(run.key_offsets, run.value_offsets).layer(layer)
+        keys.append(rotator.shift(k, run.shift))
+        values.append(v)
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
 
 def deviation_per_token(
@@ -101,9 +111,24 @@ def select_recompute(
     real_k, real_v = _probe_layer_kv(model, plan, layer)
     positions = torch.cat([torch.arange(run.prompt_start, run.prompt_end) for run in plan.runs])
     index = positions.to(real_k.device)
-    reused_kv = assemble_layer(plan, rotator, layer, with_prefix=False)
+    reused_kv = _runs_at_layer(plan, rotator, layer)
     deviation = deviation_per_token(
         (real_k.index_select(2, index), real_v.index_select(2, index)), reused_kv
     )
     chosen = positions[torch.topk(deviation, count).indices].sort().values
     return dataclasses.replace(plan, recompute=chosen), count
+
+
+class CacheBlend:
+    """The engine's plan hook for CacheBlend-style recompute of ``share`` of the re-rotated tokens,
+    measured at decoder layer ``probe_layers - 1``. ``calls`` and ``recomputed`` count its work."""
+
+    def __init__(self, share: float, probe_layers: int = 2) -> None:
+        if not 0.0 < share <= 1.0 or probe_layers < 2:
+            raise ValueError("share must be in (0, 1] and probe_layers >= 2")
+        self.share, self.probe_layers = share, probe_layers
+
+    def __call__(self, engine, plan: CallPlan) -> CallPlan:
+        new_plan, _ = select_recompute(engine.model, engine.info.rotator, plan, share=self.share,
+                                       probe_layers=self.probe_layers)
+        return new_plan

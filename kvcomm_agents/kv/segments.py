@@ -1,8 +1,8 @@
 """The KV segment asset and the small JSON-safe reference that travels with messages.
 
 A :class:`KVSegment` holds the KV of one piece of shared text (a reply, a user message, a tool
-result, a document) for every layer, keys in the canonical frame (de-rotated so its first token
-sits at position 0). Tensors never leave the engine's store; messages carry a :class:`SegmentRef`.
+result, a document) for every layer as a :class:`~.block.KVBlock`, keys in the canonical frame
+(de-rotated so its first token sits at position 0). Tensors never leave the engine's store; messages carry a :class:`SegmentRef`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from .block import KVBlock
 
 __all__ = ["SegmentRef", "KVSegment", "content_hash", "Kind"]
 
@@ -44,7 +45,7 @@ class SegmentRef(BaseModel):
     kind: tuple[str, Optional[str]] = Field(description="Producer and role, see ``Kind``.")
     num_tokens: int = Field(ge=0, description="Token ids the segment holds KV for.")
     text_hash: str = Field(description="Hash of the segment's text and ids (``content_hash``).")
-    model: str = Field(description="Fingerprint of the model and tokenizer that computed the KV.")
+    fingerprint: str = Field(description="Fingerprint of the model and tokenizer that computed the KV.")
 
     @classmethod
     def coerce(cls, value: "SegmentRef | dict[str, Any]") -> "SegmentRef":
@@ -62,19 +63,16 @@ class KVSegment:
         token_ids: ``T`` ids, the ones the producer computed KV for.
         char_spans: for each id, its ``(start, end)`` character span in ``text``, or ``None``
             for ids that do not map onto ``text`` exactly (never matched).
-        keys: one tensor per layer, ``[1, kv_heads, T, head_dim]``, post-RoPE keys de-rotated so
-            that token ``i`` sits at position ``i``; each on its layer's device.
-        values: one tensor per layer, ``[1, kv_heads, T, head_dim]``.
+        kv: the KV of those ``T`` tokens, post-RoPE keys de-rotated so that token ``i`` sits at
+            position ``i``.
     """
 
     ref: SegmentRef
     text: str
     token_ids: tuple[int, ...]
     char_spans: tuple[Optional[tuple[int, int]], ...]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    kv: KVBlock
     _index: dict[tuple[int, int], int] | None = field(default=None, repr=False)
-    _stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -84,25 +82,23 @@ class KVSegment:
         text: str,
         token_ids: list[int] | tuple[int, ...],
         char_spans: list[Optional[tuple[int, int]]] | tuple[Optional[tuple[int, int]], ...],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        model_fingerprint: str,
+        kv: KVBlock,
+        fingerprint: str,
     ) -> "KVSegment":
         """Build a segment and its reference (a fresh id)."""
         token_ids = tuple(int(t) for t in token_ids)
         if len(char_spans) != len(token_ids):
             raise ValueError("char_spans must give one span (or None) per token id")
-        for k, v in zip(keys, values):
-            if k.shape[-2] != len(token_ids) or v.shape[-2] != len(token_ids):
-                raise ValueError(f"KV holds {k.shape[-2]} tokens, ids {len(token_ids)}")
+        if kv.num_tokens != len(token_ids):
+            raise ValueError(f"KV holds {kv.num_tokens} tokens, ids {len(token_ids)}")
         ref = SegmentRef(
             id=uuid.uuid4().hex,
             kind=kind,
             num_tokens=len(token_ids),
             text_hash=content_hash(text, token_ids),
-            model=model_fingerprint,
+            fingerprint=fingerprint,
         )
-        return cls(ref, text, token_ids, tuple(char_spans), list(keys), list(values))
+        return cls(ref, text, token_ids, tuple(char_spans), kv)
 
     @property
     def id(self) -> str:
@@ -115,7 +111,7 @@ class KVSegment:
     @property
     def nbytes(self) -> int:
         """Bytes held by the KV tensors."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self.kv.nbytes
 
     def index_of(self, char_start: int, token_id: int) -> int | None:
         """Position of the token with this id starting at ``char_start`` of ``text``, if any."""
@@ -125,24 +121,3 @@ class KVSegment:
                 if span is not None:
                     self._index.setdefault((span[0], tid), i)
         return self._index.get((char_start, token_id))
-
-
-def stacked_layers(holder) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """All layers of a KV holder (a :class:`KVSegment` or a prefix entry) as ``[L, kv_heads, T,
-    head_dim]`` keys and values, or None when its layers live on different devices.
-
-    Holders the engine creates are stacked at creation (their per-layer tensors are views of the
-    stacked ones, see ``packaging.cut_segment``), so this is free; others are stacked here once
-    and kept (a copy)."""
-    cached = holder._stacked
-    if cached is None:
-        if len({t.device for t in holder.keys}) != 1:
-            return None
-        cached = (torch.stack([t[0] for t in holder.keys]), torch.stack([t[0] for t in holder.values]))
-        holder._stacked = cached
-    return cached
-
-
-def from_stacked(keys: torch.Tensor, values: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer ``[1, kv_heads, T, head_dim]`` views of stacked ``[L, kv_heads, T, head_dim]`` KV."""
-    return [keys[i : i + 1] for i in range(keys.shape[0])], [values[i : i + 1] for i in range(values.shape[0])]

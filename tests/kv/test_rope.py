@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcomm_agents.cache.rope import RopeRotator, rotate_half
+from kvcomm_agents.kv.rope import RopeRotator, rotate_half
 from kvcomm_agents.errors import RopeCheckError
 from kvcomm_agents.support import check_rerotation
 
@@ -83,6 +83,7 @@ def test_load_time_check_fails_for_interleaved_rotation(model, tokenizer):
         check_rerotation(model, Interleaved(model.model.rotary_emb.inv_freq), tokenizer)
 
 
+@pytest.mark.model
 def test_load_time_check_covers_layers_without_rope(tokenizer):
     """A model whose last layer has no rotary embedding (SmolLM3-style) must not pass."""
     from transformers import SmolLM3Config, SmolLM3ForCausalLM

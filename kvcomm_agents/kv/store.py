@@ -11,12 +11,13 @@ import itertools
 import threading
 from collections import OrderedDict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Union
 
 import torch
 from pydantic import BaseModel
 
+from .block import KVBlock
 from .segments import KVSegment
 
 __all__ = ["SegmentStore", "PrefixEntry", "StoreStats"]
@@ -29,21 +30,19 @@ class PrefixEntry:
     Attributes:
         id: store key.
         token_ids: ``[n]`` int64 tensor on the CPU.
-        keys, values: one tensor per layer, ``[1, kv_heads, n, head_dim]``, keys at their true
-            positions ``0..n-1`` (no re-rotation needed).
-        model: fingerprint of the model that computed them.
+        kv: the KV of those ``n`` tokens, keys at their true positions ``0..n-1`` (no
+            re-rotation needed).
+        fingerprint: fingerprint of the model that computed them.
     """
 
     id: str
     token_ids: torch.Tensor
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    model: str
-    _stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    kv: KVBlock
+    fingerprint: str
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self.kv.nbytes
 
     def common_prefix(self, ids: torch.Tensor) -> int:
         """Length of the common prefix of this entry's ids and ``ids`` (``[n]`` int64, CPU)."""
@@ -104,27 +103,27 @@ class SegmentStore:
         with self._lock:
             return segment_id in self._evicted
 
-    def find_by_hash(self, text_hash: str, model: str) -> KVSegment | None:
-        """A segment of ``model`` with exactly this text and ids hash."""
+    def find_by_hash(self, text_hash: str, fingerprint: str) -> KVSegment | None:
+        """A segment of ``fingerprint`` with exactly this text and ids hash."""
         with self._lock:
             for entry in reversed(self._entries.values()):
                 if isinstance(entry, KVSegment) and entry.ref.text_hash == text_hash:
-                    if entry.ref.model == model:
+                    if entry.ref.fingerprint == fingerprint:
                         return entry
             return None
 
-    def find_text(self, text: str, model: str) -> KVSegment | None:
-        """The most recent segment of ``model`` whose text is exactly ``text``."""
+    def find_text(self, text: str, fingerprint: str) -> KVSegment | None:
+        """The most recent segment of ``fingerprint`` whose text is exactly ``text``."""
         with self._lock:
             for entry in reversed(self._entries.values()):
-                if isinstance(entry, KVSegment) and entry.ref.model == model and entry.text == text:
+                if isinstance(entry, KVSegment) and entry.ref.fingerprint == fingerprint and entry.text == text:
                     return entry
             return None
 
     def find_in_text(
-        self, text: str, model: str, *, min_chars: int = 1
+        self, text: str, fingerprint: str, *, min_chars: int = 1
     ) -> list[tuple[KVSegment, int]]:
-        """Segments of ``model`` whose text appears verbatim in ``text``.
+        """Segments of ``fingerprint`` whose text appears verbatim in ``text``.
 
         Returns:
             ``(segment, char_offset)`` pairs that do not overlap, longest segments first, then
@@ -133,7 +132,7 @@ class SegmentStore:
         with self._lock:
             candidates: dict[str, KVSegment] = {}
             for entry in self._entries.values():  # later (more recent) wins
-                if isinstance(entry, KVSegment) and entry.ref.model == model:
+                if isinstance(entry, KVSegment) and entry.ref.fingerprint == fingerprint:
                     if len(entry.text) >= min_chars and entry.text in text:
                         candidates[entry.text] = entry
         taken: list[tuple[int, int]] = []
@@ -149,37 +148,28 @@ class SegmentStore:
         return sorted(found, key=lambda pair: pair[1])
 
     # ---- exact prefixes -------------------------------------------------------------------
-    def put_prefix(
-        self,
-        token_ids: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        model: str,
-        *,
-        stacked: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> bool:
-        """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers.
-        ``stacked``: the same KV as ``[L, kv_heads, n, head_dim]`` tensors whose views the lists are."""
+    def put_prefix(self, token_ids: torch.Tensor, kv: KVBlock, fingerprint: str) -> bool:
+        """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers."""
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
-            hit = self.longest_prefix(ids, model)
+            hit = self.longest_prefix(ids, fingerprint)
             if hit is not None and hit[1] == ids.numel():
                 return True  # already covered
             for key, entry in list(self._entries.items()):
-                if isinstance(entry, PrefixEntry) and entry.model == model:
+                if isinstance(entry, PrefixEntry) and entry.fingerprint == fingerprint:
                     n = entry.token_ids.numel()
                     if n <= ids.numel() and entry.common_prefix(ids) == n:
                         self._remove(key)  # covered; a running call keeps its own tensors
-            entry = PrefixEntry(f"prefix-{next(_prefix_ids)}", ids, list(keys), list(values), model, stacked)
+            entry = PrefixEntry(f"prefix-{next(_prefix_ids)}", ids, kv, fingerprint)
             return self._insert(entry.id, entry)
 
-    def longest_prefix(self, token_ids: torch.Tensor, model: str) -> tuple[PrefixEntry, int] | None:
+    def longest_prefix(self, token_ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
         """The prefix entry sharing the longest common prefix with ``token_ids`` and its length."""
         ids = token_ids.detach().to("cpu", torch.long)
         best: tuple[PrefixEntry, int] | None = None
         with self._lock:
             for entry in self._entries.values():
-                if isinstance(entry, PrefixEntry) and entry.model == model:
+                if isinstance(entry, PrefixEntry) and entry.fingerprint == fingerprint:
                     n = entry.common_prefix(ids)
                     if n > 0 and (best is None or n > best[1]):
                         best = (entry, n)

@@ -1,11 +1,10 @@
-"""Per-agent template KV: the canonical KV of the receiver's own text around shared segments.
+"""Per-agent own-text KV: the canonical KV of the receiver's own text after shared segments.
 
-A receiver's prompt is ``seg_0 | ph_1 | seg_1 | ... | ph_m | seg_m``: its template pieces
-``seg_j`` (role headers, connective text such as "Solver 2 answered:") recur call after call with
-the same ids. The first time a piece is computed with exact context, its KV (keys de-rotated to
-the canonical frame) is kept here, keyed by the agent and the piece's ids; in template mode
-``"reuse"`` later calls re-rotate it instead of computing it, adding the anchors' estimated
-prefix offsets.
+A receiver's prompt is ``own_0 | shared_1 | own_1 | ... | shared_m | own_m``: its own-text pieces
+(role headers, connective text such as "Solver 2 answered:") recur call after call with the same
+ids. The first time a piece is computed, its KV (keys de-rotated to the canonical frame) is kept
+here, keyed by the agent and the piece's ids; with ``experimental.own_text="reuse"`` later calls
+re-rotate it instead of computing it, adding the anchors' estimated own-text offsets.
 """
 
 from __future__ import annotations
@@ -15,28 +14,35 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+from .freeze import FreezeCount
 from .segments import KVSegment
 
-__all__ = ["TemplateStore", "piece_key"]
+__all__ = ["OwnTextStore", "piece_key"]
 
 
 def piece_key(ids: Sequence[int]) -> str:
-    """Stable key of a template piece's token ids."""
+    """Stable key of an own-text piece's token ids."""
     return hashlib.sha256(",".join(map(str, ids)).encode("ascii")).hexdigest()[:24]
 
 
-class TemplateStore:
-    """Template pieces per agent, least recently used beyond ``max_bytes``.
+class OwnTextStore:
+    """Own-text pieces per agent, least recently used beyond ``max_bytes``.
 
-    Pieces are :class:`KVSegment` of kind ``(agent, "template")``; they are never found by
-    content search (they live outside the segment store) and are never handed out.
+    Pieces are :class:`KVSegment` of kind ``(agent, "own_text")``; they are never found by
+    content search (they live outside the segment store) and are never handed out. ``freeze``:
+    the engine's freeze count (shared with its anchors).
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, freeze: Optional[FreezeCount] = None) -> None:
         self.max_bytes = max_bytes
         self._pieces: OrderedDict[tuple[str, str], KVSegment] = OrderedDict()
         self._lock = threading.RLock()
-        self.frozen = False
+        self._freeze = freeze or FreezeCount()
+
+    @property
+    def frozen(self) -> bool:
+        """True inside a ``freeze_anchors`` block: no piece is kept."""
+        return self._freeze.frozen
 
     def get(self, agent: str, key: str) -> Optional[KVSegment]:
         with self._lock:

@@ -1,0 +1,236 @@
+"""``KVCommAnchors``: every anchor pool of one engine, and the three calls the engine makes.
+
+1. :meth:`~KVCommAnchors.decide` (planning, per shared segment): reuse it with estimated offsets
+   or prefill it as a new anchor (the gate, :mod:`.gate`).
+2. :meth:`~KVCommAnchors.attach_offsets` (planning, once the runs are known): the estimated
+   offsets of every reused run (:mod:`.estimate`), before the plan is frozen.
+3. :meth:`~KVCommAnchors.observe` (after a pass with exact context, a call's prefill or an
+   audit's dense pass): record ``real - base`` KV of the segments and own-text pieces it computed.
+
+Pools are kept per segment kind, least recently used first out of one byte budget.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from collections import OrderedDict
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+
+from ..kv.block import KVBlock
+from ..kv.freeze import FreezeCount
+from ..kv.rope import RopeRotator
+from ..kv.segments import Kind, KVSegment
+from ..plan import CallPlan, OwnTextPiece, ReusedRun
+from .estimate import Estimator, OffsetEstimate, estimate_offsets
+from .gate import GateVerdict, judge
+from .pool import AnchorPool
+
+__all__ = ["KVCommAnchors", "ExactKV"]
+
+#: ``(prompt_start, length) -> KVBlock`` of those prompt positions, computed with exact context,
+#: keys at their true positions.
+ExactKV = Callable[[int, int], KVBlock]
+
+
+class KVCommAnchors:
+    """Anchor pools of one engine under one byte budget.
+
+    Args:
+        max_anchors, eviction_window: per pool (see :class:`~.pool.AnchorPool`).
+        max_bytes: budget for all pools together; beyond it anchors are evicted (by the pool's
+            rule) from the least recently used pool.
+        estimator: ``"mean"`` or ``"weighted"`` (:mod:`.estimate`).
+        gamma: the entropy gate's threshold (paper: 0.3).
+        min_anchors: fewer consulted anchors means "new anchor".
+        temperature: softmax temperature of the weighted estimator.
+        activation_top_p: anchors credited per reuse decision (eviction keeps the credited).
+        freeze: the engine's freeze count (shared with its own-text store).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_anchors: int = 20,
+        eviction_window: int = 5,
+        max_bytes: int = 1 << 30,
+        estimator: Estimator = "mean",
+        gamma: float = 0.3,
+        min_anchors: int = 2,
+        temperature: float = 1.0,
+        activation_top_p: float = 0.9,
+        freeze: Optional[FreezeCount] = None,
+    ) -> None:
+        self.max_anchors, self.eviction_window, self.max_bytes = max_anchors, eviction_window, max_bytes
+        self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
+        self.temperature, self.activation_top_p = temperature, activation_top_p
+        self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
+        self._lock = threading.RLock()
+        self._freeze = freeze or FreezeCount()
+
+    # ---- inspection -----------------------------------------------------------------------
+    def pool(self, kind: Kind) -> Optional[AnchorPool]:
+        return self._pools.get(tuple(kind))
+
+    def anchors(self, kind: Kind) -> int:
+        """Anchors held for ``kind``."""
+        pool = self.pool(kind)
+        return len(pool) if pool else 0
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(pool.nbytes for pool in self._pools.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pools.clear()
+
+    @property
+    def frozen(self) -> bool:
+        """True inside a ``freeze_anchors`` block: nothing is added, evicted, credited or recorded."""
+        return self._freeze.frozen
+
+    # ---- 1. decide --------------------------------------------------------------------------
+    @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
+    def decide(self, receiver: str, segment: KVSegment) -> GateVerdict:
+        """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor."""
+        with self._lock:
+            pool = self.pool(segment.ref.kind)
+            verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors)
+            if verdict.reuse and not verdict.own_offsets and not self.frozen:
+                pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
+            return verdict
+
+    # ---- 2. attach offsets ----------------------------------------------------------------
+    @torch.inference_mode()
+    def attach_offsets(
+        self, receiver: str, runs: Sequence[ReusedRun], pieces: Sequence[OwnTextPiece]
+    ) -> tuple[list[ReusedRun], list[OwnTextPiece]]:
+        """Runs with their estimated offsets (one estimate per segment), and the own-text pieces.
+
+        A run the gate let through gets its segment's offsets; an own-text run gets the own-text
+        offsets of the segment before it, or is dropped (and its piece computed) when the anchors
+        hold none. Runs without a verdict (the exact-prefix side, re-rotation only) stay as they are.
+        """
+        estimates: dict[str, OffsetEstimate] = {}
+        reused_pieces = {piece.start: piece for piece in pieces if piece.reused}
+        dropped: set[int] = set()
+        kept = []
+        for run in runs:
+            if run.verdict is None:
+                kept.append(run)
+            elif not run.own_text:
+                est = estimates.get(run.segment.id)
+                if est is None:
+                    after = [p for p in pieces if p.after is run.segment and p.reused]
+                    est = self._estimate(receiver, run.segment, run.verdict, after[0].key if after else None)
+                    estimates[run.segment.id] = est
+                window = slice(run.segment_start, run.segment_start + run.length)
+                kept.append(replace(run, key_offsets=est.keys[:, :, window], value_offsets=est.values[:, :, window]))
+            else:
+                piece = reused_pieces[run.prompt_start]
+                est = estimates.get(piece.after.id)
+                if est is None or est.own_text_keys is None:
+                    dropped.add(piece.start)  # no own-text offsets for this piece yet: compute it
+                    continue
+                kept.append(replace(run, key_offsets=est.own_text_keys[:, :, : run.length],
+                                    value_offsets=est.own_text_values[:, :, : run.length]))
+        pieces = [replace(p, reused=False) if p.start in dropped else p for p in pieces]
+        return kept, pieces
+
+    def _estimate(self, receiver: str, segment: KVSegment, verdict: GateVerdict, piece: Optional[str]) -> OffsetEstimate:
+        with self._lock:
+            kind = tuple(segment.ref.kind)
+            pool = self._pools[kind]
+            self._pools.move_to_end(kind)
+            keys, values = segment.kv.upper_layers()
+            return estimate_offsets(pool, receiver, keys, values, verdict.candidates, self.estimator,
+                                    self.temperature, piece)
+
+    # ---- 3. observe -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe(
+        self,
+        receiver: str,
+        plan: CallPlan,
+        exact_kv: ExactKV,
+        rotator: RopeRotator,
+        own_text: Mapping[int, KVSegment] = {},
+    ) -> None:
+        """Record the offsets a pass observed: for each of ``plan.observations`` and each observed
+        own-text piece (its base KV in ``own_text``, by piece start) lying wholly before the
+        first re-rotated token, ``real - base`` KV of layers ``1..L-1`` in the canonical frame.
+
+        Args:
+            receiver: the agent whose prompt this was.
+            plan: the pass's plan (for an audit's dense pass: ``plan.as_observed()``).
+            exact_kv: the pass's KV at given prompt positions.
+            rotator: moves real keys into the canonical frame of the base.
+            own_text: base KV of the plan's own-text pieces, by piece start.
+        """
+        exact_until = plan.exact_until()
+        if not self.frozen:
+            for seen in plan.observations:
+                if seen.length <= 0 or seen.prompt_start + seen.length > exact_until:
+                    continue
+                keys, values = offsets(exact_kv(seen.prompt_start, seen.length), seen.segment.kv,
+                                       seen.prompt_start - seen.segment_start, seen.segment_start, rotator)
+                self._record(receiver, seen.segment, seen.segment_start, keys, values)
+        for piece in plan.pieces:
+            base = own_text.get(piece.start)
+            if piece.reused or base is None or not piece.observed or piece.end > exact_until:
+                continue
+            keys, values = offsets(exact_kv(piece.start, piece.end - piece.start), base.kv, piece.start, 0, rotator)
+            self._record_own_text(receiver, piece.after, piece.key, keys, values)
+
+    def _record(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``; the segment becomes an
+        anchor of its kind's pool if it is not one yet."""
+        kind = tuple(segment.ref.kind)
+        with self._lock:
+            pool = self._pools.get(kind)
+            if pool is None:
+                pool = self._pools[kind] = AnchorPool(kind, self.max_anchors, self.eviction_window)
+            slot = pool.slot_of(segment.id)
+            if slot is None:
+                slot = pool.add(segment)
+            pool.record(slot, receiver, start, keys, values)
+            self._pools.move_to_end(kind)
+            self._enforce_budget()
+
+    def _record_own_text(self, receiver: str, segment: KVSegment, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Offsets ``[L-1, H, P, D]`` of ``receiver``'s own-text piece after ``segment`` (an anchor)."""
+        if self.frozen:
+            return
+        with self._lock:
+            pool = self.pool(segment.ref.kind)
+            slot = pool.slot_of(segment.id) if pool is not None else None
+            if slot is None:
+                return
+            pool.record_own_text(slot, receiver, piece, keys, values)
+            self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        while self._pools and self.nbytes() > self.max_bytes:
+            kind, pool = next(iter(self._pools.items()))
+            if len(pool) <= 1:
+                del self._pools[kind]
+                continue
+            pool.evict_one()
+            pool.compact()
+
+
+def offsets(real: KVBlock, base: KVBlock, shift: int, base_start: int, rotator: RopeRotator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``real - base`` of layers ``1..L-1``, ``[L-1, H, n, D]`` float32 each: ``real`` holds ``n``
+    tokens at true positions, ``shift`` later than ``base``'s tokens ``base_start..+n`` in the
+    canonical frame (keys are compared there)."""
+    real_k, real_v = real.upper_layers()
+    base_k, base_v = base.upper_layers()
+    window = slice(base_start, base_start + real.num_tokens)
+    key_offsets = rotator.shift(real_k, -shift).float() - base_k[:, :, window].float().to(real_k.device)
+    value_offsets = real_v.float() - base_v[:, :, window].float().to(real_v.device)
+    return key_offsets, value_offsets
+
+

@@ -1,0 +1,1 @@
+"""Model runtimes. :mod:`.hf` is the only module that touches transformers' caches and forward."""

@@ -1,0 +1,231 @@
+"""The only module that touches transformers' caches and forward keywords.
+
+Supports transformers 5.17 to 5.x: 5.17's forward takes ``past_key_values=``, newer releases
+prefer ``cache=`` (``past_key_values=`` warns there and goes in 5.40). Cache tensors are
+``[batch, kv_heads, tokens, head_dim]`` per layer, KV heads not repeated for GQA.
+
+Everything above this module (matching, planning, anchors, alignment, capture) works on token
+ids and :class:`~kvcomm_agents.kv.block.KVBlock` tensors, so a second runtime (vLLM) can reuse it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..kv.block import KVBlock, device_groups
+
+__all__ = [
+    "new_cache",
+    "cache_from_block",
+    "layer_kv",
+    "num_cached",
+    "num_layers",
+    "run_forward",
+    "input_device",
+    "position_mask",
+    "Prefill",
+    "prefill",
+    "kv_at_positions",
+]
+
+
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where the model's input ids go (its embedding's device)."""
+    return model.get_input_embeddings().weight.device
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty cache for ``model``."""
+    return DynamicCache(config=model.config)
+
+
+def cache_from_block(model: PreTrainedModel, block: KVBlock) -> DynamicCache:
+    """A cache holding ``block``'s KV (its per-layer views, taken as they are).
+
+    Built with ``ddp_cache_data`` (assigning into an empty cache's layers is silently dropped);
+    later forwards concatenate onto copies, never in place.
+    """
+    return DynamicCache(ddp_cache_data=block.layers(), config=model.config)
+
+
+def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` of one layer, ``[batch, kv_heads, tokens, head_dim]`` each."""
+    entry = cache.layers[layer]
+    return entry.keys, entry.values
+
+
+def num_layers(cache: DynamicCache) -> int:
+    """Layers held by the cache."""
+    return len(cache.layers)
+
+
+def num_cached(cache: DynamicCache) -> int:
+    """Tokens whose KV every layer still holds (a sliding-window layer may have dropped some)."""
+    return min(layer.keys.shape[-2] if layer.keys is not None else 0 for layer in cache.layers)
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@lru_cache(maxsize=None)
+def _accepts_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def run_forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    last_logits_only: bool = True,
+) -> torch.Tensor:
+    """One forward pass that appends to ``cache`` in place.
+
+    Args:
+        input_ids: ``[1, q]``.
+        cache: the cache to extend (mutated).
+        position_ids: ``[1, q]``; None lets the model count from the cache length.
+        attention_mask: None for the model's own causal mask, or a ready 4-D additive mask
+            ``[1, 1, q, cached + q]``.
+        last_logits_only: compute the LM head for the last position only.
+
+    Returns:
+        Logits ``[1, q or 1, vocab]``.
+    """
+    kwargs = {_cache_keyword(type(model)): cache, "use_cache": True}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if last_logits_only and _accepts_logits_to_keep(type(model)):
+        kwargs["logits_to_keep"] = 1
+    return model(input_ids=input_ids, **kwargs).logits
+
+
+def position_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, *, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """Additive causal mask by position.
+
+    Args:
+        query_positions: ``[Q]`` positions of the tokens being computed.
+        key_positions: ``[K]`` positions of every key slot (cached slots then the queries).
+
+    Returns:
+        ``[1, 1, Q, K]`` in ``dtype``: 0 where ``key_pos <= query_pos``, the dtype's minimum
+        elsewhere (works for eager and SDPA attention).
+    """
+    visible = key_positions[None, :].to(device) <= query_positions[:, None].to(device)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@dataclass
+class Prefill:
+    """Outcome of prefilling one prompt.
+
+    Attributes:
+        logits: ``[vocab]`` float32 logits of the last prompt token.
+        cache: the filled cache, slots in storage order.
+        slot_positions: ``[C]`` int64 CPU prompt positions of the cache slots, in storage order.
+        align_s: seconds spent building the cache from the reused KV and the mask.
+    """
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    slot_positions: torch.Tensor
+    align_s: float
+
+
+def prefill(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    computed: torch.Tensor,
+    reused: Optional[KVBlock] = None,
+    reused_positions: Optional[torch.Tensor] = None,
+    *,
+    masked: bool = False,
+    position_offset: int = 0,
+) -> Prefill:
+    """Put ``reused`` KV into a cache and compute the ``computed`` positions in one forward.
+
+    Cache slots are in storage order (the reused slots, then the computed tokens), not position
+    order. With ``masked`` the forward gets :func:`position_mask` (a query sees a key only if the
+    key's position is not later than its own): needed whenever reused KV is not a plain prefix,
+    since transformers' own mask would let new tokens see every cached token.
+
+    Args:
+        prompt_ids: ``[N]`` int64 CPU prompt ids.
+        computed: ``[Q]`` int64 ascending positions to compute (the last prompt token among them).
+        reused: KV of the reused slots (keys already at their prompt positions), or None.
+        reused_positions: ``[R]`` prompt positions of ``reused``'s tokens, in its order.
+        position_offset: run the prompt that many positions later (RoPE is relative: the logits
+            must not change; the canonical-frame check). ``slot_positions`` stay prompt indices.
+    """
+    device = input_device(model)
+    started = time.perf_counter()
+    if reused is None:
+        cache = new_cache(model)
+        cached_positions = torch.empty(0, dtype=torch.long)
+        mask = None
+    else:
+        cache = cache_from_block(model, reused)
+        cached_positions = reused_positions
+        mask = None
+        if masked:
+            mask = position_mask(computed, torch.cat([cached_positions, computed]), dtype=model.dtype, device=device)
+    align_s = time.perf_counter() - started
+    position_ids = (computed[None] + position_offset).to(device) if reused is not None or position_offset else None
+    logits = run_forward(model, prompt_ids[computed][None].to(device), cache, position_ids=position_ids,
+                         attention_mask=mask)
+    return Prefill(logits[0, -1].float(), cache, torch.cat([cached_positions, computed]), align_s)
+
+
+def _slots_of(slot_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    lookup = torch.full((int(slot_positions.max()) + 1,), -1, dtype=torch.long)
+    lookup[slot_positions] = torch.arange(slot_positions.numel())
+    slots = lookup[positions]
+    if bool((slots < 0).any()):
+        raise ValueError("asked for positions the cache does not hold")
+    return slots
+
+
+def kv_at_positions(cache: DynamicCache, slot_positions: torch.Tensor, positions: torch.Tensor) -> KVBlock:
+    """Copy the KV of the given prompt positions out of a cache, in the order given.
+
+    Args:
+        cache: a cache whose slot ``i`` holds position ``slot_positions[i]``.
+        slot_positions: ``[C]`` int64 (every position at most once).
+        positions: ``[n]`` int64 positions wanted, each present in ``slot_positions``.
+
+    Returns:
+        A new block (gathered straight into one stacked tensor per device group).
+    """
+    layers = [layer_kv(cache, i) for i in range(num_layers(cache))]
+    slots = _slots_of(slot_positions, positions)
+    keys, values, starts = [], [], []
+    for i, j in device_groups([k.device for k, _ in layers]):
+        first_k, first_v = layers[i]
+        index = slots.to(first_k.device)
+        k_out = first_k.new_empty((j - i, first_k.shape[1], index.numel(), first_k.shape[3]))
+        v_out = first_v.new_empty((j - i, first_v.shape[1], index.numel(), first_v.shape[3]))
+        for n, (k, v) in enumerate(layers[i:j]):
+            torch.index_select(k[0], 1, index, out=k_out[n])
+            torch.index_select(v[0], 1, index, out=v_out[n])
+        keys.append(k_out)
+        values.append(v_out)
+        starts.append(i)
+    return KVBlock(tuple(keys), tuple(values), tuple(starts))

@@ -1,0 +1,126 @@
+"""Find shared text in a prompt: stored segments located as runs of the prompt's own token ids.
+
+A message's shared text is found by its ``segment`` reference or verbatim by content, then
+matched token by token: a prompt token matches a segment token when its id and its character
+offset inside the shared text agree with the segment's. Edge tokens that tokenize differently in
+context do not match (they are computed). No model needed: token ids, character offsets, the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pydantic import ValidationError
+
+from .kv.segments import KVSegment, SegmentRef
+from .kv.store import SegmentStore
+from .prompt import PromptLayout
+
+__all__ = ["Occurrence", "find_occurrences", "match_runs"]
+
+
+@dataclass(frozen=True)
+class Occurrence:
+    """Shared text located in one message: characters ``[start, start + limit)`` of the prompt
+    text hold the segment's characters ``[0, limit)``.
+
+    ``failure`` says why it cannot be reused (``not_found``, ``evicted``, ``foreign_model``,
+    ``not_in_prompt``); ``edited``: the message no longer holds the whole segment text.
+    """
+
+    message_index: int
+    segment: Optional[KVSegment]
+    segment_id: str
+    ref: Optional[SegmentRef]
+    start: int = 0
+    limit: int = 0
+    found_by: str = "content"
+    failure: Optional[str] = None
+    edited: bool = False
+
+    def token_span(self, layout: PromptLayout) -> tuple[int, int]:
+        """Prompt tokens ``[start, end)`` of the occurrence (of its message if it has none)."""
+        tokens = layout.tokens_within(self.start, self.start + self.limit)
+        if len(tokens):
+            return (tokens.start, tokens.stop)
+        span = layout.content_spans[self.message_index]
+        if span is None:
+            return (0, 0)
+        tokens = layout.tokens_within(*span)
+        return (tokens.start, tokens.stop)
+
+
+def match_runs(layout: PromptLayout, segment: KVSegment, start: int, limit: int) -> list[tuple[int, int, int]]:
+    """Runs of prompt tokens that are the segment's own tokens.
+
+    Args:
+        layout: the prompt.
+        segment: the stored segment.
+        start: character offset in ``layout.text`` where the segment's text begins.
+        limit: only the segment's characters ``[0, limit)`` may match (less than its length when
+            the message was edited after the segment was made).
+
+    Returns:
+        ``(prompt_start, segment_start, length)`` for each maximal run of consecutive matches.
+    """
+    runs: list[list[int]] = []
+    for j in layout.tokens_within(start, start + limit):
+        s, e = layout.offsets[j]
+        i = segment.index_of(s - start, int(layout.ids[j]))
+        if i is None or segment.char_spans[i][1] != e - start:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == i:
+            runs[-1][2] += 1
+        else:
+            runs.append([j, i, 1])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def _common_prefix_chars(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _locate_reference(index: int, layout: PromptLayout, store: SegmentStore, fingerprint: str) -> Occurrence:
+    try:
+        ref = SegmentRef.coerce(layout.refs[index])
+    except ValidationError:
+        return Occurrence(index, None, "?", None, found_by="reference", failure="bad_reference")
+    failure, segment = None, None
+    if ref.fingerprint != fingerprint:
+        failure = "foreign_model"
+    else:
+        segment = store.get(ref.id)
+        if segment is None:
+            failure = "evicted" if store.was_evicted(ref.id) else "not_found"
+    content = layout.content(index)
+    if failure is None and content is None:
+        failure = "not_in_prompt"
+    if failure is not None:
+        return Occurrence(index, segment, ref.id, ref, found_by="reference", failure=failure)
+    span_start = layout.content_spans[index][0]
+    offset = content.find(segment.text)
+    if offset >= 0:
+        return Occurrence(index, segment, ref.id, ref, span_start + offset, len(segment.text), "reference")
+    return Occurrence(index, segment, ref.id, ref, span_start, _common_prefix_chars(segment.text, content),
+                      "reference", edited=True)
+
+
+def find_occurrences(layout: PromptLayout, store: SegmentStore, fingerprint: str) -> list[Occurrence]:
+    """Every stored segment a message refers to or contains, in message order."""
+    found = []
+    for index in range(len(layout.content_spans)):
+        if index < len(layout.refs) and layout.refs[index] is not None:
+            found.append(_locate_reference(index, layout, store, fingerprint))
+            continue
+        content = layout.content(index)
+        if content is None:
+            continue
+        span_start = layout.content_spans[index][0]
+        for segment, offset in store.find_in_text(content, fingerprint, min_chars=2):
+            found.append(Occurrence(index, segment, segment.id, segment.ref, span_start + offset, len(segment.text)))
+    return found

@@ -1,0 +1,151 @@
+"""``KVCommAnchors``: observations recorded in the canonical frame, limits and freezing on
+synthetic tensors; exactness of anchors recorded in the same context on a tiny model, also with
+the whole prompt shifted; audits feeding the pools."""
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.anchors import KVCommAnchors
+from kvcomm_agents.fidelity import first_token_kl
+from kvcomm_agents.kv.freeze import FreezeCount
+from kvcomm_agents.plan import CallPlan, Observation, ReusedRun
+from kvcomm_agents.prompt import render_prompt
+
+from ..conftest import REPLY, first_logits, forced, run_plan, solver_messages
+from .synthetic import KIND, offsets, observe, segment
+
+
+def registry(**kw) -> KVCommAnchors:
+    return KVCommAnchors(**{"estimator": "weighted", "max_bytes": 1 << 30, **kw})
+
+
+def test_observations_are_recorded_in_the_canonical_frame():
+    """The receiver computed the segment 11 positions in: its offsets are ``real - base`` with
+    the real keys moved back to the segment's frame, for the segment and the own-text piece."""
+    reg = registry()
+    seg, own = segment(0), segment(1, tokens=2, kind=("s2", "own_text"))
+    k_off, v_off = offsets(0)
+    own_k, own_v = offsets(1, tokens=2)
+    observe(reg, "s2", seg, k_off, v_off, at=11, piece=("piece", own, own_k, own_v))
+    pool = reg.pool(KIND)
+    slot = pool.slot_of(seg.id)
+    torch.testing.assert_close(pool.placeholder["s2"].keys[slot, :, :, :6], k_off, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool.placeholder["s2"].values[slot, :, :, :6], v_off, atol=1e-5, rtol=0)
+    stack = pool.own_text[("s2", "piece")]
+    torch.testing.assert_close(stack.keys[slot], own_k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(stack.values[slot], own_v, atol=1e-5, rtol=0)
+    assert reg.anchors(KIND) == 1 and reg.anchors(("other", None)) == 0
+
+
+def test_observations_after_the_first_rerotated_token_are_not_recorded():
+    reg = registry()
+    seg = segment(0)
+    real = seg.kv.with_offsets(*offsets(0))
+    other = segment(1)
+    plan = CallPlan(torch.arange(20), runs=(ReusedRun(other, 2, 0, 6),), observations=(Observation(seg, 9, 0, 6),))
+    reg.observe("s2", plan, lambda start, length: real.window(0, length), None)
+    assert reg.nbytes() == 0 and reg.pool(KIND) is None
+
+
+def test_pools_never_exceed_their_limits():
+    count = FreezeCount()
+    reg = registry(max_anchors=4, eviction_window=2, freeze=count)
+    own = segment(99, tokens=2, kind=("s2", "own_text"))
+    for i in range(11):
+        observe(reg, "s2", segment(i), *offsets(i), piece=("p", own, *offsets(i, tokens=2)))
+        assert len(reg.pool(KIND)) <= 4 and reg.pool(KIND).base_keys.shape[0] <= 4
+    assert reg.pool(KIND).own_text[("s2", "p")].has.sum() == 4
+    one = reg.nbytes()
+    reg.max_bytes = one // 2
+    observe(reg, "s2", segment(50), *offsets(50))
+    assert reg.nbytes() <= reg.max_bytes and len(reg.pool(KIND)) >= 1
+    count.enter()
+    count.enter()
+    count.leave()  # nested blocks: still frozen
+    before = reg.nbytes()
+    observe(reg, "s2", segment(60), *offsets(60))
+    assert reg.frozen and reg.nbytes() == before and reg.pool(KIND).slot_of(segment(60).id) is None
+    count.leave()
+    assert not reg.frozen
+    reg.clear()
+    assert reg.nbytes() == 0 and reg.anchors(KIND) == 0
+
+
+def _engine(model, tokenizer, method="kvcomm", **experimental):
+    config = KVCommConfig(method=method, prefix_cache=False, experimental={"min_anchors": 1, **experimental})
+    return KVCommEngine(model, tokenizer, config=config)
+
+
+@pytest.mark.parametrize("estimator,own_text", [("mean", "in_context"), ("weighted", "in_context"), ("weighted", "reuse")])
+def test_anchor_from_the_same_context_reproduces_dense_logits(model, tokenizer, estimator, own_text):
+    """Solver 2 sees the question and solver 1's reply twice in the same context: the first call
+    is a new anchor (prefilled, recorded); the second reuses with the recorded offsets, which
+    restore the real KV exactly (own-text pieces too, with own-text reuse), so logits equal dense."""
+    receiver = solver_messages("You are solver two, and you check the work of others.", REPLY)
+    dense_logits = first_logits(KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense")), receiver)
+    results = {}
+    for method in ("kvcomm", "rerotate"):
+        engine = _engine(model, tokenizer, method, estimator=estimator, own_text=own_text)
+        engine.replay(solver_messages("You are solver one."), agent="s1", reply_ids=forced(tokenizer))
+        first = engine.chat(receiver, agent="s2", max_new_tokens=1)
+        second = engine.replay(receiver, agent="s2", reply_ids=[tokenizer.eos_token_id])
+        results[method] = (first, second)
+    first, second = results["kvcomm"]
+    assert [d.reason for d in first.stats.decisions] == ["new_anchor", "after_new_anchor"]
+    assert first.stats.reused_tokens == 0 and first.stats.decisions[0].gate.decision == "new_anchor"
+    stats = second.result.stats
+    assert stats.mode == "reuse" and all(d.status == "reused" for d in stats.decisions)
+    assert (stats.own_text_tokens > 0) == (own_text == "reuse")
+    torch.testing.assert_close(second.first_token_logits, dense_logits, atol=1e-4, rtol=0)
+    rerotated = results["rerotate"][1]
+    assert rerotated.result.stats.reused_tokens == stats.reused_tokens  # same reuse, no offsets
+    assert first_token_kl(dense_logits, rerotated.first_token_logits) > 100 * first_token_kl(dense_logits, second.first_token_logits)
+
+
+def test_anchor_is_exact_with_the_whole_prompt_shifted(llama, tokenizer):
+    """Anchors live in the canonical frame: the same plan run 37 positions later gives the
+    dense logits of the shifted prompt."""
+    receiver = solver_messages("You are solver two, and you check the work of others.", REPLY)
+    engine = _engine(llama, tokenizer, estimator="weighted", own_text="reuse")
+    engine.replay(solver_messages("You are solver one."), agent="s1", reply_ids=forced(tokenizer))
+    engine.chat(receiver, agent="s2", max_new_tokens=1)
+    layout = render_prompt(tokenizer, receiver)
+    with torch.inference_mode():
+        plan = engine._plan(layout, "s2", None, 1)
+    assert plan.runs and plan.own_text_tokens > 0
+    rotator = engine.info.rotator
+    dense = run_plan(llama, rotator, CallPlan(layout.ids), position_offset=37).logits
+    reused = run_plan(llama, rotator, plan, position_offset=37).logits
+    unshifted_dense = run_plan(llama, rotator, CallPlan(layout.ids)).logits
+    torch.testing.assert_close(reused, dense, atol=1e-4, rtol=0)
+    torch.testing.assert_close(dense, unshifted_dense, atol=1e-4, rtol=0)
+
+
+def test_freeze_anchors_stops_learning_and_nests(llama, tokenizer):
+    engine = _engine(llama, tokenizer, own_text="reuse")
+    with engine.freeze_anchors():
+        with engine.freeze_anchors():
+            engine.replay(solver_messages("You are solver one."), agent="s1", reply_ids=forced(tokenizer))
+        # the inner block ended, the outer one still freezes
+        engine.chat(solver_messages("You are solver two.", REPLY), agent="s2", max_new_tokens=1)
+    assert engine.anchors.nbytes() == 0 and len(engine.own_texts) == 0
+    assert not engine.anchors.frozen and not engine.own_texts.frozen
+    engine.chat(solver_messages("You are solver two.", REPLY), agent="s2", max_new_tokens=1)
+    assert engine.anchors.anchors(("user", None)) == 1 and len(engine.own_texts) > 0
+
+
+def test_audits_record_the_reused_segments_as_anchors(llama, tokenizer):
+    # gamma 1 reuses as soon as two anchors are consulted (the entropy score is at most 1)
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(gamma=1.0, audit_every=1, prefix_cache=False))
+    # each question shorter than the last, so earlier anchors are long enough to be consulted
+    questions = [f"How many apples are left if Sam has {'very ' * (4 - i)}many and eats {i}?" for i in range(3)]
+    for question in questions:
+        engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)  # captures it
+        result = engine.chat([{"role": "system", "content": "You are solver two."},
+                              {"role": "user", "content": question}], agent="s2", max_new_tokens=1)
+    # questions 1-2 are new anchors (0, then 1 anchor consulted); the 3rd is reused, audited,
+    # and the audit's exact KV makes it an anchor as well
+    assert result.stats.mode == "reuse" and result.stats.audit_kl is not None
+    assert [(d.gate.decision, d.gate.anchors) for d in result.stats.shared_decisions] == [("reuse", 2)]
+    assert engine.anchors.anchors(("user", None)) == 3

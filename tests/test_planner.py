@@ -1,0 +1,99 @@
+"""Planning one call (no model): what is reused exactly, re-rotated or computed, and why, on
+prompts of the tiny tokenizer's chat template and a store of segments (KV: zeros)."""
+
+import torch
+
+from kvcomm_agents.anchors import KVCommAnchors
+from kvcomm_agents.config import KVCommConfig
+from kvcomm_agents.kv.block import KVBlock
+from kvcomm_agents.kv.store import SegmentStore
+from kvcomm_agents.planner import plan_call
+from kvcomm_agents.prompt import render_prompt
+
+from .test_matching import REPLY, TOKENIZER, make_segment
+
+QUESTION = "How many clips did Natalia sell in April and May?"
+
+
+def setup(method="rerotate", **config):
+    store = SegmentStore(1 << 20)
+    reply, question = make_segment(REPLY), make_segment(QUESTION, kind=("user", None))
+    store.put(reply)
+    store.put(question)
+    messages = [{"role": "system", "content": "You are solver two."}, {"role": "user", "content": QUESTION},
+                {"role": "user", "content": "Agent 1 said: " + REPLY, "segment": reply.ref.model_dump()}]
+    return store, render_prompt(TOKENIZER, messages), KVCommConfig(method=method, **config), reply, question
+
+
+def partition(plan) -> None:
+    """Reused and computed positions together are the prompt, each once; the last token is computed."""
+    computed, reused = plan.computed_positions().tolist(), plan.reused_positions().tolist()
+    assert sorted(computed + reused) == list(range(plan.num_prompt))
+    assert plan.num_prompt - 1 in computed and plan.reused_tokens == len(reused)
+
+
+def test_rerotation_reuses_both_segments_as_runs_of_their_own_ids():
+    store, layout, config, reply, question = setup(min_match_tokens=4)
+    plan = plan_call(layout, store=store, fingerprint="m", config=config, agent="s2")
+    assert [(d.segment_id, d.status, d.reason) for d in plan.decisions] == [
+        (question.id, "reused", "content"), (reply.id, "reused", "reference")]
+    assert plan.dense_reason is None and plan.prefix is None and plan.observations == ()
+    starts = [run.prompt_start for run in plan.runs]
+    assert starts == sorted(starts) and all(a.prompt_end <= b.prompt_start for a, b in zip(plan.runs, plan.runs[1:]))
+    for run in plan.runs:
+        assert layout.ids[run.prompt_start : run.prompt_end].tolist() == list(
+            run.segment.token_ids[run.segment_start : run.segment_start + run.length])
+        assert run.key_offsets is None and run.verdict is None  # re-rotation only
+    assert sum(d.reused_tokens for d in plan.decisions) == plan.reused_tokens
+    assert plan.exact_until() == plan.runs[0].prompt_start
+    partition(plan)
+    # own text after each segment running to its end: up to the next segment or the last token
+    assert [(p.start, p.end, p.after.id) for p in plan.pieces] == [
+        (plan.runs[0].prompt_end, plan.runs[1].prompt_start, question.id), (plan.runs[1].prompt_end, plan.num_prompt - 1, reply.id)]
+    assert all(not p.reused and not p.observed for p in plan.pieces)
+
+
+def test_refusals_and_short_runs_are_reported_per_segment():
+    store, layout, config, _, _ = setup()
+    off = plan_call(layout, store=store, fingerprint="m", config=config, refuse_reason="reuse_off")
+    assert off.dense_reason == "reuse_off" and off.runs == () and off.reused_tokens == 0
+    assert [(d.status, d.reason) for d in off.decisions] == [("prefilled", "reuse_off")] * 2
+    short = plan_call(layout, store=store, fingerprint="m", config=config.model_copy(update={"min_match_tokens": 100}))
+    assert [d.reason for d in short.decisions] == ["too_short", "too_short"] and short.dense_reason == "nothing_to_reuse"
+    foreign = plan_call(layout, store=store, fingerprint="other", config=config)
+    assert [(d.reason, d.segment is not None) for d in foreign.decisions] == [("foreign_model", True)]  # by reference only
+    exact = plan_call(layout, store=store, fingerprint="m", config=KVCommConfig(method="exact_prefix"))
+    assert [d.reason for d in exact.decisions] == ["exact_only", "exact_only"] and exact.runs == ()
+
+
+def test_a_malformed_reference_is_computed_not_raised():
+    store, _, config, _, _ = setup()
+    messages = [{"role": "user", "content": REPLY, "segment": {"id": "abc", "kind": "nonsense"}}]
+    plan = plan_call(render_prompt(TOKENIZER, messages), store=store, fingerprint="m", config=config)
+    assert [(d.status, d.reason, d.segment_id, d.segment) for d in plan.decisions] == [("prefilled", "bad_reference", "?", None)]
+    assert plan.runs == ()
+
+
+def test_exact_prefix_comes_first_and_is_capped_before_the_last_token():
+    store, layout, config, _, question = setup()
+    n = layout.ids.numel()
+    kv = KVBlock.stacked(torch.zeros(2, 1, n + 3, 4), torch.zeros(2, 1, n + 3, 4))
+    store.put_prefix(torch.cat([layout.ids, torch.tensor([1, 2, 3])]), kv, "m")  # an earlier prompt + reply
+    plan = plan_call(layout, store=store, fingerprint="m", config=config)
+    assert plan.prefix_length == n - 1 and plan.runs == ()
+    assert [(d.status, d.reason) for d in plan.decisions] == [("reused", "exact_prefix")] * 2
+    partition(plan)
+    no_prefix = plan_call(layout, store=store, fingerprint="m", config=config.model_copy(update={"prefix_cache": False}))
+    assert no_prefix.prefix is None and no_prefix.runs
+
+
+def test_kvcomm_without_anchors_computes_from_the_first_new_segment_on():
+    store, layout, config, reply, question = setup("kvcomm")
+    anchors = KVCommAnchors()
+    plan = plan_call(layout, store=store, fingerprint="m", config=config, agent="s2", anchors=anchors)
+    assert [(d.reason, d.gate.decision if d.gate else None) for d in plan.decisions] == [
+        ("new_anchor", "new_anchor"), ("after_new_anchor", None)]
+    assert plan.runs == () and plan.dense_reason == "nothing_to_reuse"
+    assert [o.segment.id for o in plan.observations] == [question.id, reply.id]
+    assert all(p.observed for p in plan.pieces) and len(plan.pieces) == 2
+    assert anchors.nbytes() == 0  # planning records nothing
