@@ -27,6 +27,7 @@ from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
 from .fidelity import first_token_kl
+from .identity import WeightsWatch
 from .kv.freeze import FreezeCount
 from .kv.own_text import OwnTextStore
 from .kv.segments import Kind, SegmentRef
@@ -36,7 +37,7 @@ from .plan import CallPlan
 from .planner import plan_call
 from .prompt import PromptLayout, normalize_messages, render_prompt
 from .results import CallStats, ChatResult
-from .support import inspect_model
+from .support import inspect_model, model_fingerprint
 
 __all__ = ["KVCommEngine", "PlanHook"]
 
@@ -82,6 +83,7 @@ class KVCommEngine:
         self.tokenizer = tokenizer
         self.config = config or KVCommConfig()
         self.info = inspect_model(model, tokenizer, reuse=self.config.reuse)
+        self._weights = WeightsWatch(model)
         self.plan_hook = plan_hook
         c, x = self.config, self.config.experimental
         self._store = store if store is not None else SegmentStore(c.store_max_bytes)
@@ -134,8 +136,34 @@ class KVCommEngine:
 
     @property
     def fingerprint(self) -> str:
-        """Identifies this engine's model, dtype and tokenizer."""
+        """Identifies this engine's weights (every parameter and buffer, active adapters), dtype
+        and tokenizer; KV of any other fingerprint is never used."""
         return self.info.fingerprint
+
+    def refresh_fingerprint(self) -> str:
+        """Recompute the fingerprint from the weights as they are now. Every call does this by
+        itself when a weight tensor was replaced or written in place or the active adapters
+        changed; call it after changing weights some other way. When the fingerprint changes,
+        the anchors and own-text KV (learned from the old weights) are dropped, and stored KV of
+        the old weights is never used again. Returns the fingerprint."""
+        return self._refresh(recompute=True)
+
+    def _refresh_changed_weights(self) -> None:
+        """A weight tensor was replaced or written in place: the digest must be read again (the
+        per-model cache knows it is stale)."""
+        self._refresh(recompute=False)
+
+    def _refresh(self, *, recompute: bool) -> str:
+        with self._lock:
+            fingerprint = model_fingerprint(self.model, self.tokenizer, recompute=recompute)
+            self._weights.mark()
+            if fingerprint != self.info.fingerprint:
+                logger.info("weights changed: fingerprint %s -> %s", self.info.fingerprint, fingerprint)
+                self.info.fingerprint = fingerprint
+                self._capture.fingerprint = fingerprint
+                self._anchors.clear()
+                self._own_texts.clear()
+            return fingerprint
 
     @contextmanager
     def freeze_anchors(self) -> Iterator[None]:
@@ -235,6 +263,8 @@ class KVCommEngine:
         if kind is not None and (isinstance(kind, str) or len(tuple(kind)) != 2):
             raise InvalidRequestError("kind must be a (producer, role) pair such as ('document', None)")
         kind = tuple(kind) if kind else ("document", None)  # type: ignore[assignment]
+        if self._weights.changed():
+            self._refresh_changed_weights()
         existing = self._store.find_text(text, self.fingerprint)
         if existing is not None and existing.ref.kind == kind:
             return existing.ref
@@ -261,6 +291,8 @@ class KVCommEngine:
         """Plan, run the plan hook, align the reused KV and prefill: the call up to its first
         token. The store entries the plan uses stay pinned until the block ends."""
         with self._lock, torch.inference_mode():  # anchor bookkeeping tensors are inference tensors
+            if self._weights.changed():
+                self._refresh_changed_weights()
             plan = self._plan(layout, agent, reuse, new_tokens)
             planned = time.perf_counter()
             hooked = planned  # hook_s is 0.0 when no hook ran

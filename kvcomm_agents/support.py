@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .engines import hf
+from .identity import weights_digest
 from .kv.rope import RopeRotator
 from .errors import RopeCheckError, UnsupportedModelError
 
@@ -153,17 +154,10 @@ def check_rerotation(model: PreTrainedModel, rotator: RopeRotator, tokenizer=Non
     return worst
 
 
-def _weight_samples(model: PreTrainedModel, embedding: torch.Tensor) -> list[torch.Tensor]:
-    """The embedding and the first and last other weight matrices (fine-tunes and adapters that
-    keep the embedding still change these)."""
-    matrices = [p for p in model.parameters() if p.dim() == 2 and p is not embedding and p.device.type != "meta"]
-    return [embedding] + matrices[:1] + matrices[-1:]
-
-
-def model_fingerprint(model: PreTrainedModel, tokenizer) -> str:
-    """A short hash of what makes KV compatible: architecture, RoPE, dtype, weights, tokenizer."""
+def model_fingerprint(model: PreTrainedModel, tokenizer, *, recompute: bool = False) -> str:
+    """A short hash of what makes KV compatible: architecture, RoPE, dtype, every weight and
+    buffer and the active adapters (:func:`~.identity.weights_digest`), the tokenizer."""
     config = model.config
-    embedding = model.get_input_embeddings().weight
     summary = {
         "type": getattr(config, "model_type", None),
         "name": getattr(config, "_name_or_path", None),
@@ -172,7 +166,7 @@ def model_fingerprint(model: PreTrainedModel, tokenizer) -> str:
         "hidden": config.hidden_size,
         "rope": _rope_parameters(config),
         "dtype": str(model.dtype),
-        "weights": [p.detach().flatten()[:32].float().cpu().tolist() for p in _weight_samples(model, embedding)],
+        "weights": weights_digest(model, recompute=recompute),
         "vocab": len(tokenizer),
     }
     backend = getattr(tokenizer, "backend_tokenizer", None)

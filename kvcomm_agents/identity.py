@@ -1,0 +1,140 @@
+"""A model's identity is its weights: a content checksum of every parameter and buffer.
+
+KV computed by one set of weights must never be reused by another (a fine-tune, an unmerged LoRA
+adapter, an in-place weight change). :func:`weights_digest` reads every parameter and buffer
+once, with its name, shape and dtype: a tensor on the CPU is hashed byte for byte (SHA-256 over
+its memory, no copy); a tensor on an accelerator is reduced where it lives, in chunks, to the
+plain and the position-weighted sums of its raw bits read as integers (a single changed element
+or a permutation changes them), so no weights cross to the host. One pass over the weights: about
+half a second for the embedded 135M model on a CPU core. Not meant to resist a deliberate
+collision.
+
+:class:`WeightsWatch` tells cheaply, before every call, whether the weights may have changed since
+the digest: another tensor object under a name, an in-place write (every in-place operation bumps
+a tensor's version counter: optimiser steps, ``load_state_dict``, ``copy_``) or another set of
+active adapters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import Hashable
+
+import torch
+
+__all__ = ["weights_digest", "WeightsWatch"]
+
+_CHUNK = 1 << 24  # elements per reduction step (bounded extra memory)
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    tensors = [(f"param:{n}", p) for n, p in model.named_parameters()]
+    tensors += [(f"buffer:{n}", b) for n, b in model.named_buffers()]
+    return sorted(tensors, key=lambda item: item[0])
+
+
+def _position_weights(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` int32 pseudo-random weights of the positions inside a chunk (cached per device)."""
+    cached = _WEIGHTS.get(device)
+    if cached is None or cached.numel() < n:
+        position = torch.arange(1, max(n, 1024) + 1, dtype=torch.int64)
+        cached = (position * 2654435761 % 65521 + 1).to(device=device, dtype=torch.int32)
+        _WEIGHTS[device] = cached
+    return cached[:n]
+
+
+def _tensor_checksum(t: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's bytes; the chunked integer sums of an accelerator tensor."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type == "cpu":
+        return hashlib.sha256(memoryview(flat.contiguous().view(torch.uint8).numpy())).hexdigest()
+    return repr(_device_sums(flat))
+
+
+def _device_sums(flat: torch.Tensor) -> list[int]:
+    """Per chunk of the tensor's raw bits read as integers: their sum and their position-weighted
+    sum (int32 products wrap and int64 sums wrap: exact modular arithmetic, the same in any
+    summation order)."""
+    if flat.is_complex() or flat.element_size() not in _INT_OF_SIZE:
+        flat = flat.float()
+    words = flat.view(_INT_OF_SIZE[flat.element_size()])
+    sums = []
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start : start + _CHUNK]
+        if chunk.dtype != torch.int32 and chunk.dtype != torch.int64:
+            chunk = chunk.to(torch.int32)
+        weights = _position_weights(chunk.numel(), chunk.device)
+        sums.append(int(chunk.sum(dtype=torch.int64)))
+        sums.append(int((chunk * weights.to(chunk.dtype)).sum(dtype=torch.int64)))
+    return sums
+
+
+_DIGESTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
+def weights_digest(model: torch.nn.Module, *, recompute: bool = False) -> str:
+    """Hex digest of every parameter and buffer (names, shapes, dtypes and contents) and of the
+    active adapters, if the model has any (PEFT). Remembered per model while :class:`WeightsWatch`
+    sees no change (engines sharing one model compute it once); ``recompute`` reads the weights
+    again anyway (writes through ``.data`` bump no version counter)."""
+    state = _snapshot(model)
+    known = _DIGESTS.get(model)
+    if known is not None and known[0] == state and not recompute:
+        return known[1]
+    digest = _compute_digest(model)
+    _DIGESTS[model] = (state, digest)
+    return digest
+
+
+@torch.no_grad()
+def _compute_digest(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in _named_tensors(model):
+        if tensor.device.type == "meta":
+            digest.update(f"{name}:meta".encode())
+            continue
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{_tensor_checksum(tensor)};".encode())
+    digest.update(repr(_active_adapters(model)).encode())
+    return digest.hexdigest()[:32]
+
+
+def _active_adapters(model: torch.nn.Module) -> Hashable:
+    for attribute in ("active_adapters", "active_adapter"):
+        value = getattr(model, attribute, None)
+        if callable(value):
+            try:
+                value = value()
+            except (ValueError, RuntimeError):  # transformers raises when no adapter is loaded
+                value = None
+        if value is not None:
+            return tuple(value) if isinstance(value, (list, tuple)) else value
+    return None
+
+
+class WeightsWatch:
+    """Notices when a model's weights may have changed since :meth:`mark`.
+
+    ``changed()`` compares, per parameter and buffer, the tensor object and its in-place version
+    counter, and the active adapters: a few microseconds per hundred tensors, so the engine calls
+    it before every call.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._state = _snapshot(model)
+
+    def changed(self) -> bool:
+        """True if a tensor was replaced, written in place, or the active adapters changed."""
+        return _snapshot(self.model) != self._state
+
+    def mark(self) -> None:
+        """Take the current weights as the reference."""
+        self._state = _snapshot(self.model)
+
+
+def _snapshot(model: torch.nn.Module) -> tuple:
+    """Each tensor's name, object and in-place version counter, and the active adapters."""
+    return (tuple((name, id(t), t._version) for name, t in _named_tensors(model)), _active_adapters(model))

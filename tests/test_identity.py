@@ -1,0 +1,81 @@
+"""A model's identity is its weights: KV of other weights is never used, and changing weights in
+place is noticed before the next call."""
+
+import copy
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.identity import WeightsWatch, weights_digest
+
+from .conftest import REPLY, first_logits, replayed, solver_messages
+
+pytestmark = pytest.mark.model
+
+
+def _tuned(model):
+    """A copy that differs from ``model`` in one element of a middle layer (a fine-tune step)."""
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        tuned.model.layers[1].mlp.up_proj.weight[3, 5] += 1e-2
+    return tuned
+
+
+def test_a_tuned_copy_never_reuses_the_base_models_kv(llama, tokenizer):
+    base = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="rerotate"))
+    tuned_model = _tuned(llama)
+    tuned = KVCommEngine(tuned_model, tokenizer, config=KVCommConfig(method="rerotate"), store=base.store)
+    assert tuned.fingerprint != base.fingerprint
+    replayed(base, solver_messages("You are solver one."), "s1")  # the base's prefix, question, reply
+    messages = solver_messages("You are solver one.", REPLY)  # extends the base's exact prefix
+    result = replayed(tuned, messages, "s1")
+    assert result.stats.reused_tokens == 0  # not even the exact prefix
+    assert {d.reason for d in result.stats.decisions} <= {"foreign_model"}
+    dense = KVCommEngine(tuned_model, tokenizer, config=KVCommConfig(method="dense"))
+    torch.testing.assert_close(first_logits(tuned, messages), first_logits(dense, messages), atol=1e-5, rtol=0)
+
+
+def test_an_in_place_weight_change_is_noticed_before_the_next_call(llama, tokenizer):
+    model = copy.deepcopy(llama)
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="kvcomm", experimental={"min_anchors": 1}))
+    replayed(engine, solver_messages("You are solver one."), "s1")
+    replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
+    before = engine.fingerprint
+    assert not engine._weights.changed()  # calls themselves do not count as weight changes
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.01)  # e.g. an optimiser step
+    messages = solver_messages("You are solver one.", REPLY)
+    result = replayed(engine, messages, "s1")
+    assert engine.fingerprint != before
+    assert result.stats.reused_tokens == 0
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    torch.testing.assert_close(first_logits(engine, solver_messages("You are solver three.")),
+                               first_logits(dense, solver_messages("You are solver three.")), atol=1e-5, rtol=0)
+
+
+def test_refresh_drops_anchors_learned_from_other_weights(llama, tokenizer):
+    model = copy.deepcopy(llama)
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(experimental={"min_anchors": 1}))
+    replayed(engine, solver_messages("You are solver one."), "s1")
+    replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
+    assert engine.anchors.nbytes() > 0
+    assert engine.refresh_fingerprint() == engine.fingerprint  # unchanged weights: nothing dropped
+    assert engine.anchors.nbytes() > 0
+    model.model.norm.weight.data[0] += 1.0  # through .data: no version bump, so only refresh can tell
+    assert not engine._weights.changed()
+    engine.refresh_fingerprint()
+    assert engine.anchors.nbytes() == 0
+
+
+def test_digest_covers_every_tensor_and_the_active_adapters(llama):
+    model = copy.deepcopy(llama)
+    digest = weights_digest(model)
+    model.model.layers[1].register_buffer("extra", torch.zeros(3))  # e.g. an adapter's state
+    assert weights_digest(model) != digest
+    watch = WeightsWatch(model)
+    model.active_adapters = ["math"]  # PEFT-style adapter switch
+    assert watch.changed()
+    switched = weights_digest(model)
+    model.active_adapters = ["code"]
+    assert weights_digest(model) != switched
