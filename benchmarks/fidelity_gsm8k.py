@@ -51,7 +51,7 @@ STRATEGIES: dict[str, dict] = {
 def dense_references(engine: KVCommEngine, questions: list[dict], agents: int, reply_tokens: int, path: Path) -> list[list[dict]]:
     """Per question, per solver: dense reply ids, text and first-token logits (cached at ``path``)."""
     if path.is_file():
-        refs = torch.load(path)
+        refs = torch.load(path, weights_only=True)
         if len(refs) >= len(questions):
             return refs[: len(questions)]
     refs = []

@@ -44,7 +44,7 @@ def references(workload: Workload, model, tokenizer, path: Path, *, progress: Ca
     is measured against the dense strategy's own greedy run on the same ids); the end-to-end
     protocol uses them as the dense pipeline, and ``run_forced`` records how far the unbatched
     dense engine follows them (``report.dense_follows_references``)."""
-    refs: dict[str, list[dict]] = torch.load(path) if path.is_file() else {}
+    refs: dict[str, list[dict]] = torch.load(path, weights_only=True) if path.is_file() else {}
     if seed is not None and seed.is_file():
         refs = {**json.loads(seed.read_text()), **refs}
     missing = [r for r in workload.requests if r.key not in refs]

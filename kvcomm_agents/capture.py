@@ -18,7 +18,7 @@ from .config import KVCommConfig
 from .kv.block import KVBlock
 from .kv.own_text import OwnTextStore
 from .kv.rope import RopeRotator
-from .kv.segments import Kind, KVSegment, SegmentRef
+from .kv.segments import Kind, KVSegment, SegmentRef, content_hash
 from .kv.store import SegmentStore
 from .plan import CallPlan
 from .prompt import PromptLayout
@@ -148,5 +148,9 @@ class CallCapture:
         last = max((i for i, span in enumerate(spans) if span is not None), default=-1)
         if last + 1 < self.config.min_match_tokens or not text:
             return None  # too short to ever be reused
-        segment = self.cut(kv_at, start, generated[: last + 1], spans[: last + 1], text, (agent, "assistant"))
+        kind = (agent, "assistant")
+        same = self.store.find_by_hash(content_hash(text, generated[: last + 1]), self.fingerprint)
+        if same is not None and same.ref.kind == kind:
+            return same.ref  # the same reply, same ids, same agent: stored once
+        segment = self.cut(kv_at, start, generated[: last + 1], spans[: last + 1], text, kind)
         return segment.ref if self.store.put(segment) else None

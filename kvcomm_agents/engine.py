@@ -98,6 +98,22 @@ class KVCommEngine:
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._reused_calls = 0
 
+    # ---- an engine is a shared resource ---------------------------------------------------
+    def __copy__(self) -> "KVCommEngine":
+        return self
+
+    def __deepcopy__(self, memo) -> "KVCommEngine":
+        """Copies of objects that hold an engine (a chat model, a graph's config) share it: one
+        model, one store, one set of anchors per process."""
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a KVCommEngine cannot be pickled: it holds a loaded model and its KV caches in this "
+            "process. Share it by reference within the process; in another process build an "
+            "engine there (ChatKVComm(engine=None) uses that process's default engine)."
+        )
+
     @classmethod
     def from_pretrained(
         cls,
@@ -219,6 +235,7 @@ class KVCommEngine:
         # cross-thread-resumed stream (LangChain's async streaming) blocks nobody.
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
+        self._check_length(layout, max_new_tokens, "max_new_tokens")
         with self._prepared(layout, agent, reuse, max_new_tokens, started) as call:
             text = TextAccumulator(self.tokenizer, stop)
             first = sampler(call.pre.logits)
@@ -240,6 +257,7 @@ class KVCommEngine:
         ids = trim_at_eos(_check_ids(reply_ids, len(self.tokenizer)), self.info.eos_ids)
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
+        self._check_length(layout, len(ids), "reply_ids")
         with self._prepared(layout, agent, reuse, len(ids), started) as call:
             int(torch.argmax(call.pre.logits))  # what greedy decoding would do first (waits for the device)
             ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
@@ -285,6 +303,15 @@ class KVCommEngine:
         return ref
 
     # ---- the steps of one call ------------------------------------------------------------
+    def _check_length(self, layout: PromptLayout, new_tokens: int, what: str) -> None:
+        """Prompt plus reply must fit the model's positions: refused before any compute."""
+        limit, n = self.info.max_positions, int(layout.ids.numel())
+        if limit is not None and n + new_tokens > limit:
+            raise InvalidRequestError(
+                f"the prompt ({n} tokens) plus {what} ({new_tokens}) exceeds the model's {limit} positions; "
+                f"shorten the messages or lower {what} to at most {max(limit - n, 0)}"
+            )
+
     @contextmanager
     def _prepared(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int,
                   started: float) -> Iterator[_Prepared]:

@@ -41,12 +41,14 @@ class ModelInfo:
         fingerprint: identifies model, dtype and tokenizer; segments of other fingerprints are
             never used.
         eos_ids: token ids that end a reply.
+        max_positions: the longest sequence the model's positions cover (None if unknown).
     """
 
     rotator: Optional[RopeRotator]
     sliding_window: Optional[int]
     fingerprint: str
     eos_ids: frozenset[int]
+    max_positions: Optional[int] = None
 
 
 def _rope_parameters(config) -> dict:
@@ -198,4 +200,6 @@ def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, verify_rope
         rotator = _check_config(model)
         if verify_rope:
             check_rerotation(model, rotator, tokenizer)
-    return ModelInfo(rotator, _sliding_window(model.config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer))
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    return ModelInfo(rotator, _sliding_window(model.config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer),
+                     int(max_positions) if max_positions else None)

@@ -75,6 +75,15 @@ class ChatKVComm(BaseChatModel):
     def _llm_type(self) -> str:
         return "kvcomm"
 
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickles with the process-wide default engine as a reference (None: each process uses
+        its own default); an explicit engine cannot be pickled (``KVCommEngine`` says why).
+        ``copy.deepcopy`` shares the engine (engines copy as themselves)."""
+        state = super().__getstate__()
+        if _DEFAULT is not None and state["__dict__"].get("engine") is _DEFAULT:
+            state = {**state, "__dict__": {**state["__dict__"], "engine": None}}
+        return state
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"agent": self.agent, "max_tokens": self.max_tokens, "temperature": self.temperature,

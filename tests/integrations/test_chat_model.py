@@ -145,3 +145,20 @@ def test_a_reply_edited_after_its_segment_was_made_is_never_reused_stale(engine,
     reply = ChatKVComm(engine=engine, agent="s2", max_tokens=6).invoke(history)
     decision = [d for d in reply.response_metadata["kvcomm"]["stats"]["decisions"] if tuple(d["segment"]["kind"]) == ("s1", "assistant")]
     assert [(d["status"], d["reason"]) for d in decision] == [("prefilled", "stale")]
+
+
+def test_copies_share_the_engine_and_pickling_is_clear(engine, monkeypatch):
+    import copy
+    import pickle
+
+    import kvcomm_langgraph.chat_model as chat_model
+
+    model = ChatKVComm(engine=engine, agent="solver-1", max_tokens=8)
+    clone = copy.deepcopy(model)
+    assert clone.engine is engine and clone.max_tokens == 8  # frameworks deep-copy models freely
+    assert clone.invoke(prompt("You are solver one.")).content
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(model)
+    monkeypatch.setattr(chat_model, "_DEFAULT", engine)  # the process-wide engine pickles by reference
+    back = pickle.loads(pickle.dumps(ChatKVComm(engine=engine, max_tokens=5)))
+    assert back.engine is None and back.max_tokens == 5 and back._engine() is engine

@@ -1,0 +1,80 @@
+"""Service-grade guards: context length checked before compute, no duplicate KV, freeze blocks
+that nest and interleave, engines that copy by reference and refuse to pickle clearly."""
+
+import copy
+import pickle
+import threading
+
+import pytest
+
+from kvcomm_agents import InvalidRequestError, KVCommConfig, KVCommEngine
+
+from .conftest import REPLY, replayed, solver_messages
+
+pytestmark = pytest.mark.model
+
+
+def test_prompt_plus_reply_beyond_the_positions_is_refused_before_compute(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    messages = solver_messages("You are solver one.")
+    n = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    limit = llama.config.max_position_embeddings
+    with pytest.raises(InvalidRequestError, match="max_new_tokens") as error:
+        engine.chat(messages, agent="a", max_new_tokens=limit - n + 1)
+    assert f"at most {limit - n}" in str(error.value)
+    with pytest.raises(InvalidRequestError, match="reply_ids"):
+        engine.replay(messages, agent="a", reply_ids=[5] * (limit - n + 1))
+    assert len(engine.store) == 0  # nothing was computed or kept
+    assert engine.chat(messages, agent="a", max_new_tokens=2).stats.prompt_tokens == n  # the edge fits
+
+
+def test_identical_calls_store_each_text_once(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    refs = {replayed(engine, solver_messages("You are solver one."), "s1").segment for _ in range(5)}
+    assert len(refs) == 1  # the same reply, same ids: one segment
+    texts = [segment.text for segment in engine.store._entries.values() if hasattr(segment, "text")]
+    assert sorted(texts) == sorted(set(texts)) and len(texts) == 2  # the question and the reply
+
+
+def test_the_same_reply_of_another_agent_is_its_own_segment(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    first = replayed(engine, solver_messages("You are solver one."), "s1").segment
+    second = replayed(engine, solver_messages("You are solver one."), "s2").segment
+    assert first.id != second.id and first.kind != second.kind and first.text_hash == second.text_hash
+
+
+def test_interleaved_freeze_blocks_never_leave_the_pools_frozen(llama, tokenizer):
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(experimental={"min_anchors": 1}))
+    first, second = engine.freeze_anchors(), engine.freeze_anchors()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # ends before the block it encloses
+    assert engine.anchors.frozen and engine.own_texts.frozen
+    second.__exit__(None, None, None)
+    assert not engine.anchors.frozen and not engine.own_texts.frozen
+    barrier = threading.Barrier(4)
+
+    def hold():
+        with engine.freeze_anchors():
+            barrier.wait()
+
+    threads = [threading.Thread(target=hold) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not engine.anchors.frozen
+    replayed(engine, solver_messages("You are solver one."), "s1")
+    replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
+    assert engine.anchors.nbytes() > 0  # learning resumed
+
+
+def test_an_engine_copies_by_reference_and_refuses_to_pickle(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    holder = {"engine": engine, "options": [1, 2]}
+    copied = copy.deepcopy(holder)
+    assert copied["engine"] is engine and copied["options"] is not holder["options"]
+    assert copy.copy(engine) is engine
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(engine)
+    assert engine.chat(solver_messages("You are solver one."), agent="a", max_new_tokens=2).token_ids
