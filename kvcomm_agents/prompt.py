@@ -49,16 +49,55 @@ class PromptLayout:
         return token_span(self.offsets, start, end)
 
 
+#: Roles chat templates render; anything else is refused (a typo would render as nonsense).
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Validate messages and return plain dicts for the chat template (``segment`` removed)."""
+    """Validate messages and return plain dicts for the chat template (``segment`` removed).
+
+    Content must be a string; a list of text parts (``"text"`` strings or ``{"type": "text",
+    "text": ...}``, as LangChain and OpenAI write them) is joined; an assistant message that only
+    calls tools may have ``None``. Everything else gets :class:`InvalidMessagesError` naming the
+    message, before any compute.
+    """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidMessagesError("messages must be a non-empty list of dicts")
     clean = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise InvalidMessagesError(f"message {i} must be a dict with 'role' and 'content'")
-        clean.append({k: v for k, v in message.items() if k != "segment"})
+        role = message["role"]
+        if role not in ROLES:
+            raise InvalidMessagesError(f"message {i} has role {role!r}; known roles: {', '.join(ROLES)}")
+        entry = {k: v for k, v in message.items() if k != "segment"}
+        entry["content"] = _content_text(i, role, message.get("content"), bool(message.get("tool_calls")))
+        clean.append(entry)
     return clean
+
+
+def _content_text(index: int, role: str, content: Any, calls_tools: bool) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant" and calls_tools:
+        return ""
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise InvalidMessagesError(
+                    f"message {index} has a {kind!r} content part; kvcomm-agents serves text-only models "
+                    "(text parts are joined, images and audio are not supported)"
+                )
+        return "".join(texts)
+    raise InvalidMessagesError(
+        f"message {index} content must be a string or a list of text parts, got {type(content).__name__}"
+    )
 
 
 def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> range:

@@ -1,6 +1,10 @@
 """Prompt layout: the chat template's exact ids, offsets and content spans."""
 
-from kvcomm_agents.prompt import render_prompt, token_span
+import pytest
+
+from kvcomm_agents import InvalidMessagesError
+from kvcomm_agents.prompt import normalize_messages, render_prompt, token_span
+from kvcomm_agents.testing import tiny_tokenizer
 
 from .conftest import solver_messages
 
@@ -40,3 +44,31 @@ def test_tools_are_passed_to_the_chat_template():
     layout = render_prompt(tokenizer, [{"role": "user", "content": "add 2 and 3"}], tools=[{"name": "add"}])
     assert layout.text.startswith("TOOLS: add\n")
     assert layout.text[slice(*layout.content_spans[0])] == "add 2 and 3"
+
+
+@pytest.mark.parametrize("content, error", [
+    (None, "message 1 content"), (42, "got int"), ([{"type": "image_url", "image_url": {"url": "x"}}], "'image_url'"),
+    ([{"type": "input_audio"}], "'input_audio'"), ([3], "'int'"),
+])
+def test_bad_content_is_refused_naming_the_message(content, error):
+    messages = [{"role": "system", "content": "You are a solver."}, {"role": "user", "content": content}]
+    with pytest.raises(InvalidMessagesError, match=error):
+        normalize_messages(messages)
+
+
+def test_unknown_roles_are_refused():
+    with pytest.raises(InvalidMessagesError, match="message 0 has role 'usr'"):
+        normalize_messages([{"role": "usr", "content": "hi"}])
+
+
+def test_text_parts_are_joined_and_render_like_the_string():
+    tokenizer = tiny_tokenizer()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, "48 + 24?"]}]
+    plain = [{"role": "user", "content": "What is 48 + 24?"}]
+    assert render_prompt(tokenizer, parts).ids.tolist() == render_prompt(tokenizer, plain).ids.tolist()
+
+
+def test_an_assistant_that_only_calls_tools_may_have_no_content():
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+    clean = normalize_messages([{"role": "assistant", "content": None, "tool_calls": calls}])
+    assert clean[0]["content"] == ""
