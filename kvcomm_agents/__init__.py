@@ -4,6 +4,7 @@ from .config import ExperimentalSettings, KVCommConfig
 from .engine import KVCommEngine
 from . import errors
 from .errors import (
+    AnchorFileError,
     InvalidMessagesError,
     InvalidRequestError,
     KVCommError,

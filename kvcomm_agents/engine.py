@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -28,7 +28,7 @@ from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
 from .fidelity import first_token_kl
 from .identity import WeightsWatch
-from .kv.freeze import FreezeCount
+from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
 from .kv.segments import Kind, SegmentRef
 from .kv.store import SegmentStore
@@ -88,13 +88,14 @@ class KVCommEngine:
         c, x = self.config, self.config.experimental
         self._store = store if store is not None else SegmentStore(c.store_max_bytes)
         self._lock = threading.RLock()
-        self._freeze = FreezeCount()
+        self._freeze = BlockCount()
         self._anchors = KVCommAnchors(
             max_anchors=c.max_anchors, eviction_window=x.eviction_window, max_bytes=c.anchor_max_bytes,
             estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
             activation_top_p=x.activation_top_p, freeze=self._freeze,
         )
         self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
+        self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._reused_calls = 0
 
@@ -191,6 +192,50 @@ class KVCommEngine:
             yield
         finally:
             self._freeze.leave()
+
+    # ---- warm start -----------------------------------------------------------------------
+    def save_anchors(self, path: Union[str, os.PathLike]) -> int:
+        """Write the anchor pools to one safetensors file (tensors plus a JSON header with the
+        model fingerprint, the library version and the settings; never pickle). Returns the
+        number of anchors written."""
+        from . import __version__
+
+        header = {"fingerprint": self.fingerprint, "library": __version__,
+                  "settings": self.config.model_dump(mode="json", exclude={"dense_agents"})}
+        return self._anchors.save(path, header)
+
+    def load_anchors(self, path: Union[str, os.PathLike]) -> int:
+        """Replace the anchor pools with a file written by :meth:`save_anchors` for this model.
+
+        Raises:
+            AnchorFileError: the file is missing, unreadable, corrupted or of another model
+                (fingerprint, shapes or dtype differ); the engine's anchors are unchanged and
+                it serves on without them.
+        """
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (config.num_hidden_layers - 1, kv_heads, head_dim)
+        return self._anchors.load(path, fingerprint=self.fingerprint, shape=shape, device=self._device,
+                                  dtype=self.model.dtype)
+
+    @contextmanager
+    def calibrating(self) -> Iterator[None]:
+        """Inside the block, every call computes its shared segments densely (reason
+        ``calibration``) and records them as anchors: a short warm-up on representative
+        pipelines (a LangGraph graph included) before serving. Reuse resumes after the block."""
+        self._calibrating.enter()
+        try:
+            yield
+        finally:
+            self._calibrating.leave()
+
+    def calibrate(self, calls: Iterable[tuple[Messages, str]], *, max_new_tokens: int = 128) -> list[ChatResult]:
+        """Run ``(messages, agent)`` calls densely, recording their shared segments as anchors
+        (:meth:`calibrating`); returns their results. For pipelines whose later prompts depend
+        on earlier replies, run the pipeline inside ``with engine.calibrating():`` instead."""
+        with self.calibrating():
+            return [self.chat(messages, agent=agent, max_new_tokens=max_new_tokens) for messages, agent in calls]
 
     # ---- public calls ---------------------------------------------------------------------
     def chat(self, messages: Messages, *, agent: str, **options) -> ChatResult:
@@ -347,7 +392,8 @@ class KVCommEngine:
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
         return plan_call(layout, store=self._store, fingerprint=self.fingerprint, config=self.config, agent=agent,
-                         refuse_reason=refuse, anchors=self._anchors, own_texts=self._own_texts)
+                         refuse_reason=refuse, anchors=self._anchors, own_texts=self._own_texts,
+                         calibrating=self._calibrating.active)
 
     def _decode(self, call: _Prepared, next_id: int, sampler: TokenSampler, text: TextAccumulator,
                 max_new_tokens: int) -> Iterator[str]:

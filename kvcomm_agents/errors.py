@@ -7,6 +7,7 @@ The tree::
     ├── RopeCheckError               the load-time re-rotation self-check failed
     │                                (subclass of UnsupportedModelError)
     ├── ModelNotAvailableError       the model or the embedded default cannot be found offline
+    ├── AnchorFileError              an anchor file is unreadable or of another model (engine unchanged)
     └── InvalidRequestError          an argument of a call is wrong (also a ``ValueError``)
         └── InvalidMessagesError     the messages given to ``chat`` are malformed
 
@@ -23,6 +24,7 @@ __all__ = [
     "UnsupportedModelError",
     "RopeCheckError",
     "ModelNotAvailableError",
+    "AnchorFileError",
     "InvalidRequestError",
     "InvalidMessagesError",
 ]
@@ -53,6 +55,11 @@ class RopeCheckError(UnsupportedModelError):
 
 class ModelNotAvailableError(KVCommError):
     """The requested model (or the embedded default) is not available on this machine."""
+
+
+class AnchorFileError(KVCommError):
+    """``load_anchors`` refused a file: unreadable, corrupted, or written for other weights. The
+    engine's anchors are unchanged."""
 
 
 class InvalidRequestError(KVCommError, ValueError):

@@ -43,6 +43,7 @@ def plan_call(
     refuse_reason: Optional[str] = None,
     anchors: Optional[KVCommAnchors] = None,
     own_texts: Optional[OwnTextStore] = None,
+    calibrating: bool = False,
 ) -> CallPlan:
     """Plan the prefill of one prompt.
 
@@ -56,6 +57,8 @@ def plan_call(
             segment found is reported as prefilled for this reason.
         anchors: the anchor pools; consulted with ``method="kvcomm"``.
         own_texts: the agents' own-text KV; used with ``experimental.own_text="reuse"``.
+        calibrating: with ``method="kvcomm"``, compute every shared segment after the exact
+            prefix (reason ``calibration``) so that all of them are recorded as anchors.
     """
     n = int(layout.ids.numel())
     prefix = None
@@ -64,7 +67,7 @@ def plan_call(
         if hit is not None:
             prefix = PrefixHit(hit[0], min(hit[1], n - 1))
     decider = _RunDecider(layout, prefix.length if prefix else 0, config, agent,
-                          anchors if config.method == "kvcomm" else None)
+                          anchors if config.method == "kvcomm" else None, calibrating)
     decisions = []
     for occ in find_occurrences(layout, store, fingerprint):
         if refuse_reason is None and occ.failure is None:
@@ -129,8 +132,9 @@ class _RunDecider:
     them costs the same either way, and each observation is data for the next gate)."""
 
     def __init__(self, layout: PromptLayout, prefix_length: int, config: KVCommConfig, agent: str,
-                 anchors: Optional[KVCommAnchors]):
+                 anchors: Optional[KVCommAnchors], calibrating: bool = False):
         self.layout, self.prefix_length, self.config, self.agent, self.anchors = layout, prefix_length, config, agent, anchors
+        self.calibrating = calibrating
         self.n = int(layout.ids.numel())
         self.runs: list[ReusedRun] = []
         self.observations: list[Observation] = []
@@ -151,7 +155,9 @@ class _RunDecider:
             return "prefilled", "exact_only", in_prefix, None  # the rest is computed
         if beyond_prefix and self.anchors is not None:
             reason = None
-            if self.dense_from is not None:
+            if self.calibrating:
+                reason = "calibration"
+            elif self.dense_from is not None:
                 reason = "after_new_anchor"
             else:
                 verdict = self.anchors.decide(self.agent, occ.segment)

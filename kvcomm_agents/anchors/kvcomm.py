@@ -20,12 +20,13 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from ..kv.block import KVBlock
-from ..kv.freeze import FreezeCount
+from ..kv.blocks import BlockCount
 from ..kv.rope import RopeRotator
 from ..kv.segments import Kind, KVSegment
 from ..plan import CallPlan, OwnTextPiece, ReusedRun
 from .estimate import Estimator, OffsetEstimate, estimate_offsets
 from .gate import GateVerdict, judge
+from .persist import load_pools, save_pools
 from .pool import AnchorPool
 
 __all__ = ["KVCommAnchors", "ExactKV"]
@@ -61,14 +62,14 @@ class KVCommAnchors:
         min_anchors: int = 2,
         temperature: float = 1.0,
         activation_top_p: float = 0.9,
-        freeze: Optional[FreezeCount] = None,
+        freeze: Optional[BlockCount] = None,
     ) -> None:
         self.max_anchors, self.eviction_window, self.max_bytes = max_anchors, eviction_window, max_bytes
         self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
         self.temperature, self.activation_top_p = temperature, activation_top_p
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
         self._lock = threading.RLock()
-        self._freeze = freeze or FreezeCount()
+        self._freeze = freeze or BlockCount()
 
     # ---- inspection -----------------------------------------------------------------------
     def pool(self, kind: Kind) -> Optional[AnchorPool]:
@@ -90,7 +91,25 @@ class KVCommAnchors:
     @property
     def frozen(self) -> bool:
         """True inside a ``freeze_anchors`` block: nothing is added, evicted, credited or recorded."""
-        return self._freeze.frozen
+        return self._freeze.active
+
+    # ---- warm start ---------------------------------------------------------------------------
+    def save(self, path, header: dict) -> int:
+        """Write every pool to ``path`` (:mod:`.persist`); returns the anchors written."""
+        with self._lock:
+            pools = list(self._pools.values())
+            save_pools(pools, path, header)
+            return sum(len(pool) for pool in pools)
+
+    def load(self, path, *, fingerprint: str, shape: tuple[int, int, int], device, dtype) -> int:
+        """Replace the pools with those in ``path`` (refused with ``AnchorFileError`` without any
+        change when the file is unreadable or of another model); returns the anchors loaded."""
+        pools, _ = load_pools(path, fingerprint=fingerprint, shape=shape, max_anchors=self.max_anchors,
+                              eviction_window=self.eviction_window, device=device, dtype=dtype)
+        with self._lock:
+            self._pools = OrderedDict((pool.kind, pool) for pool in pools)
+            self._enforce_budget()
+            return sum(len(pool) for pool in self._pools.values())
 
     # ---- 1. decide --------------------------------------------------------------------------
     @torch.inference_mode()  # pool tensors are inference tensors, whoever calls

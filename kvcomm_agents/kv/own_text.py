@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
-from .freeze import FreezeCount
+from .blocks import BlockCount
 from .segments import KVSegment
 
 __all__ = ["OwnTextStore", "piece_key"]
@@ -33,16 +33,16 @@ class OwnTextStore:
     the engine's freeze count (shared with its anchors).
     """
 
-    def __init__(self, max_bytes: int, freeze: Optional[FreezeCount] = None) -> None:
+    def __init__(self, max_bytes: int, freeze: Optional[BlockCount] = None) -> None:
         self.max_bytes = max_bytes
         self._pieces: OrderedDict[tuple[str, str], KVSegment] = OrderedDict()
         self._lock = threading.RLock()
-        self._freeze = freeze or FreezeCount()
+        self._freeze = freeze or BlockCount()
 
     @property
     def frozen(self) -> bool:
         """True inside a ``freeze_anchors`` block: no piece is kept."""
-        return self._freeze.frozen
+        return self._freeze.active
 
     def get(self, agent: str, key: str) -> Optional[KVSegment]:
         with self._lock:

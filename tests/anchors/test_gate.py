@@ -6,7 +6,7 @@ import torch
 
 from kvcomm_agents.anchors import KVCommAnchors
 from kvcomm_agents.anchors.gate import entropy_score, judge
-from kvcomm_agents.kv.freeze import FreezeCount
+from kvcomm_agents.kv.blocks import BlockCount
 
 from .synthetic import KIND, LAYERS, offsets, observe, segment
 
@@ -55,7 +55,7 @@ def test_gate_needs_two_anchors_and_reuses_a_clear_nearest():
 
 
 def test_min_anchors_and_frozen_pools():
-    count = FreezeCount()
+    count = BlockCount()
     reg = anchors(gamma=1.0, min_anchors=3, freeze=count)
     for i in range(2):
         observe(reg, "s2", segment(i), *offsets(i))

@@ -8,7 +8,7 @@ import torch
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.anchors import KVCommAnchors
 from kvcomm_agents.fidelity import first_token_kl
-from kvcomm_agents.kv.freeze import FreezeCount
+from kvcomm_agents.kv.blocks import BlockCount
 from kvcomm_agents.plan import CallPlan, Observation, ReusedRun
 from kvcomm_agents.prompt import render_prompt
 
@@ -49,7 +49,7 @@ def test_observations_after_the_first_rerotated_token_are_not_recorded():
 
 
 def test_pools_never_exceed_their_limits():
-    count = FreezeCount()
+    count = BlockCount()
     reg = registry(max_anchors=4, eviction_window=2, freeze=count)
     own = segment(99, tokens=2, kind=("s2", "own_text"))
     for i in range(11):

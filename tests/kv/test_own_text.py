@@ -3,7 +3,7 @@
 import torch
 
 from kvcomm_agents.kv.block import KVBlock
-from kvcomm_agents.kv.freeze import FreezeCount
+from kvcomm_agents.kv.blocks import BlockCount
 from kvcomm_agents.kv.own_text import OwnTextStore, piece_key
 from kvcomm_agents.kv.segments import KVSegment
 
@@ -42,7 +42,7 @@ def test_budget_drops_the_least_recently_used():
 
 
 def test_freezing_nests_and_interleaves():
-    count = FreezeCount()
+    count = BlockCount()
     store = OwnTextStore(1 << 20, count)
     assert not store.frozen
     count.enter()

@@ -1,0 +1,130 @@
+"""Anchor pools on disk: one safetensors file, tensors plus a JSON header. Never pickle.
+
+A warm start: anchors learned in one process (or by ``engine.calibrate``) serve the first calls of
+the next one. The header records the format, the library version, the model fingerprint and the
+pools' bookkeeping; tensors are ``{pool}.base_keys``, ``{pool}.placeholder{j}.keys`` and so on.
+A file of another model, a corrupted file or one whose shapes do not fit the model is refused
+with :class:`~kvcomm_agents.errors.AnchorFileError` before anything of the engine changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import AnchorFileError
+from .pool import AnchorPool, OffsetStack
+
+__all__ = ["FORMAT", "save_pools", "load_pools"]
+
+FORMAT = "kvcomm-anchors/1"
+
+
+def _put(tensors: dict, name: str, t: Optional[torch.Tensor]) -> None:
+    if t is not None:
+        tensors[name] = t.detach().to("cpu").contiguous()
+
+
+def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -> None:
+    """Write ``pools`` and ``header`` (fingerprint, version, settings) to ``path`` atomically."""
+    tensors: dict[str, torch.Tensor] = {}
+    described = []
+    for p, pool in enumerate(pools):
+        name = f"pool{p}"
+        _put(tensors, f"{name}.lengths", pool.lengths)
+        _put(tensors, f"{name}.activations", pool.activations)
+        _put(tensors, f"{name}.base_keys", pool.base_keys)
+        _put(tensors, f"{name}.base_values", pool.base_values)
+        stacks = [("placeholder", key, stack) for key, stack in pool.placeholder.items()]
+        stacks += [("own_text", key, stack) for key, stack in pool.own_text.items()]
+        for j, (_, _, stack) in enumerate(stacks):
+            _put(tensors, f"{name}.stack{j}.keys", stack.keys)
+            _put(tensors, f"{name}.stack{j}.values", stack.values)
+            _put(tensors, f"{name}.stack{j}.has", stack.has)
+        described.append({
+            "kind": list(pool.kind), "segment_ids": pool.segment_ids, "created": pool.created, "clock": pool._clock,
+            "stacks": [[role, list(key) if isinstance(key, tuple) else key] for role, key, _ in stacks],
+        })
+    meta = {"format": FORMAT, **header, "pools": described}
+    path = os.fspath(path)
+    tmp = f"{path}.tmp"
+    save_file(tensors, tmp, metadata={"kvcomm": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_pools(path: str | os.PathLike, *, fingerprint: str, shape: tuple[int, int, int], max_anchors: int,
+               eviction_window: int, device: torch.device, dtype: torch.dtype) -> tuple[list[AnchorPool], dict]:
+    """Read pools written by :func:`save_pools` for a model of ``fingerprint`` whose anchors are
+    ``[*, L-1, kv_heads, *, head_dim]`` = ``shape`` (``(L-1, kv_heads, head_dim)``); returns the
+    pools (tensors on ``device``) and the header. Raises :class:`AnchorFileError`."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            meta = json.loads((handle.metadata() or {}).get("kvcomm", "null"))
+        tensors = load_file(os.fspath(path))
+    except FileNotFoundError:
+        raise AnchorFileError(f"{path}: no such anchor file") from None
+    except (SafetensorError, OSError, ValueError, json.JSONDecodeError) as error:
+        raise AnchorFileError(f"{path} is not a readable anchor file ({error})") from error
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise AnchorFileError(f"{path} is not a {FORMAT} file")
+    if meta.get("fingerprint") != fingerprint:
+        raise AnchorFileError(
+            f"{path} holds anchors of another model (fingerprint {meta.get('fingerprint')}, this engine's is "
+            f"{fingerprint}): KV offsets of other weights, dtype or tokenizer are never used"
+        )
+    try:
+        pools = [_pool(f"pool{p}", desc, tensors, shape, max_anchors, eviction_window, device, dtype)
+                 for p, desc in enumerate(meta["pools"])]
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise AnchorFileError(f"{path} is corrupted or does not fit this model ({error})") from error
+    return pools, meta
+
+
+def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max_anchors: int, eviction_window: int,
+          device: torch.device, dtype: torch.dtype) -> AnchorPool:
+    pool = AnchorPool(tuple(desc["kind"]), max_anchors, eviction_window)
+    pool.segment_ids = [str(s) if s is not None else None for s in desc["segment_ids"]]
+    pool.created = [int(c) for c in desc["created"]]
+    pool._clock = int(desc["clock"])
+    slots = len(pool.segment_ids)
+    if slots > max_anchors or len(pool.created) != slots:
+        raise ValueError(f"{slots} anchors in a pool, max_anchors is {max_anchors}")
+    pool.lengths = tensors[f"{name}.lengths"].to(torch.long)
+    pool.activations = tensors[f"{name}.activations"].to(torch.long)
+    if pool.lengths.shape != (slots,) or pool.activations.shape != (slots,):
+        raise ValueError("bookkeeping of another size than the pool")
+    if f"{name}.base_keys" in tensors:
+        pool.base_keys = _checked(tensors[f"{name}.base_keys"], shape, device, dtype)
+        pool.base_values = _checked(tensors[f"{name}.base_values"], shape, device, dtype)
+        if pool.base_keys.shape[0] < slots or pool.base_values.shape != pool.base_keys.shape:
+            raise ValueError("base KV of another size than the pool")
+    for j, (role, key) in enumerate(desc["stacks"]):
+        has = tensors[f"{name}.stack{j}.has"].to(torch.bool)
+        keys = tensors.get(f"{name}.stack{j}.keys")
+        stack = OffsetStack(None if keys is None else _checked(keys, shape, device, torch.float32),
+                            None if keys is None else _checked(tensors[f"{name}.stack{j}.values"], shape, device,
+                                                               torch.float32), has)
+        if role == "placeholder":
+            pool.placeholder[str(key)] = stack
+        elif role == "own_text":
+            pool.own_text[(str(key[0]), str(key[1]))] = stack
+        else:
+            raise ValueError(f"unknown offset stack {role!r}")
+    return pool
+
+
+def _checked(t: torch.Tensor, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[slots, L-1, H, tokens, D]`` tensor of this model's shape and of ``dtype`` (the model's
+    for base KV, float32 for offsets), on ``device``."""
+    if t.dim() != 5 or (t.shape[1], t.shape[2], t.shape[4]) != shape:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} where [*, {shape[0]}, {shape[1]}, *, {shape[2]}] fits")
+    if t.dtype != dtype:
+        raise ValueError(f"a {t.dtype} tensor where the model's anchors are {dtype}")
+    return t.to(device)

@@ -1,0 +1,112 @@
+"""Warm start: anchor pools saved to safetensors and loaded back; foreign and corrupted files
+refused without touching the engine; calibration records every shared segment."""
+
+import copy
+import json
+import struct
+
+import pytest
+import torch
+
+from kvcomm_agents import AnchorFileError, KVCommConfig, KVCommEngine
+
+from ..conftest import REPLY, replayed, solver_messages
+
+pytestmark = pytest.mark.model
+
+KIND = ("s1", "assistant")
+CONFIG = KVCommConfig(experimental={"min_anchors": 1})
+
+
+def _learned(model, tokenizer) -> KVCommEngine:
+    """An engine whose pools hold the question and solver 1's reply, with offsets for s2 and s3."""
+    engine = KVCommEngine(model, tokenizer, config=CONFIG)
+    for system in ("You are solver one.", "You are the first solver."):
+        replayed(engine, solver_messages(system), "s1")
+        replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
+        replayed(engine, solver_messages("You are solver three.", REPLY), "s3")
+    assert engine.anchors.anchors(KIND) >= 1
+    return engine
+
+
+def _state(engine: KVCommEngine) -> dict:
+    out = {}
+    for kind, pool in engine.anchors._pools.items():
+        out[kind] = (pool.segment_ids, pool.created, pool.lengths.tolist(), pool.activations.tolist(),
+                     pool.base_keys, pool.base_values,
+                     {r: (s.keys, s.values, s.has.tolist()) for r, s in pool.placeholder.items()})
+    return out
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for kind in a:
+        for x, y in zip(a[kind], b[kind]):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y)
+            elif isinstance(x, dict):
+                assert x.keys() == y.keys()
+                for r in x:
+                    assert torch.equal(x[r][0], y[r][0]) and torch.equal(x[r][1], y[r][1]) and x[r][2] == y[r][2]
+            else:
+                assert x == y
+
+
+def test_saved_anchors_load_back_exactly_and_serve(llama, tokenizer, tmp_path):
+    source = _learned(llama, tokenizer)
+    path = tmp_path / "anchors.safetensors"
+    written = source.save_anchors(path)
+    assert written == sum(len(p) for p in source.anchors._pools.values())
+    header_length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    header = json.loads(path.read_bytes()[8 : 8 + header_length])  # safetensors: JSON header, raw tensors
+    meta = json.loads(header["__metadata__"]["kvcomm"])
+    assert meta["fingerprint"] == source.fingerprint and meta["library"] and meta["settings"]["method"] == "kvcomm"
+    fresh = KVCommEngine(llama, tokenizer, config=CONFIG)
+    assert fresh.load_anchors(path) == written
+    _assert_same(_state(source), _state(fresh))
+    # the warm engine's gate consults the loaded anchors at once; a cold one has none
+    cold = KVCommEngine(llama, tokenizer, config=CONFIG)
+    for engine in (fresh, cold):
+        replayed(engine, solver_messages("You are solver 1."), "s1")
+    warm_call = replayed(fresh, solver_messages("You are solver two.", REPLY), "s2")
+    cold_call = replayed(cold, solver_messages("You are solver two.", REPLY), "s2")
+    assert warm_call.stats.anchors_consulted >= 1 and cold_call.stats.anchors_consulted == 0
+
+
+def test_a_foreign_or_corrupted_file_is_refused_and_the_engine_serves_on(llama, tokenizer, tmp_path):
+    source = _learned(llama, tokenizer)
+    path = tmp_path / "anchors.safetensors"
+    source.save_anchors(path)
+    tuned = copy.deepcopy(llama)
+    with torch.no_grad():
+        tuned.model.layers[1].mlp.up_proj.weight[0, 0] += 1e-2
+    other = _learned(tuned, tokenizer)
+    before = _state(other)
+    with pytest.raises(AnchorFileError, match="another model"):
+        other.load_anchors(path)
+    corrupted = tmp_path / "corrupted.safetensors"
+    data = bytearray(path.read_bytes())
+    corrupted.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(AnchorFileError, match="not a readable anchor file"):
+        other.load_anchors(corrupted)
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(AnchorFileError):
+        other.load_anchors(tmp_path / "junk.safetensors")
+    with pytest.raises(AnchorFileError, match="no such"):
+        other.load_anchors(tmp_path / "missing.safetensors")
+    _assert_same(before, _state(other))
+    assert replayed(other, solver_messages("You are solver two.", REPLY), "s2").stats.reused_tokens > 0
+
+
+def test_calibrating_records_every_shared_segment_then_reuse_resumes(llama, tokenizer):
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(experimental={"min_anchors": 1}))
+    with engine.calibrating():
+        replayed(engine, solver_messages("You are solver one."), "s1")
+        calibrated = replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
+    reasons = {d.reason for d in calibrated.stats.decisions}
+    assert reasons == {"calibration"} and calibrated.stats.mode != "reuse"
+    assert engine.anchors.anchors(("user", None)) == 1 and engine.anchors.anchors(KIND) == 1
+    results = engine.calibrate([(solver_messages("You are the first solver."), "s1")], max_new_tokens=4)
+    assert len(results) == 1
+    after = replayed(engine, solver_messages("You are the second solver.", REPLY), "s2")
+    assert after.stats.mode == "reuse"
