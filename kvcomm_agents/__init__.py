@@ -5,6 +5,7 @@ from .engine import KVCommEngine
 from . import errors
 from .errors import (
     AnchorFileError,
+    BudgetWarning,
     InvalidMessagesError,
     InvalidRequestError,
     KVCommError,

@@ -8,7 +8,7 @@ the benchmark keeps as a baseline).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -110,11 +110,13 @@ class KVCommConfig(BaseModel):
             "contained it, as a segment that later prompts can reuse."
         ),
     )
-    store_max_bytes: int = Field(
-        default=2 * 1024**3, ge=0,
+    store_max_bytes: Optional[int] = Field(
+        default=None, ge=0,
         description=(
             "Byte budget of the segment store (segments and exact prefixes together). The least "
-            "recently used entries are evicted beyond it, never one that a running call uses."
+            "recently used entries are evicted beyond it, never one that a running call uses. "
+            "None: 20% of the memory available on the model's device at engine start (2 GiB "
+            "where it cannot be read)."
         ),
     )
     gamma: float = Field(
@@ -126,8 +128,13 @@ class KVCommConfig(BaseModel):
         ),
     )
     max_anchors: int = Field(default=20, ge=1, description="Anchors per segment kind (the paper: 20).")
-    anchor_max_bytes: int = Field(
-        default=1024**3, ge=0, description="Byte budget of all anchor pools together; anchors are evicted beyond it."
+    anchor_max_bytes: Optional[int] = Field(
+        default=None, ge=0,
+        description=(
+            "Byte budget of all anchor pools together; anchors are evicted beyond it. None: 10% "
+            "of the memory available on the model's device at engine start (1 GiB where it "
+            "cannot be read)."
+        ),
     )
     dense_agents: frozenset[str] = Field(
         default=frozenset(),

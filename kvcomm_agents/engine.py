@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 
 from .alignment import assemble
+from .budgets import default_budgets
 from .anchors import KVCommAnchors
 from .capture import CallCapture
 from .config import KVCommConfig
@@ -86,11 +87,13 @@ class KVCommEngine:
         self._weights = WeightsWatch(model)
         self.plan_hook = plan_hook
         c, x = self.config, self.config.experimental
-        self._store = store if store is not None else SegmentStore(c.store_max_bytes)
+        store_budget, anchor_budget = default_budgets(hf.input_device(model))
+        self._store = store if store is not None else SegmentStore(
+            c.store_max_bytes if c.store_max_bytes is not None else store_budget)
         self._lock = threading.RLock()
         self._freeze = BlockCount()
         self._anchors = KVCommAnchors(
-            max_anchors=c.max_anchors, eviction_window=x.eviction_window, max_bytes=c.anchor_max_bytes,
+            max_anchors=c.max_anchors, eviction_window=x.eviction_window, max_bytes=c.anchor_max_bytes if c.anchor_max_bytes is not None else anchor_budget,
             estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
             activation_top_p=x.activation_top_p, freeze=self._freeze,
         )

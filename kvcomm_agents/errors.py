@@ -13,6 +13,9 @@ The tree::
 
 Argument errors are raised before any compute.
 
+Warnings: :class:`BudgetWarning` (a ``UserWarning``) when a byte budget cannot hold even one
+segment or anchor, so that reuse would silently stop.
+
 A missing, evicted, stale or foreign cache segment is *not* an error: the engine prefills that
 text instead and records the reason in ``ChatResult.stats.decisions``.
 """
@@ -27,6 +30,7 @@ __all__ = [
     "AnchorFileError",
     "InvalidRequestError",
     "InvalidMessagesError",
+    "BudgetWarning",
 ]
 
 SUPPORTED_MODELS_HINT = (
@@ -68,3 +72,7 @@ class InvalidRequestError(KVCommError, ValueError):
 
 class InvalidMessagesError(InvalidRequestError):
     """``messages`` is not a list of ``{"role": ..., "content": ...}`` dicts."""
+
+
+class BudgetWarning(UserWarning):
+    """A byte budget is too small to hold one segment or anchor: that KV is not kept."""

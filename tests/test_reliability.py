@@ -6,8 +6,9 @@ import pickle
 import threading
 
 import pytest
+import torch
 
-from kvcomm_agents import InvalidRequestError, KVCommConfig, KVCommEngine
+from kvcomm_agents import BudgetWarning, InvalidRequestError, KVCommConfig, KVCommEngine
 
 from .conftest import REPLY, replayed, solver_messages
 
@@ -78,3 +79,34 @@ def test_an_engine_copies_by_reference_and_refuses_to_pickle(llama, tokenizer, m
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(engine)
     assert engine.chat(solver_messages("You are solver one."), agent="a", max_new_tokens=2).token_ids
+
+
+def test_default_budgets_follow_the_documented_rule(monkeypatch):
+    from kvcomm_agents import budgets
+
+    monkeypatch.setattr(budgets, "available_bytes", lambda device: 10 * 1024**3)
+    assert budgets.default_budgets(torch.device("cpu")) == (2 * 1024**3, 1024**3)
+    monkeypatch.setattr(budgets, "available_bytes", lambda device: 1024)
+    assert budgets.default_budgets(torch.device("cpu")) == (budgets.FLOOR, budgets.FLOOR)
+    monkeypatch.setattr(budgets, "available_bytes", lambda device: None)
+    assert budgets.default_budgets(torch.device("cpu")) == budgets.FALLBACK
+
+
+def test_engine_budgets_default_to_the_devices_free_memory(llama, tokenizer):
+    from kvcomm_agents.budgets import available_bytes
+
+    engine = KVCommEngine(llama, tokenizer)
+    free = available_bytes(torch.device("cpu"))
+    assert 0.1 * free < engine.store.max_bytes <= 0.3 * free  # read twice: free memory moves a little
+    assert engine.store.max_bytes > engine.anchors.max_bytes > 0
+
+
+def test_a_budget_too_small_for_one_entry_warns_instead_of_failing_silently(llama, tokenizer):
+    small_store = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="rerotate", store_max_bytes=1000))
+    with pytest.warns(BudgetWarning, match="store_max_bytes"):
+        replayed(small_store, solver_messages("You are solver one."), "s1")
+    small_pools = KVCommEngine(llama, tokenizer, config=KVCommConfig(anchor_max_bytes=1000,
+                                                                      experimental={"min_anchors": 1}))
+    replayed(small_pools, solver_messages("You are solver one."), "s1")
+    with pytest.warns(BudgetWarning, match="anchor_max_bytes"):
+        replayed(small_pools, solver_messages("You are solver two.", REPLY), "s2")

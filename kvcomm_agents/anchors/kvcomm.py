@@ -13,12 +13,14 @@ Pools are kept per segment kind, least recently used first out of one byte budge
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import replace
 from collections import OrderedDict
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from ..errors import BudgetWarning
 from ..kv.block import KVBlock
 from ..kv.blocks import BlockCount
 from ..kv.rope import RopeRotator
@@ -70,6 +72,7 @@ class KVCommAnchors:
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
         self._lock = threading.RLock()
         self._freeze = freeze or BlockCount()
+        self._warned = False
 
     # ---- inspection -----------------------------------------------------------------------
     def pool(self, kind: Kind) -> Optional[AnchorPool]:
@@ -235,6 +238,13 @@ class KVCommAnchors:
         while self._pools and self.nbytes() > self.max_bytes:
             kind, pool = next(iter(self._pools.items()))
             if len(pool) <= 1:
+                if len(self._pools) == 1 and not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"anchor_max_bytes ({self.max_bytes} bytes) cannot hold one anchor of kind {kind} "
+                        f"({pool.nbytes} bytes): KVCOMM keeps prefilling what it cannot record; raise "
+                        "anchor_max_bytes", BudgetWarning, stacklevel=4,
+                    )
                 del self._pools[kind]
                 continue
             pool.evict_one()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Iterator, Union
 import torch
 from pydantic import BaseModel
 
+from ..errors import BudgetWarning
 from .block import KVBlock
 from .segments import KVSegment
 
@@ -83,6 +85,7 @@ class SegmentStore:
         self._pins: dict[str, int] = {}
         self._evicted: deque[str] = deque(maxlen=4096)
         self._evictions = 0
+        self._warned = False
 
     # ---- segments -------------------------------------------------------------------------
     def put(self, segment: KVSegment) -> bool:
@@ -231,6 +234,7 @@ class SegmentStore:
         size = entry.nbytes
         with self._lock:
             if size > self.max_bytes:
+                self._too_small(size)
                 return False
             if key in self._entries:
                 self._remove(key)
@@ -238,6 +242,15 @@ class SegmentStore:
             self._bytes += size
             self._evict()
             return key in self._entries
+
+    def _too_small(self, size: int) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"the segment store's budget ({self.max_bytes} bytes) cannot hold a KV entry of {size} bytes: "
+                "it is not kept, so later calls compute that text again; raise store_max_bytes",
+                BudgetWarning, stacklevel=4,
+            )
 
     def _evict(self) -> None:
         for key in list(self._entries):
