@@ -198,6 +198,8 @@ def _run_posix(script: Path, timeout: float, output_bytes: int, uid: int | None,
     info = _status(status)
     returncode = None if timed_out else info.get("returncode", proc.returncode)
     missing = tuple(info.get("missing", ())) + (() if "isolation" in info else ("sandbox setup did not finish",))
+    if "error" in info:
+        missing += (f"sandbox setup failed: {info['error']}",)
     return SandboxResult(
         passed=returncode == 0, returncode=returncode, timed_out=timed_out, output=capture.text(),
         dropped_bytes=capture.dropped, isolation=tuple(info.get("isolation", ())), missing=missing,
