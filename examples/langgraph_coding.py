@@ -2,10 +2,11 @@
 
 planner -> coder -> tester -> reviewer -> fixer -> final test. The tester is plain code: it runs
 the model-written function against the problem's tests with ``examples/sandbox.py`` (``python -I``
-in a temporary directory, a timeout and resource limits; NOT a security boundary, see there) and
-returns the output as a ``tool`` message, which the reviewer and the fixer both read (the fixer
-reuses it from the cache). Accuracy is the final pass rate; agreement compares the reuse
-pipeline's final code with the dense pipeline's.
+with a timeout, capped output, resource limits and, on Linux, an unprivileged uid, no network, a
+read-only filesystem but for its working folder and a PID namespace; what each platform gets is
+listed there) and returns the output as a ``tool`` message, which the reviewer and the fixer both
+read (the fixer reuses it from the cache). Accuracy is the final pass rate; agreement compares the
+reuse pipeline's final code with the dense pipeline's.
 
     python -m examples.langgraph_coding [--problems 3] [--max-tokens 96]
 """
@@ -26,7 +27,7 @@ from kvcomm_langgraph import ChatKVComm
 from .tasks import load_problems
 
 from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
-from .sandbox import run_isolated
+from .sandbox import run_isolated, run_sandboxed
 
 def extract_code(problem: dict, reply: str) -> str:
     """The function the model wrote: a fenced block if any, else the reply; the problem's
@@ -103,8 +104,9 @@ def main(argv=None) -> None:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    print("Model-written code runs on this machine (python -I, temp dir, timeout, resource limits; not a sandbox "
-          "against malicious code).")
+    probe = run_sandboxed("pass", timeout=10)
+    print("Model-written code runs on this machine, isolated by: " + "; ".join(probe.isolation)
+          + (" (not in effect: " + "; ".join(probe.missing) + ")" if probe.missing else "") + ".")
     reuse_engine, dense_engine = engines(config_from(args))
     graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens))
               for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}

@@ -1,6 +1,6 @@
 """Run model-written code isolated, with what the operating system offers.
 
-``run_sandboxed(source, timeout=...)`` runs ``source`` as a script under ``python -I`` in a fresh
+``run_sandboxed(source, timeout=...)`` runs ``source`` as a script under ``python -I -u`` in a fresh
 working folder and returns a :class:`SandboxResult`; ``run_isolated`` is the two-value form the
 coding example uses. Every platform gets:
 
@@ -23,9 +23,11 @@ Linux, as root (the case the tests check):
   lasts), with no supplementary groups, no capabilities and ``no_new_privs`` (set-uid programs do
   not raise it). Root ignores RLIMIT_NPROC; this uid does not, and as no other process has that
   uid the limit counts exactly the sandbox's processes and threads.
-* **processes**: a new PID namespace; the script is its init, so when it exits or is killed the
-  kernel kills every process it left (double forks and ``setsid`` included) and nothing is left
-  for the host's init to reap. After each run any process of the sandbox uid is killed too.
+* **processes**: a new PID namespace whose init (a fork of the helper, still root, which reaps
+  orphans) runs the script; when the script exits, or on timeout when init is killed, the kernel
+  kills every process left in the namespace (double forks and ``setsid`` included), and nothing
+  is left for the host's init to reap. After each run any process of the sandbox uid is killed
+  too (with pidfds, so a recycled pid is never hit).
 * **network**: a new network namespace with only a loopback device that is down: every
   ``connect`` (to the host's loopback as well) fails. Unix sockets in the filesystem are files:
   the uid reaches only those whose permissions let any user connect.
@@ -34,19 +36,24 @@ Linux, as root (the case the tests check):
   the interpreter are covered with empty read-only tmpfs (the interpreter's folders are bound
   back, read-only); ``/proc`` shows only the sandbox's processes; the working folder is a tmpfs
   of ``WORK_BYTES`` owned by the uid, the only writable place (besides devices such as
-  ``/dev/null``). A new IPC namespace hides System V IPC. Everything world-readable on the
-  machine outside those covered folders stays readable.
+  ``/dev/null``; ``/dev/shm`` is read-only too, so no POSIX shared memory). The script is copied
+  in before the code starts; what the code writes there is gone when the run ends. A new IPC
+  namespace hides System V IPC. Everything world-readable on the machine outside the covered
+  folders stays readable.
 
 Linux, not root: the same namespaces in a new user namespace (the uid maps to itself, so the
 code has no capabilities) where the kernel allows unprivileged user namespaces, and RLIMIT_NPROC
 counts only the sandbox's processes there. Where it does not: resource limits (RLIMIT_NPROC then
 counts all of your processes, so it is set to their number plus ``PROCESSES``), the session kill
 (a process that calls ``setsid`` can survive), no network or file isolation: the code can write
-wherever you can. If root cannot create namespaces (a container without CAP_SYS_ADMIN), it gets
-the uid change where the interpreter is reachable by other users, rlimits and the session kill.
+wherever you can. Root that cannot create namespaces (a container without CAP_SYS_ADMIN) gets
+rlimits, the session kill, and the uid (with its process limit and the kill of every process of
+that uid) only where other users can reach the interpreter and the temporary folder; otherwise
+the code runs as root, with no process limit.
 
-macOS and other POSIX systems: resource limits (RLIMIT_NPROC counts all of the user's
-processes; root ignores it), the session kill, no network or file isolation, no change of user.
+macOS and other POSIX systems: resource limits (RLIMIT_NPROC is set to the user's processes plus
+``PROCESSES``; root ignores it), the session kill, no network or file isolation, no change of
+user.
 Windows: the timeout (the process tree is killed with ``taskkill /T``) and the output cap only.
 
 ``SandboxResult.isolation`` lists what was in effect for that run and ``missing`` what was not
@@ -160,6 +167,9 @@ def _run_posix(script: Path, timeout: float, output_bytes: int, uid: int | None,
             [sys.executable, "-I", os.path.abspath(__file__), json.dumps(config)], stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
             pass_fds=(status_w,), env=ENV, cwd=str(script.parent))
+    except BaseException:
+        os.close(status_r)
+        raise
     finally:
         os.close(status_w)
     capture, status = _Capture(output_bytes), bytearray()
@@ -254,20 +264,23 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _processes(uid: int | None = None) -> list[tuple[int, int, str]]:
-    """(pid, real uid, state) of the processes in /proc, of ``uid`` only if given."""
+def _task(pid: int) -> tuple[int, str, int] | None:
+    """(real uid, state letter, threads) of a process, from /proc; None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return int(fields["Uid"].split()[0]), fields["State"].strip()[:1], int(fields.get("Threads", "1"))
+
+
+def _processes(uid: int | None = None) -> list[tuple[int, int, str, int]]:
+    """(pid, real uid, state, threads) of the processes in /proc, of ``uid`` only if given."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines()
-                          if ":" in line)
-        except OSError:
-            continue
-        real = int(fields["Uid"].split()[0])
-        if uid is None or real == uid:
-            found.append((int(entry), real, fields["State"].strip()[:1]))
+        task = _task(int(entry)) if entry.isdigit() else None
+        if task is not None and (uid is None or task[0] == uid):
+            found.append((int(entry), *task))
     return found
 
 
@@ -275,7 +288,7 @@ def _kill_uid(uid: int, seconds: float = 2.0) -> bool:
     """SIGKILL every live process of ``uid`` (race-free with pidfds where the kernel has them)."""
     end = time.monotonic() + seconds
     while True:
-        live = [pid for pid, _, state in _processes(uid) if state not in "ZX"]
+        live = [pid for pid, _, state, _ in _processes(uid) if state not in "ZX"]
         if not live:
             return True
         for pid in live:
@@ -285,7 +298,8 @@ def _kill_uid(uid: int, seconds: float = 2.0) -> bool:
                 _signal(pid, signal.SIGKILL)
                 continue
             try:
-                if any(p == pid for p, _, _ in _processes(uid)):  # still that uid: not a recycled pid
+                task = _task(pid)
+                if task is not None and task[0] == uid:  # the pidfd holds the process: not a recycled pid
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
             except OSError:
                 pass
@@ -312,7 +326,7 @@ def _sandbox_uid():
     info = locks.lstat()
     if not os.path.isdir(locks) or os.path.islink(locks) or info.st_uid != 0 or info.st_mode & 0o077:
         raise RuntimeError(f"{locks} must be a directory owned by root with mode 0700")
-    busy = {uid for _, uid, _ in _processes()}
+    busy = {uid for _, uid, _, _ in _processes()}
     for uid in SANDBOX_UIDS:
         if uid in busy or _known(pwd.getpwuid, uid) or _known(grp.getgrgid, uid):
             continue
@@ -350,8 +364,10 @@ def _run_windows(script: Path, timeout: float, output_bytes: int, started: float
     import threading
 
     proc = subprocess.Popen(
-        [sys.executable, "-I", str(script)], cwd=str(script.parent), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **ENV, "TMP": str(script.parent)},
+        [sys.executable, "-I", "-u", str(script)], cwd=str(script.parent), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={"SYSTEMROOT": os.environ.get("SYSTEMROOT", ""), "PYTHONHASHSEED": "0", "TMP": str(script.parent),
+             "TEMP": str(script.parent), "USERPROFILE": str(script.parent)},
         creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
     capture = _Capture(output_bytes)
     reader = threading.Thread(target=lambda: [capture.add(b) for b in iter(lambda: proc.stdout.read1(1 << 16), b"")],
@@ -366,7 +382,7 @@ def _run_windows(script: Path, timeout: float, output_bytes: int, started: float
     proc.kill()
     proc.wait()
     reader.join(1.0)
-    returncode = None if timed_out else info.get("returncode", proc.returncode)
+    returncode = None if timed_out else proc.returncode
     return SandboxResult(
         passed=returncode == 0, returncode=returncode, timed_out=timed_out, output=capture.text(),
         dropped_bytes=capture.dropped, isolation=("timeout", "output cap", "process tree killed"),
@@ -562,7 +578,7 @@ def _finish(setup: _Setup, work: Path, script: Path, root: bool, uid: int | None
             os.chown(work, uid, gid)
     processes = PROCESSES
     if not root and not any(s.startswith("user namespace") for s in setup.isolation):
-        processes += len([1 for _ in _own_processes()])  # RLIMIT_NPROC counts all of this user's processes
+        processes += _own_tasks()  # RLIMIT_NPROC counts all of this user's processes and threads
     cpu = int(timeout) + 1
     for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY_BYTES),
                          (resource.RLIMIT_FSIZE, FILE_BYTES), (resource.RLIMIT_NOFILE, OPEN_FILES),
@@ -588,13 +604,16 @@ def _finish(setup: _Setup, work: Path, script: Path, root: bool, uid: int | None
         signal.signal(sig, signal.SIG_DFL)
     setup.send(isolation=setup.isolation, missing=setup.missing, uid=uid if drop else None)
     env = {**ENV, "HOME": str(work), "TMPDIR": str(work)}
-    os.execve(sys.executable, [sys.executable, "-I", str(script)], env)
+    os.execve(sys.executable, [sys.executable, "-I", "-u", str(script)], env)  # -u: a timeout keeps the output
     return 126
 
 
-def _own_processes():
-    me = os.getuid()
-    return (pid for pid, uid, state in _processes(me) if state not in "ZX")
+def _own_tasks() -> int:
+    """How many processes and threads this user runs (what RLIMIT_NPROC counts)."""
+    if LINUX:
+        return sum(threads for _, _, _, threads in _processes(os.getuid()))
+    listed = subprocess.run(["ps", "-M", "-U", str(os.getuid())], capture_output=True, text=True)  # a line a thread
+    return max(len(listed.stdout.splitlines()) - 1, 0) if listed.returncode == 0 else 1 << 12
 
 
 def _interpreter_folders() -> list[str]:
