@@ -57,6 +57,8 @@ class TextAccumulator:
         self._tokenizer = tokenizer
         if isinstance(stop, str):
             stop = [stop]
+        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop)):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
         self._stop = [s for s in (stop or []) if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.ids: list[int] = []

@@ -279,13 +279,13 @@ class KVCommEngine:
         _check_agent(agent)
         _check_max_new_tokens(max_new_tokens)
         sampler = TokenSampler(temperature, top_p, seed)
+        text = TextAccumulator(self.tokenizer, stop)
         # The engine lock is taken around each compute step, never across a yield: a paused or
         # cross-thread-resumed stream (LangChain's async streaming) blocks nobody.
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         self._check_length(layout, max_new_tokens, "max_new_tokens")
         with self._prepared(layout, agent, reuse, max_new_tokens, started) as call:
-            text = TextAccumulator(self.tokenizer, stop)
             first = sampler(call.pre.logits)
             ttft = time.perf_counter() - started
             finish = yield from self._decode(call, first, sampler, text, max_new_tokens)

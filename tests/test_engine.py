@@ -199,7 +199,7 @@ def test_bad_messages_get_clear_errors(llama, make_engine):
 
 @pytest.mark.parametrize("option", [
     {"max_new_tokens": 0}, {"max_new_tokens": True}, {"temperature": -1.0}, {"temperature": float("nan")},
-    {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1}, {"seed": "3"},
+    {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1}, {"seed": "3"}, {"stop": 3}, {"stop": ["ok", 1]},
 ])
 def test_bad_options_are_request_errors_before_any_compute(llama, make_engine, option):
     engine = make_engine(llama)
