@@ -150,6 +150,15 @@ class Prefill:
     align_s: float
 
 
+MASK_BUDGET = 1 << 24
+"""Most query x key mask elements one masked forward may build (64 MiB as float32): a prompt
+whose masked prefill would exceed it is computed in position-ordered windows instead."""
+
+MIN_WINDOW = 1024
+"""Fewest queries of a window (unless fewer remain): bounds the number of forwards, each of
+which copies the cache once, at the price of a mask of ``MIN_WINDOW x prompt`` elements."""
+
+
 def prefill(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor,
@@ -159,32 +168,59 @@ def prefill(
     *,
     masked: bool = False,
     position_offset: int = 0,
+    mask_budget: Optional[int] = None,
+    min_window: Optional[int] = None,
 ) -> Prefill:
-    """Put ``reused`` KV into a cache and compute the ``computed`` positions in one forward.
+    """Put ``reused`` KV into a cache and compute the ``computed`` positions.
 
-    Cache slots are in storage order (the reused slots, then the computed tokens), not position
-    order. With ``masked`` the forward gets :func:`position_mask` (a query sees a key only if the
-    key's position is not later than its own): needed whenever reused KV is not a plain prefix,
-    since transformers' own mask would let new tokens see every cached token.
+    Without ``masked`` (no reuse, or reuse that is a plain prefix of the prompt) this is one
+    forward with the model's own causal mask. With ``masked`` (reused KV anywhere else) a query
+    may see a key only if the key's position is not later than its own (:func:`position_mask`),
+    since transformers' own mask would let new tokens see every cached token:
+
+    - small prompts (``computed x (reused + computed)`` within ``mask_budget``): one forward, cache
+      slots in storage order (the reused slots, then the computed tokens);
+    - larger ones: :func:`_windows` cuts the computed tokens into position-ordered windows (the
+      text before the first reused slot, then windows whose mask fits the budget or that hold
+      :data:`MIN_WINDOW` queries); each window splices in the reused KV that precedes its last
+      query and runs one forward, with a position mask only where reused slots interleave its
+      queries. Memory stays linear in the prompt length (a window's mask is at most
+      ``max(mask_budget, MIN_WINDOW x prompt)`` elements, not ``prompt x prompt``).
 
     Args:
         prompt_ids: ``[N]`` int64 CPU prompt ids.
         computed: ``[Q]`` int64 ascending positions to compute (the last prompt token among them).
         reused: KV of the reused slots (keys already at their prompt positions), or None.
-        reused_positions: ``[R]`` prompt positions of ``reused``'s tokens, in its order.
+        reused_positions: ``[R]`` ascending prompt positions of ``reused``'s tokens, in its order;
+            with ``computed`` they cover the prompt.
         position_offset: run the prompt that many positions later (RoPE is relative: the logits
             must not change; the canonical-frame check). ``slot_positions`` stay prompt indices.
+        mask_budget: most mask elements one forward may build (None: :data:`MASK_BUDGET`).
+        min_window: fewest queries of a window (None: :data:`MIN_WINDOW`).
     """
-    device = input_device(model)
     started = time.perf_counter()
+    if reused is None or not masked:
+        return _single_forward(model, prompt_ids, computed, reused, reused_positions, False, position_offset,
+                               started)
+    budget = MASK_BUDGET if mask_budget is None else mask_budget
+    queries, keys = computed.numel(), computed.numel() + reused_positions.numel()
+    if queries * keys <= budget:
+        return _single_forward(model, prompt_ids, computed, reused, reused_positions, True, position_offset,
+                               started)
+    windows = _windows(computed, reused_positions, budget, MIN_WINDOW if min_window is None else min_window)
+    return _windowed(model, prompt_ids, computed, reused, reused_positions, windows, position_offset, started)
+
+
+def _single_forward(model, prompt_ids, computed, reused, reused_positions, masked, position_offset,
+                    started) -> Prefill:
+    device = input_device(model)
+    mask = None
     if reused is None:
         cache = new_cache(model)
         cached_positions = torch.empty(0, dtype=torch.long)
-        mask = None
     else:
         cache = cache_from_block(model, reused)
         cached_positions = reused_positions
-        mask = None
         if masked:
             mask = position_mask(computed, torch.cat([cached_positions, computed]), dtype=model.dtype, device=device)
     align_s = time.perf_counter() - started
@@ -192,6 +228,63 @@ def prefill(
     logits = run_forward(model, prompt_ids[computed][None].to(device), cache, position_ids=position_ids,
                          attention_mask=mask)
     return Prefill(logits[0, -1].float(), cache, torch.cat([cached_positions, computed]), align_s)
+
+
+def _windows(computed: torch.Tensor, reused_positions: torch.Tensor, budget: int,
+             min_window: int = MIN_WINDOW) -> list[tuple[int, int]]:
+    """Cut ``computed`` (``[Q]`` ascending) into ``[s, e)`` index ranges computed one forward each.
+
+    The computed tokens before the first reused slot form the first window (an empty cache: the
+    model's own causal attention, no mask). Every later window's keys are the reused slots before
+    its last query plus the queries so far, so its mask has ``(e - s) * (reused_before[e - 1] + e)``
+    elements: windows grow greedily while that fits ``budget``, and hold at least ``min_window``
+    queries (unless fewer remain).
+    """
+    reused_before = torch.searchsorted(reused_positions, computed).tolist()
+    total = len(reused_before)
+    lead = int(torch.searchsorted(computed, reused_positions[0])) if reused_positions.numel() else total
+    windows, start = ([(0, lead)] if lead else []), lead
+    while start < total:
+        low, high = min(start + min_window, total), total  # the largest end that fits, by bisection
+        while low < high:
+            mid = (low + high + 1) // 2
+            if (mid - start) * (reused_before[mid - 1] + mid) <= budget:
+                low = mid
+            else:
+                high = mid - 1
+        windows.append((start, low))
+        start = low
+    return windows
+
+
+def _windowed(model, prompt_ids, computed, reused, reused_positions, windows, position_offset,
+              started) -> Prefill:
+    """Prefill window by window in position order, splicing reused KV in between (slots ascending
+    by position except where a window's reused slots interleave its queries)."""
+    device = input_device(model)
+    cache = new_cache(model)
+    slots: list[torch.Tensor] = []
+    align_s, spliced, logits = 0.0, 0, None
+    for start, end in windows:
+        tick = time.perf_counter()
+        queries = computed[start:end]
+        last = int(queries[-1])
+        upto = int(torch.searchsorted(reused_positions, last))  # reused slots before the last query
+        mask = None
+        if upto > spliced:
+            piece = reused.window(spliced, upto)
+            for layer, (keys, values) in enumerate(piece.layers()):
+                cache.update(keys, values, layer)
+            slots.append(reused_positions[spliced:upto])
+            if int(reused_positions[upto - 1]) > int(queries[0]):  # reused slots between queries
+                keys_at = torch.cat(slots + [queries])
+                mask = position_mask(queries, keys_at, dtype=model.dtype, device=device)
+            spliced = upto
+        slots.append(queries)
+        align_s += time.perf_counter() - tick
+        logits = run_forward(model, prompt_ids[queries][None].to(device), cache,
+                             position_ids=(queries[None] + position_offset).to(device), attention_mask=mask)
+    return Prefill(logits[0, -1].float(), cache, torch.cat(slots), align_s)
 
 
 def _slots_of(slot_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,37 @@ def test_mask_oracle_detects_a_missing_mask(model, tokenizer):
     torch.testing.assert_close(masked.logits, dense_logits, atol=tol(1e-4), rtol=0)
 
 
+@pytest.mark.exact
+@pytest.mark.parametrize("budget, min_window", [(40, 1), (400, 1), (2000, 1), (40, 8)])
+def test_windowed_prefill_equals_dense_and_keeps_decoding(model, tokenizer, budget, min_window):
+    """Long-prompt mode: a small mask budget cuts the prefill into windows (some with reused KV
+    between their queries, some plain); logits and the next decode step equal dense."""
+    messages = solver_messages("You are solver three.", "the answer is 72", "I think it is 72 as well")
+    ids = render_prompt(tokenizer, messages).ids
+    n = ids.numel()
+    plan, info = _oracle_plan(model, tokenizer, ids, [(8, 20), (26, 40), (45, n - 6)], prefix_len=5)
+    computed, reused_at = plan.computed_positions(), plan.reused_positions()
+    windows = hf._windows(computed, reused_at, budget, min_window)
+    assert len(windows) > 1
+    reused_before = torch.searchsorted(reused_at, computed)
+    for start, end in windows:  # no reused KV before it (no mask), or within budget, or min_window
+        fits = (end - start) * (int(reused_before[end - 1]) + end) <= budget
+        assert int(reused_before[end - 1]) == 0 or fits or end - start <= min_window
+    assert [w[0] for w in windows[1:]] == [w[1] for w in windows[:-1]] and windows[-1][1] == computed.numel()
+    dense_logits, dense = dense_cache(model, ids)
+    with torch.inference_mode():
+        block = assemble(plan, info.rotator)
+        result = hf.prefill(model, ids, computed, block, reused_at, masked=True, mask_budget=budget,
+                            min_window=min_window)
+        torch.testing.assert_close(result.logits, dense_logits, atol=tol(1e-4), rtol=0)
+        assert sorted(result.slot_positions.tolist()) == list(range(n))
+        step = torch.tensor([[int(dense_logits.argmax())]], device=model.device)
+        position = torch.tensor([[n]], device=model.device)
+        after_dense = hf.run_forward(model, step, dense, position_ids=position)[0, -1].float()
+        after = hf.run_forward(model, step, result.cache, position_ids=position)[0, -1].float()
+    torch.testing.assert_close(after, after_dense, atol=tol(1e-4), rtol=0)
+
+
 def test_exact_prefix_reuse_gives_dense_logits(model, tokenizer, make_engine):
     engine = make_engine(model)
     history = solver_messages("You are solver one.")
