@@ -120,7 +120,7 @@ class CallCapture:
         is not stored again."""
         if not self.config.capture_messages:
             return
-        found = {d.message_index for d in plan.decisions}
+        found = {d.message_index for d in plan.decisions if d.found_by != "tokens"}  # partly shared: kept
         for index, (role, name) in enumerate(roles):
             kind = message_kind(role, name)
             content = layout.content(index)

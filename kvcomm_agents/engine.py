@@ -89,7 +89,7 @@ class KVCommEngine:
         c, x = self.config, self.config.experimental
         store_budget, anchor_budget = default_budgets(hf.input_device(model))
         self._store = store if store is not None else SegmentStore(
-            c.store_max_bytes if c.store_max_bytes is not None else store_budget)
+            c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens)
         self._lock = threading.RLock()
         self._freeze = BlockCount()
         self._anchors = KVCommAnchors(

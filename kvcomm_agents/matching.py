@@ -1,9 +1,13 @@
 """Find shared text in a prompt: stored segments located as runs of the prompt's own token ids.
 
-A message's shared text is found by its ``segment`` reference or verbatim by content, then
-matched token by token: a prompt token matches a segment token when its id and its character
-offset inside the shared text agree with the segment's. Edge tokens that tokenize differently in
-context do not match (they are computed). No model needed: token ids, character offsets, the store.
+Two passes. First, a message's shared text is found by its ``segment`` reference or verbatim by
+content, then matched token by token: a prompt token matches a segment token when its id and its
+character offset inside the shared text agree with the segment's. Edge tokens that tokenize
+differently in context do not match (they are computed). Second, the prompt positions no occurrence
+covers are scanned for runs of token ids that any stored entry holds (an earlier call's message,
+reply or whole prompt), wherever they sit (:meth:`~.kv.store.SegmentStore.find_runs`): the task
+text embedded in a new message, a reply quoted in part. No model needed: token ids, character
+offsets, the store.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from pydantic import ValidationError
 
 from .kv.segments import KVSegment, SegmentRef
 from .kv.store import SegmentStore
 from .prompt import PromptLayout
 
-__all__ = ["Occurrence", "find_occurrences", "match_runs"]
+__all__ = ["Occurrence", "TokenMatch", "find_occurrences", "find_token_matches", "match_runs"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,60 @@ class Occurrence:
             return (0, 0)
         tokens = layout.tokens_within(*span)
         return (tokens.start, tokens.stop)
+
+
+@dataclass(frozen=True)
+class TokenMatch:
+    """A run of prompt tokens ``[prompt_start, prompt_start + length)`` equal to the stored
+    ``segment``'s tokens ``[segment_start, segment_start + length)``, found by token ids."""
+
+    segment: KVSegment
+    prompt_start: int
+    segment_start: int
+    length: int
+    message_index: int
+
+    found_by = "tokens"
+    edited = False
+    failure = None
+
+    @property
+    def segment_id(self) -> str:
+        return self.segment.id
+
+    @property
+    def ref(self) -> SegmentRef:
+        return self.segment.ref
+
+    def token_span(self, layout: PromptLayout) -> tuple[int, int]:
+        return (self.prompt_start, self.prompt_start + self.length)
+
+
+def find_token_matches(layout: PromptLayout, store: SegmentStore, fingerprint: str, occurrences: list[Occurrence],
+                       prefix_length: int) -> list[TokenMatch]:
+    """Shared token runs inside messages' text, outside the exact prefix, the occurrences' spans
+    and the last prompt token (whose logits start the reply), in prompt order. A run does not
+    cross from one message's text into the template around it."""
+    n = int(layout.ids.numel())
+    free = torch.zeros(n, dtype=torch.bool)
+    for span in layout.content_spans:  # message text only: template glue is cheap and context-bound
+        if span is not None:
+            tokens = layout.tokens_within(*span)
+            free[tokens.start : tokens.stop] = True
+    free[:prefix_length] = False
+    for occ in occurrences:
+        start, end = occ.token_span(layout)
+        free[start:end] = False
+    return [TokenMatch(segment, start, segment_start, length, _message_at(layout, start))
+            for segment, start, segment_start, length in store.find_runs(layout.ids, fingerprint, free, n - 1)]
+
+
+def _message_at(layout: PromptLayout, position: int) -> int:
+    char = layout.offsets[position][0]
+    for index, span in enumerate(layout.content_spans):
+        if span is not None and span[0] <= char < span[1]:
+            return index
+    return -1
 
 
 def match_runs(layout: PromptLayout, segment: KVSegment, start: int, limit: int) -> list[tuple[int, int, int]]:

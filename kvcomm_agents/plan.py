@@ -24,6 +24,7 @@ __all__ = [
 DecisionReason = Literal[
     "reference",  # reused: found by the message's SegmentRef
     "content",  # reused: found by its text inside a message
+    "tokens",  # reused: a run of token ids an earlier call computed, found wherever it sits
     "exact_prefix",  # reused: it lies inside the exact prefix
     "not_found",  # prefilled: the referenced segment is not in the store
     "evicted",  # prefilled: the referenced segment was evicted for the byte budget
@@ -59,7 +60,10 @@ class SegmentDecision(BaseModel):
 
     segment: Optional[SegmentRef] = Field(description="The segment (None if only its id was known).")
     segment_id: str
-    message_index: int = Field(description="Index of the message it was found in.")
+    message_index: int = Field(description="Index of the message it was found in (-1: outside any message's content).")
+    found_by: Literal["reference", "content", "tokens"] = Field(
+        default="content", description="By the message's segment reference, by the segment's whole text, "
+        "or as a run of token ids shared with any earlier call (prompt or reply) wherever it sits.")
     span: tuple[int, int] = Field(description="Token span [start, end) in the prompt.")
     status: Literal["reused", "prefilled"]
     reason: DecisionReason

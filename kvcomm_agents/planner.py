@@ -3,7 +3,8 @@
 Order of business:
 
 1. the longest exact prefix the store holds (any earlier prompt plus its reply) is reused as is;
-2. shared segments are found in the prompt (:mod:`.matching`);
+2. shared segments are found in the prompt (:mod:`.matching`): by reference or whole text per
+   message, then any other run of token ids an earlier call computed, wherever it sits;
 3. runs of at least ``min_match_tokens`` after the prefix (and before the last prompt token, whose
    logits start the reply) are re-rotated; everything else is computed;
 4. with ``method="kvcomm"`` each segment first passes the anchor gate: a segment judged new is
@@ -24,7 +25,7 @@ from .anchors import KVCommAnchors
 from .config import KVCommConfig
 from .kv.own_text import OwnTextStore, piece_key
 from .kv.store import SegmentStore
-from .matching import Occurrence, find_occurrences, match_runs
+from .matching import Occurrence, TokenMatch, find_occurrences, find_token_matches, match_runs
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
 
@@ -69,7 +70,11 @@ def plan_call(
     decider = _RunDecider(layout, prefix.length if prefix else 0, config, agent,
                           anchors if config.method == "kvcomm" else None, calibrating)
     decisions = []
-    for occ in find_occurrences(layout, store, fingerprint):
+    found: list = find_occurrences(layout, store, fingerprint)
+    if refuse_reason is None and config.reuse and config.method != "exact_prefix":
+        found += find_token_matches(layout, store, fingerprint, found, prefix.length if prefix else 0)
+    found.sort(key=lambda item: item.token_span(layout)[0])  # stable: message order where spans tie
+    for occ in found:
         if refuse_reason is None and occ.failure is None:
             status, reason, reused, gate = decider.decide(occ)
         else:
@@ -77,6 +82,7 @@ def plan_call(
         decisions.append(SegmentDecision(
             segment=occ.ref, segment_id=occ.segment_id, message_index=occ.message_index,
             span=occ.token_span(layout), status=status, reason=reason, reused_tokens=reused, gate=gate,
+            found_by=occ.found_by,
         ))
         logger.debug("segment %s: %s (%s)", occ.segment_id, status, reason)
     runs = sorted(decider.runs, key=lambda run: run.prompt_start)
@@ -129,7 +135,9 @@ class _RunDecider:
     """Turns matched runs into reused runs or observations, occurrence by occurrence, in prompt
     order. Once a new-anchor segment is met, everything after it is computed (dense from there),
     so its context stays exact: it and every segment after it are recorded as anchors (computing
-    them costs the same either way, and each observation is data for the next gate)."""
+    them costs the same either way, and each observation is data for the next gate). A token run
+    (part of an entry, found by ids) judged new is computed alone: it is recorded when the context
+    before it is exact, and what follows it is still reused."""
 
     def __init__(self, layout: PromptLayout, prefix_length: int, config: KVCommConfig, agent: str,
                  anchors: Optional[KVCommAnchors], calibrating: bool = False):
@@ -140,10 +148,13 @@ class _RunDecider:
         self.observations: list[Observation] = []
         self.dense_from: Optional[int] = None
 
-    def decide(self, occ: Occurrence) -> tuple[str, str, int, Optional[GateRecord]]:
+    def decide(self, occ: Occurrence | TokenMatch) -> tuple[str, str, int, Optional[GateRecord]]:
         """``(status, reason, reused_tokens, gate)`` of one occurrence; collects its runs."""
-        runs = [r for r in match_runs(self.layout, occ.segment, occ.start, occ.limit)
-                if r[2] >= self.config.min_match_tokens]
+        if isinstance(occ, TokenMatch):
+            runs = [(occ.prompt_start, occ.segment_start, occ.length)]
+        else:
+            runs = [r for r in match_runs(self.layout, occ.segment, occ.start, occ.limit)
+                    if r[2] >= self.config.min_match_tokens]
         if not runs:
             return "prefilled", "stale" if occ.edited else "too_short", 0, None
         prefix_len, n = self.prefix_length, self.n
@@ -166,7 +177,8 @@ class _RunDecider:
                 if not verdict.reuse:
                     reason = "new_anchor"
             if reason is not None:
-                self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
+                if not isinstance(occ, TokenMatch):  # a partial token run judged new costs only itself
+                    self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
                 for p, s, length in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
                 return "prefilled", reason, in_prefix, gate  # the rest is computed

@@ -6,9 +6,10 @@ from kvcomm_agents import (
     ChatResult, InvalidMessagesError, InvalidRequestError, KVCommConfig, KVCommEngine, KVCommError, ReuseSummary,
 )
 from kvcomm_agents.fidelity import first_token_kl
+from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.testing import tiny_llama
 
-from .conftest import REPLY, first_logits, replayed, solver_messages
+from .conftest import QUESTION, REPLY, first_logits, forced, replayed, solver_messages
 
 
 def generate_text(model, tokenizer, messages, max_new_tokens):
@@ -311,3 +312,28 @@ def test_audit_every_records_the_drift_of_reused_calls(llama, tokenizer, make_en
     (one, _), (two, kl) = audited
     assert one.stats.mode == "reuse" and one.stats.audit_kl is None  # 1st reused call: not sampled
     assert two.stats.audit_kl == pytest.approx(kl, abs=1e-6) and kl > 0
+
+
+def test_shared_text_inside_a_new_message_is_found_by_token_runs(model, tokenizer, make_engine):
+    """One-message prompts (the task and other agents' outputs embedded in one user message):
+    the task text an earlier call computed inside its own message is reused by token runs."""
+    engine = make_engine(model)
+    first_prompt = [{"role": "system", "content": "You are solver one."},
+                    {"role": "user", "content": f"Task: {QUESTION}\nThink step by step."}]
+    first = replayed(engine, first_prompt, "s1")
+    message = f"Check this problem. {QUESTION}\n\nSolver one wrote: {first.text}\nGive your answer."
+    second = [{"role": "system", "content": "You are solver two, a careful checker."},
+              {"role": "user", "content": message}]
+    result = replayed(engine, second, "s2")
+    layout = render_prompt(tokenizer, second)
+    start = layout.text.index(QUESTION)
+    question = set(layout.tokens_within(start, start + len(QUESTION)))
+    by_tokens = [d for d in result.stats.decisions if d.found_by == "tokens" and d.status == "reused"]
+    covered = {p for d in by_tokens for p in range(*d.span)} & question
+    assert len(covered) >= 0.8 * len(question)
+    assert all(d.message_index == 1 for d in by_tokens)
+    dense = make_engine(model, method="dense").replay(second, agent="s2", reply_ids=forced(tokenizer)).result
+    assert dense.stats.reused_tokens == 0 and result.stats.reused_tokens > len(covered)
+    exact_only = make_engine(model, method="exact_prefix")
+    replayed(exact_only, first_prompt, "s1")
+    assert not [d for d in replayed(exact_only, second, "s2").stats.decisions if d.found_by == "tokens"]

@@ -2,7 +2,9 @@
 
 Thread-safe. Entries are evicted least recently used first when the budget is exceeded, never
 while a running call has them pinned. Segments are found by reference (id) or by content (their
-text appearing verbatim in a message); exact prefixes by the longest common prefix of token ids.
+text appearing verbatim in a message); exact prefixes by the longest common prefix of token ids;
+and any run of token ids shared with any entry, wherever it sits (:meth:`SegmentStore.find_runs`,
+a rolling-hash index kept with the entries).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import BaseModel
 
 from ..errors import BudgetWarning
 from .block import KVBlock
+from .run_index import TokenRunIndex, scan
 from .segments import KVSegment
 
 __all__ = ["SegmentStore", "PrefixEntry", "StoreStats"]
@@ -75,9 +78,13 @@ class SegmentStore:
 
     Args:
         max_bytes: budget for all KV held; least recently used entries go first beyond it.
+        min_run: shortest shared token run :meth:`find_runs` must find (``min_match_tokens``).
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    PREFIX_KIND = ("prompt", None)
+    """Kind of the segment view of an exact prefix served as a token run (its anchor pool)."""
+
+    def __init__(self, max_bytes: int, *, min_run: int = 8) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.RLock()
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
@@ -86,6 +93,8 @@ class SegmentStore:
         self._evicted: deque[str] = deque(maxlen=4096)
         self._evictions = 0
         self._warned = False
+        self._runs = TokenRunIndex(min_run)
+        self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
 
     # ---- segments -------------------------------------------------------------------------
     def put(self, segment: KVSegment) -> bool:
@@ -180,6 +189,45 @@ class SegmentStore:
                 self._entries.move_to_end(best[0].id)
         return best
 
+    # ---- shared token runs anywhere ---------------------------------------------------------
+    def find_runs(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor,
+                  upper: int) -> list[tuple[KVSegment, int, int, int]]:
+        """Runs of ``token_ids`` that a stored entry of ``fingerprint`` holds, wherever they sit.
+
+        Args:
+            token_ids: ``[n]`` int64 prompt ids.
+            free: ``[n]`` bool, the positions a run may cover.
+            upper: runs end before this position.
+
+        Returns:
+            ``(segment, prompt_start, segment_start, length)`` in prompt order, not overlapping,
+            each at least ``min_run`` long; an exact prefix entry is served through a segment view
+            of kind :attr:`PREFIX_KIND` (its keys are already in the canonical frame).
+        """
+        ids = token_ids.detach().to("cpu", torch.long)
+        with self._lock:
+            def allowed(key: str) -> bool:
+                entry = self._entries.get(key)
+                return entry is not None and _fingerprint(entry) == fingerprint
+
+            found = []
+            for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper):
+                entry = self._entries[key]
+                self._entries.move_to_end(key)
+                found.append((self._segment_view(entry), start, source_start, length))
+            return found
+
+    def _segment_view(self, entry: Entry) -> KVSegment:
+        if isinstance(entry, KVSegment):
+            return entry
+        view = self._views.get(entry.id)
+        if view is None:
+            ids = entry.token_ids.tolist()
+            view = self._views[entry.id] = KVSegment.create(
+                kind=self.PREFIX_KIND, text="", token_ids=ids, char_spans=[None] * len(ids), kv=entry.kv,
+                fingerprint=entry.fingerprint)
+        return view
+
     # ---- lifetime -------------------------------------------------------------------------
     @contextmanager
     def pinned(self, entries: list[Entry]) -> Iterator[None]:
@@ -240,6 +288,8 @@ class SegmentStore:
                 self._remove(key)
             self._entries[key] = entry
             self._bytes += size
+            self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
+                           if isinstance(entry, KVSegment) else entry.token_ids)
             self._evict()
             return key in self._entries
 
@@ -264,3 +314,9 @@ class SegmentStore:
     def _remove(self, key: str) -> None:
         entry = self._entries.pop(key)
         self._bytes -= entry.nbytes
+        self._runs.remove(key)
+        self._views.pop(key, None)
+
+
+def _fingerprint(entry: Entry) -> str:
+    return entry.ref.fingerprint if isinstance(entry, KVSegment) else entry.fingerprint

@@ -7,6 +7,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from pydantic import BaseModel
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.prompt import render_prompt
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
 from .conftest import ScriptedEngine
@@ -144,7 +145,13 @@ def test_a_reply_edited_after_its_segment_was_made_is_never_reused_stale(engine,
     history = prompt("You are solver two.", edited)
     reply = ChatKVComm(engine=engine, agent="s2", max_tokens=6).invoke(history)
     decision = [d for d in reply.response_metadata["kvcomm"]["stats"]["decisions"] if tuple(d["segment"]["kind"]) == ("s1", "assistant")]
-    assert [(d["status"], d["reason"]) for d in decision] == [("prefilled", "stale")]
+    assert [(d["status"], d["reason"], d["found_by"]) for d in decision[:1]] == [("prefilled", "stale", "reference")]
+    # the unchanged text after the edit may come back as token runs, never the edited word
+    layout = render_prompt(tokenizer, [m if isinstance(m, dict) else {"role": m.type.replace("human", "user").replace("ai", "assistant"), "content": m.content} for m in history])
+    edited_word = layout.tokens_within(layout.text.index("result"), layout.text.index("result") + len("result"))
+    assert len(decision) > 1  # the tail after the edit is found by token ids
+    for d in decision[1:]:
+        assert d["found_by"] == "tokens" and d["span"][0] >= edited_word.stop
 
 
 def test_copies_share_the_engine_and_pickling_is_clear(engine, monkeypatch):

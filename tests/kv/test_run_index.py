@@ -1,0 +1,54 @@
+"""The rolling-hash token-run index: shared runs found wherever they sit, checked id by id."""
+
+import random
+
+import torch
+
+from kvcomm_agents.kv.run_index import TokenRunIndex, scan, window_hashes
+
+
+def _runs(index, prompt, free=None, upper=None):
+    free = torch.ones(prompt.numel(), dtype=torch.bool) if free is None else free
+    return list(scan(prompt, free, index, lambda key: True, prompt.numel() if upper is None else upper))
+
+
+def test_window_hashes_equal_for_equal_windows_only():
+    ids = torch.tensor([5, 6, 7, 5, 6, 7, 8])
+    hashes = window_hashes(ids, 3).tolist()
+    assert len(hashes) == 5 and hashes[0] == hashes[3] and len(set(hashes)) == 4
+    assert window_hashes(ids[:2], 3).numel() == 0
+
+
+def test_every_run_of_min_run_tokens_is_found_at_any_offset():
+    rng = random.Random(0)
+    for min_run in (1, 4, 8, 13):
+        index = TokenRunIndex(min_run)
+        source = torch.tensor(rng.sample(range(1000, 2000), 200))  # distinct ids: one place each
+        index.add("src", source)
+        for start in range(0, 200 - min_run, 7):
+            piece = source[start : start + min_run]
+            prompt = torch.cat([torch.arange(30), piece, torch.arange(40, 50)])
+            assert _runs(index, prompt) == [("src", 30, start, min_run)], (min_run, start)
+
+
+def test_runs_are_maximal_ordered_and_respect_free_positions_and_upper():
+    index = TokenRunIndex(8)
+    source = torch.arange(100, 160)
+    index.add("a", source)
+    prompt = torch.cat([torch.arange(20), source[13:40], torch.arange(500, 510), source[0:9], torch.tensor([1, 2, 3])])
+    assert _runs(index, prompt) == [("a", 20, 13, 27), ("a", 57, 0, 9)]
+    free = torch.ones(prompt.numel(), dtype=torch.bool)
+    free[30:35] = False  # a run may not cover these: split around them
+    assert _runs(index, prompt, free) == [("a", 20, 13, 10), ("a", 35, 28, 12), ("a", 57, 0, 9)]
+    assert _runs(index, prompt, upper=62) == [("a", 20, 13, 27)]  # the second would end past 62 - 8
+
+
+def test_the_longest_source_wins_and_removed_entries_are_gone():
+    index = TokenRunIndex(4)
+    index.add("short", torch.tensor([1, 2, 3, 4, 9]))
+    index.add("long", torch.tensor([1, 2, 3, 4, 5, 6]))
+    prompt = torch.tensor([0, 1, 2, 3, 4, 5, 6, 0])
+    assert _runs(index, prompt) == [("long", 1, 0, 6)]
+    index.remove("long")
+    assert _runs(index, prompt) == [("short", 1, 0, 4)] and len(index) == 1
+    assert list(scan(prompt, torch.ones(8, dtype=torch.bool), index, lambda key: False, 8)) == []
