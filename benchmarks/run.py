@@ -33,7 +33,7 @@ import torch
 from . import measure, report
 from .models import load
 from .strategies import NAMES, Strategy, build, noise_floor
-from .workloads import Workload, coding_pipeline, gsm8k_debate, paper_shape, rag_handoff
+from .workloads import Workload, coding_pipeline, gsm8k_debate, gsm8k_one_message, paper_shape, rag_handoff, shared_history
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ class Profile:
     c_requests: int = 10
     d_warmup: int = 2
     d_requests: int = 10
+    e_warmup: int = 3
+    e_requests: int = 10
+    f_warmup: int = 2
+    f_requests: int = 6
 
     def describe(self) -> str:
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens; (a) N={self.a_agents} P={self.a_lead} "
@@ -70,22 +74,25 @@ class Profile:
                 f"noise floor on the first {self.noise_requests}), "
                 f"{self.e2e_warmup} + {self.e2e_requests} end to end (replies <= {self.e2e_reply_tokens}), gamma {list(self.gamma_values)} on the first "
                 f"{self.gamma_requests} of (b); (c) {self.c_warmup} + {self.c_requests}; "
-                f"(d) {self.d_warmup} + {self.d_requests}")
+                f"(d) {self.d_warmup} + {self.d_requests}; (e) {self.e_warmup} + {self.e_requests}; "
+                f"(f) {self.f_warmup} + {self.f_requests}")
 
 
 PROFILES = {
     "default": Profile("default"),
     "quick": Profile("quick", reply_tokens=64, a_agents=4, a_lead=128, a_input=256, a_reply=64, a_warmup=3,
                      a_requests=3, b_warmup=4, b_requests=6, noise_requests=3, e2e_warmup=1, e2e_requests=3, e2e_reply_tokens=32, gamma_values=(0.1, 0.9),
-                     gamma_requests=4, c_warmup=2, c_requests=2, d_warmup=2, d_requests=2),
+                     gamma_requests=4, c_warmup=2, c_requests=2, d_warmup=2, d_requests=2, e_warmup=3, e_requests=3,
+                     f_warmup=2, f_requests=2),
     "smoke": Profile("smoke", reply_tokens=8, a_agents=3, a_lead=24, a_input=48, a_reply=8, a_warmup=1,
                      a_requests=1, b_agents=3, b_warmup=1, b_requests=2, noise_requests=1, e2e_warmup=0, e2e_requests=1, e2e_reply_tokens=8,
-                     gamma_values=(0.1, 0.3), gamma_requests=1, c_warmup=0, c_requests=1, d_warmup=0, d_requests=1),
+                     gamma_values=(0.1, 0.3), gamma_requests=1, c_warmup=0, c_requests=1, d_warmup=0, d_requests=1,
+                     e_warmup=0, e_requests=1, f_warmup=0, f_requests=1),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh): TTFT only, replies generated once
     "gpu": Profile("gpu", a_agents=5, a_lead=512, a_input=1024, a_reply=512, a_warmup=2, a_requests=2,
                    noise_requests=0),
 }
-PHASES = ("a", "b", "b-gamma", "c", "d", "b-e2e")
+PHASES = ("a", "b", "b-gamma", "c", "d", "e", "f", "b-e2e")
 #: dense replies shipped with the checkout (``<model tag>/<dtype>-<device>/<workload>.json``):
 #: the default profile's, for the embedded model on a CPU, so that a fresh checkout does not
 #: spend 23 minutes regenerating them (regenerated, they are identical: see
@@ -161,11 +168,17 @@ def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
         return rag_handoff(requests=p.c_warmup + p.c_requests, reply_tokens=p.reply_tokens), p.c_warmup
     if phase == "d":
         return coding_pipeline(requests=p.d_warmup + p.d_requests, reply_tokens=p.reply_tokens), p.d_warmup
+    if phase == "e":
+        return gsm8k_one_message(requests=p.e_warmup + p.e_requests, agents=p.b_agents,
+                                 reply_tokens=p.reply_tokens), p.e_warmup
+    if phase == "f":
+        return shared_history(requests=p.f_warmup + p.f_requests, reply_tokens=p.reply_tokens), p.f_warmup
     raise ValueError(f"unknown phase '{phase}'; known: {', '.join(PHASES)}")
 
 
 _PHASE_FIELDS = {"a": ("a_",), "b": ("b_", "reply_tokens", "noise_", "gamma_"), "b-e2e": ("b_agents", "e2e_"),
-                 "c": ("c_", "reply_tokens"), "d": ("d_", "reply_tokens")}
+                 "c": ("c_", "reply_tokens"), "d": ("d_", "reply_tokens"), "e": ("e_", "b_agents", "reply_tokens"),
+                 "f": ("f_", "reply_tokens")}
 
 
 def _relevant(profile: dict, phase: str) -> dict:
@@ -318,7 +331,7 @@ def main(argv=None) -> dict:
         results["phases"][phase] = {"title": saved["title"], "requests": saved["requests"],
                                     "elapsed_s": saved["elapsed_s"], "answers": report.summarize_answers(saved["answers"]),
                                     "concurrent": saved.get("concurrent", False)}
-        if phase in ("b", "c", "d"):  # replies generated freely (not (a)'s exact-length ones)
+        if phase in ("b", "c", "d", "e", "f"):  # replies generated freely (not (a)'s exact-length ones)
             results["phases"][phase]["dense_follows_references"] = report.dense_follows_references(saved["records"])
         results["rows"] = rows
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -352,11 +365,11 @@ def main(argv=None) -> dict:
 def make_plots(rows: list[dict], records: list[dict], results: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     made = []
-    for phase in ("a", "b", "c", "d"):
+    for phase in ("a", "b", "c", "d", "e", "f"):
         if phase in results["phases"]:
             made.append(report.plot_ttft_by_agent(rows, phase, results["phases"][phase]["title"],
                                                   folder / f"ttft_by_agent_{phase}.png"))
-    forced = [r for r in records if r["phase"] in ("a", "b", "c", "d")]
+    forced = [r for r in records if r["phase"] in ("a", "b", "c", "d", "e", "f")]
     if forced:
         made.append(report.plot_speedup_vs_length(forced, folder / "speedup_vs_prompt_length.png"))
     gamma_rows = [r for r in rows if r["phase"] == "b-gamma" and r["agent"] == report.DOWNSTREAM]

@@ -12,6 +12,8 @@ decoding and the timing points:
 - ``cacheblend``: re-rotation plus CacheBlend-style selective recompute of the given share
   (``benchmarks.cacheblend``, through the engine's plan hook).
 - ``kvcomm-mean`` / ``kvcomm-weighted``: KVCOMM anchors with either estimator, gamma configurable.
+- ``rerotate-messages`` / ``kvcomm-messages``: the same with shared text found only as whole
+  segments per message (``experimental.shared_runs="messages"``, before token runs).
 - ``kvcomm-own-text``: ``kvcomm-mean`` that also reuses the receiver's own text (role headers
   between messages) with the anchors' own-text offsets, as the paper does with its prefixes.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
@@ -42,7 +44,7 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
-         "lower-bound")
+         "rerotate-messages", "kvcomm-messages", "lower-bound")
 
 @dataclass
 class CallOutcome:
@@ -199,6 +201,9 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
+        "rerotate-messages": {"method": "rerotate", "experimental": ExperimentalSettings(shared_runs="messages")},
+        "kvcomm-messages": {"method": "kvcomm", "gamma": gamma,
+                            "experimental": ExperimentalSettings(shared_runs="messages")},
     }
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")

@@ -9,6 +9,12 @@ prompt is ``request.messages(k, replies)`` given the replies of agents ``0..k-1`
 - ``gsm8k_debate``: (b) 4 fully connected GSM8K solvers.
 - ``rag_handoff``: (c) a reader, a critic and an editor over long documentation pages.
 - ``coding_pipeline``: (d) HumanEval: planner, coder, reviewer.
+- ``gsm8k_one_message``: (e) (b)'s solvers in the other common prompt format: one user message
+  that embeds the task and the other solvers' outputs (as the paper's agents and most hand-written
+  graph nodes build it), so shared text never arrives as a whole message of its own.
+- ``shared_history``: (f) three agents over two rounds on one growing message list (LangGraph's
+  ``MessagesState``): each sees its own system text, the task and every earlier turn as an
+  assistant message.
 """
 
 from __future__ import annotations
@@ -106,6 +112,51 @@ def gsm8k_debate(*, requests: int, offset: int = 0, agents: int = 4, reply_token
         built.append(Request(f"q{offset + i}", names, messages, gold=gold_answer(row)))
     return Workload("gsm8k_debate", f"(b) GSM8K debate, {agents} solvers", built, reply_tokens,
                     final_answer=majority_or_last)
+
+
+def one_message_prompt(k: int, agents: int, question: str, replies: list[str]) -> list[dict]:
+    """Solver ``k``'s prompt as one user message embedding the task and every earlier solution."""
+    system = f"You are solver {k} of {agents}. Be concise and end with the final number."
+    parts = [f"Solve this math word problem with the other solvers.\n\nProblem: {question}"]
+    parts += [f"Solution from solver {j}:\n{reply}" for j, reply in enumerate(replies, start=1)]
+    parts.append("Check the solutions above, then give your own answer.")
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def gsm8k_one_message(*, requests: int, offset: int = 0, agents: int = 4, reply_tokens: int = 128) -> Workload:
+    """(e) (b)'s debate with every prompt one user message (:func:`one_message_prompt`)."""
+    rows = gsm8k_questions(offset + requests)[offset:]
+    names = tuple(f"solver-{k + 1}" for k in range(agents))
+    built = []
+    for i, row in enumerate(rows):
+        def messages(k: int, replies: list[str], question=row["question"]) -> list[dict]:
+            return one_message_prompt(k + 1, agents, question, replies)
+
+        built.append(Request(f"q{offset + i}", names, messages, gold=gold_answer(row)))
+    return Workload("gsm8k_one_message", f"(e) GSM8K, one message per prompt, {agents} solvers", built, reply_tokens,
+                    final_answer=majority_or_last)
+
+
+SHARED_HISTORY_ROLES = ("proposer", "critic", "judge")
+
+
+def shared_history(*, requests: int, offset: int = 0, rounds: int = 2, reply_tokens: int = 128) -> Workload:
+    """(f) A proposer, a critic and a judge take ``rounds`` turns each on one growing message list:
+    every agent sees its own system text, the task, then all earlier turns as assistant messages."""
+    rows = gsm8k_questions(offset + requests)[offset:]
+    names = tuple(f"{role}-{r + 1}" for r in range(rounds) for role in SHARED_HISTORY_ROLES)
+    built = []
+    for i, row in enumerate(rows):
+        def messages(k: int, replies: list[str], question=row["question"]) -> list[dict]:
+            role = SHARED_HISTORY_ROLES[k % len(SHARED_HISTORY_ROLES)]
+            history = [{"role": "system", "content": f"You are the {role} of a team solving a math problem. "
+                        "Keep your turn short and end with the number you believe is right."},
+                       {"role": "user", "content": question}]
+            return history + [{"role": "assistant", "content": reply} for reply in replies]
+
+        built.append(Request(f"q{offset + i}", names, messages, gold=gold_answer(row)))
+    return Workload("shared_history", f"(f) shared history: {len(SHARED_HISTORY_ROLES)} agents x {rounds} rounds",
+                    built, reply_tokens, final_answer=lambda replies: last_number(replies[-1]) if replies else None)
 
 
 RAG_REQUESTS = [

@@ -64,6 +64,15 @@ class ExperimentalSettings(BaseModel):
     min_prefix_tokens: int = Field(
         default=4, ge=1, description="Shortest exact prefix worth keeping in the store after a call."
     )
+    shared_runs: Literal["anywhere", "messages"] = Field(
+        default="anywhere",
+        description=(
+            "Where shared text is looked for. 'anywhere': besides whole segments per message, any "
+            "run of at least min_match_tokens token ids an earlier call computed (its messages, "
+            "reply or whole prompt), wherever it sits in a message (a rolling-hash index). "
+            "'messages': only a segment's whole text (or a message's reference), as before 0.4."
+        ),
+    )
 
 
 class KVCommConfig(BaseModel):

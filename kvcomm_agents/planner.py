@@ -71,7 +71,8 @@ def plan_call(
                           anchors if config.method == "kvcomm" else None, calibrating)
     decisions = []
     found: list = find_occurrences(layout, store, fingerprint)
-    if refuse_reason is None and config.reuse and config.method != "exact_prefix":
+    if refuse_reason is None and config.reuse and config.method != "exact_prefix" \
+            and config.experimental.shared_runs == "anywhere":
         found += find_token_matches(layout, store, fingerprint, found, prefix.length if prefix else 0)
     found.sort(key=lambda item: item.token_span(layout)[0])  # stable: message order where spans tie
     for occ in found:

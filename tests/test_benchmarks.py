@@ -11,7 +11,9 @@ import pytest
 
 from benchmarks import run
 from benchmarks.strategies import NAMES
-from benchmarks.workloads import coding_pipeline, gsm8k_debate, paper_shape, rag_handoff
+from benchmarks.workloads import (
+    coding_pipeline, gsm8k_debate, gsm8k_one_message, paper_shape, rag_handoff, shared_history,
+)
 from kvcomm_agents.prompt import render_prompt
 
 
@@ -28,7 +30,7 @@ def smoke(tmp_path_factory):
 def test_every_phase_and_strategy_is_reported(smoke):
     results, records, folder, _, saved_phases = smoke
     assert set(results["phases"]) == set(run.PHASES)
-    for phase in ("a", "b", "c", "d"):
+    for phase in ("a", "b", "c", "d", "e", "f"):
         assert {r["strategy"] for r in records if r["phase"] == phase} >= set(NAMES)
     # end to end: dense is the cached dense pipeline, not decoded again
     assert {r["strategy"] for r in records if r["phase"] == "b-e2e"} == set(run.E2E_STRATEGIES) - {"dense"}
@@ -49,19 +51,19 @@ def test_every_phase_and_strategy_is_reported(smoke):
     assert saved["versions"]["torch"] and saved["rows"]
     assert {p.split("/")[-1] for p in saved["plots"]} == {
         "ttft_by_agent_a.png", "ttft_by_agent_b.png", "ttft_by_agent_c.png", "ttft_by_agent_d.png",
-        "speedup_vs_prompt_length.png", "kl_vs_reuse_gamma.png"}
+        "ttft_by_agent_e.png", "ttft_by_agent_f.png", "speedup_vs_prompt_length.png", "kl_vs_reuse_gamma.png"}
     assert all((folder / "plots" / name).stat().st_size > 1000 for name in ("kl_vs_reuse_gamma.png",))
     from benchmarks.report import _label, markdown
 
     text = markdown(saved)  # the tables of docs/benchmarks.md
-    for phase in ("a", "b", "c", "d"):
+    for phase in ("a", "b", "c", "d", "e", "f"):
         assert all(f"| {_label(name)} |" in text for name in NAMES), phase
     assert "| KVCOMM mean, γ=0.1 |" in text and "final answer = dense pipeline's" in text
 
 
 def test_strategies_see_identical_prompts_and_the_exact_ones_are_exact(smoke):
     _, records, _, _, _ = smoke
-    forced = [r for r in records if r["phase"] in ("a", "b", "c", "d")]
+    forced = [r for r in records if r["phase"] in ("a", "b", "c", "d", "e", "f")]
     by_slot = {}
     for r in forced:
         by_slot.setdefault((r["phase"], r["request"], r["agent_index"]), set()).add(r["prompt_tokens"])
@@ -88,6 +90,15 @@ def test_reuse_strategies_reuse_downstream(smoke):
     assert reuse["rerotate"] > reuse["cacheblend"] > reuse["dense"] == 0
 
 
+def test_one_message_prompts_reuse_the_task_by_token_runs(smoke):
+    """(e): the task embedded in each solver's one user message is found only by token runs."""
+    _, records, _, _, _ = smoke
+    downstream = [r for r in records if r["phase"] == "e" and r["agent_index"] > 1]
+    reused = {name: sum(r["reused_tokens"] for r in downstream if r["strategy"] == name)
+              for name in ("rerotate", "rerotate-messages")}
+    assert reused["rerotate"] > reused["rerotate-messages"]
+
+
 def test_a_finished_phase_is_loaded_not_rerun(smoke, capsys):
     _, _, folder, out, _ = smoke
     before = (folder / "phase_b.json").stat().st_mtime_ns
@@ -108,7 +119,8 @@ def test_workloads_have_the_declared_shape():
     assert 50 <= len(tokenizer(messages[1]["content"])["input_ids"]) <= 60
     assert a.requests[0].messages(2, [])[0] == messages[0]  # own leading text: the same in every request
     assert a.requests[0].messages(0, [])[1] != messages[1]  # shared input: different per request
-    for workload in (gsm8k_debate(requests=2), rag_handoff(requests=2), coding_pipeline(requests=2)):
+    for workload in (gsm8k_debate(requests=2), rag_handoff(requests=2), coding_pipeline(requests=2),
+                     gsm8k_one_message(requests=2), shared_history(requests=2)):
         request = workload.requests[0]
         k = len(request.agents) - 1
         ids = render_prompt(tokenizer, request.messages(k, ["reply"] * k)).ids
