@@ -64,6 +64,16 @@ class ExperimentalSettings(BaseModel):
     min_prefix_tokens: int = Field(
         default=4, ge=1, description="Shortest exact prefix worth keeping in the store after a call."
     )
+    new_segment: Literal["dense_after", "only_itself"] = Field(
+        default="dense_after",
+        description=(
+            "What a segment the anchor gate judges new costs (method='kvcomm'). 'dense_after': it "
+            "and everything after it are computed, so their context is exact and each is recorded "
+            "as an anchor (the research code's rule). 'only_itself': it alone is computed and "
+            "recorded, in the context of the (possibly re-rotated) KV before it; later segments "
+            "still go through the gate."
+        ),
+    )
     shared_runs: Literal["anywhere", "messages"] = Field(
         default="anywhere",
         description=(

@@ -155,6 +155,8 @@ class CallPlan:
         recompute: ``[r]`` int64 sorted prompt positions inside runs that are computed in the
             prefill instead of reused (set by a plan hook, e.g. the benchmark's CacheBlend-style
             baseline), or None.
+        observe_after_reuse: record observations that follow re-rotated runs too (their context
+            is the reused KV, not dense: ``experimental.new_segment="only_itself"``).
     """
 
     prompt_ids: torch.Tensor
@@ -165,6 +167,7 @@ class CallPlan:
     observations: tuple[Observation, ...] = ()
     pieces: tuple[OwnTextPiece, ...] = ()
     recompute: Optional[torch.Tensor] = None
+    observe_after_reuse: bool = False
 
     @property
     def num_prompt(self) -> int:

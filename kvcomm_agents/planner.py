@@ -19,6 +19,7 @@ The plan is built here once and frozen; nothing changes it afterwards.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Optional
 
 from .anchors import KVCommAnchors
@@ -94,9 +95,10 @@ def plan_call(
         if decider.anchors is not None:
             runs, pieces = decider.anchors.attach_offsets(agent, runs, pieces)
     plan = CallPlan(layout.ids, prefix, tuple(runs), tuple(decisions), refuse_reason,
-                    tuple(decider.observations), tuple(pieces))
+                    tuple(decider.observations), tuple(pieces),
+                    observe_after_reuse=config.experimental.new_segment == "only_itself")
     if refuse_reason is None and plan.reused_tokens == 0:
-        plan = CallPlan(layout.ids, prefix, plan.runs, plan.decisions, "nothing_to_reuse", plan.observations, plan.pieces)
+        plan = replace(plan, dense_reason="nothing_to_reuse")
     return plan
 
 
@@ -178,7 +180,8 @@ class _RunDecider:
                 if not verdict.reuse:
                     reason = "new_anchor"
             if reason is not None:
-                if not isinstance(occ, TokenMatch):  # a partial token run judged new costs only itself
+                only_itself = isinstance(occ, TokenMatch) or self.config.experimental.new_segment == "only_itself"
+                if not only_itself:  # a partial token run judged new costs only itself
                     self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
                 for p, s, length in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))

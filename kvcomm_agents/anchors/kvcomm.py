@@ -183,7 +183,8 @@ class KVCommAnchors:
     ) -> None:
         """Record the offsets a pass observed: for each of ``plan.observations`` and each observed
         own-text piece (its base KV in ``own_text``, by piece start) lying wholly before the
-        first re-rotated token, ``real - base`` KV of layers ``1..L-1`` in the canonical frame.
+        first re-rotated token (anywhere with ``plan.observe_after_reuse``), ``real - base`` KV
+        of layers ``1..L-1`` in the canonical frame.
 
         Args:
             receiver: the agent whose prompt this was.
@@ -192,7 +193,7 @@ class KVCommAnchors:
             rotator: moves real keys into the canonical frame of the base.
             own_text: base KV of the plan's own-text pieces, by piece start.
         """
-        exact_until = plan.exact_until()
+        exact_until = plan.num_prompt if plan.observe_after_reuse else plan.exact_until()
         if not self.frozen:
             for seen in plan.observations:
                 if seen.length <= 0 or seen.prompt_start + seen.length > exact_until:
