@@ -16,6 +16,8 @@ decoding and the timing points:
   segments per message (``experimental.shared_runs="messages"``, before token runs).
 - ``kvcomm-only-itself``: ``kvcomm-mean`` where a segment judged new is computed alone
   (``experimental.new_segment="only_itself"``) instead of with everything after it.
+- ``kvcomm-any-length``: ``kvcomm-mean`` whose gate consults anchors shorter than the segment
+  too (``experimental.anchor_lengths="any"``).
 - ``kvcomm-own-text``: ``kvcomm-mean`` that also reuses the receiver's own text (role headers
   between messages) with the anchors' own-text offsets, as the paper does with its prefixes.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
@@ -46,7 +48,7 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
-         "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "lower-bound")
+         "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "lower-bound")
 
 @dataclass
 class CallOutcome:
@@ -208,6 +210,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                             "experimental": ExperimentalSettings(shared_runs="messages")},
         "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(new_segment="only_itself")},
+        "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,
+                              "experimental": ExperimentalSettings(anchor_lengths="any")},
     }
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")

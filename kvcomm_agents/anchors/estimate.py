@@ -50,8 +50,12 @@ def estimate_offsets(
     t = keys.shape[2]
     stack = pool.placeholder[receiver]
     device = stack.keys.device
-    k_off, v_off = take(stack.keys, slots)[:, :, :, :t].float(), take(stack.values, slots)[:, :, :, :t].float()
     query_k, query_v = keys.float().to(device), values.float().to(device)
+    if estimator == "mean" and bool((pool.lengths[slots] < t).any()):
+        est_k, est_v = _mean_any_length(take(stack.keys, slots), take(stack.values, slots), pool.lengths[slots], t)
+        return _with_own_text(OffsetEstimate(est_k, est_v), pool, receiver, slots, keys, query_k, query_v,
+                              estimator, temperature, piece)
+    k_off, v_off = take(stack.keys, slots)[:, :, :, :t].float(), take(stack.values, slots)[:, :, :, :t].float()
     if estimator == "weighted":
         base_k = take(pool.base_keys, slots)[:, :, :, :t].float()
         base_v = take(pool.base_values, slots)[:, :, :, :t].float()
@@ -61,7 +65,43 @@ def estimate_offsets(
         est_v = torch.einsum("nt,nlhtd->lhtd", w_v, v_off)
     else:
         est_k, est_v = k_off.mean(dim=0), v_off.mean(dim=0)
-    result = OffsetEstimate(est_k, est_v)
+    return _with_own_text(OffsetEstimate(est_k, est_v), pool, receiver, slots, keys, query_k, query_v,
+                          estimator, temperature, piece)
+
+
+def _mean_any_length(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                     t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean offsets ``[L-1, H, t, D]`` from anchors of any length (``keys``/``values``
+    ``[N, L-1, H, cap, D]``, ``lengths`` ``[N]``): token ``i`` takes the mean over the anchors
+    covering ``i`` from their start; a token no anchor covers that way takes the mean over the
+    anchors covering it counted from the end (anchor token ``len - (t - i)``); a token neither
+    covers gets no offset (re-rotation only)."""
+    n, cap = keys.shape[0], keys.shape[3]
+    device = keys.device
+    i = torch.arange(t, device=device)
+    lengths = lengths.to(device)
+    from_start = (i[None] < lengths[:, None]) & (i[None] < cap)  # [N, t]
+    index_end = lengths[:, None] - (t - i[None])  # [N, t]
+    from_end = index_end >= 0
+    use_end = ~from_start.any(dim=0)  # [t]: tokens past every anchor
+    index = torch.where(use_end[None], index_end, i[None].expand(n, -1)).clamp(0, cap - 1)
+    weight = torch.where(use_end[None], from_end, from_start).float()  # [N, t]
+    count = weight.sum(dim=0).clamp_min(1.0)
+
+    def gather_mean(stack: torch.Tensor) -> torch.Tensor:
+        expanded = index[:, None, None, :, None].expand(-1, stack.shape[1], stack.shape[2], -1, stack.shape[4])
+        picked = stack.float().gather(3, expanded) * weight[:, None, None, :, None]
+        return picked.sum(dim=0) / count[None, None, :, None]
+
+    return gather_mean(keys), gather_mean(values)
+
+
+def _with_own_text(result: OffsetEstimate, pool: AnchorPool, receiver: str, slots: torch.Tensor, keys: torch.Tensor,
+                   query_k: torch.Tensor, query_v: torch.Tensor, estimator: Estimator, temperature: float,
+                   piece: Optional[str]) -> OffsetEstimate:
+    """``result`` with the own-text offsets of ``piece`` (if the anchors hold them)."""
+    t = keys.shape[2]
+    device = query_k.device
     own = pool.own_text.get((receiver, piece)) if piece is not None else None
     if own is None:
         return result

@@ -59,8 +59,10 @@ def entropy_score(distances: torch.Tensor) -> tuple[float, torch.Tensor]:
     return entropy / math.log2(distances.numel()), p.float()
 
 
-def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamma: float, min_anchors: int) -> GateVerdict:
-    """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor."""
+def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamma: float, min_anchors: int,
+          any_length: bool = False) -> GateVerdict:
+    """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor.
+    ``any_length``: consult anchors shorter than the segment too (compared over their tokens)."""
     if pool is None:
         return GateVerdict(False, 0)
     own = pool.slot_of(segment.id)
@@ -69,7 +71,7 @@ def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamm
         if stack is not None and own < stack.has.numel() and bool(stack.has[own]):
             # the receiver recorded this very segment: its own offsets, weight 1
             return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([own]), own_offsets=True)
-    slots = pool.candidates(receiver, segment.num_tokens, exclude=own)
+    slots = pool.candidates(receiver, segment.num_tokens, exclude=own, any_length=any_length)
     verdict = GateVerdict(False, int(slots.numel()), candidates=slots)
     if slots.numel() == 0:
         return verdict

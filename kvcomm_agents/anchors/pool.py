@@ -190,12 +190,14 @@ class AnchorPool:
         return self.base_keys.shape[0], self.base_keys.shape[3]
 
     # ---- matching -------------------------------------------------------------------------
-    def candidates(self, receiver: str, length: int, exclude: Optional[int] = None) -> torch.Tensor:
-        """``[N]`` slots of anchors at least ``length`` tokens long holding ``receiver``'s offsets."""
+    def candidates(self, receiver: str, length: int, exclude: Optional[int] = None,
+                   any_length: bool = False) -> torch.Tensor:
+        """``[N]`` slots of anchors at least ``length`` tokens long (of any length with
+        ``any_length``) holding ``receiver``'s offsets."""
         stack = self.placeholder.get(receiver)
         if stack is None or not self.segment_ids:
             return torch.zeros(0, dtype=torch.long)
-        ok = self.held_by(stack) & (self.lengths >= length)
+        ok = self.held_by(stack) & (self.lengths >= (1 if any_length else length))
         if exclude is not None:
             ok[exclude] = False
         return ok.nonzero().flatten()
@@ -207,10 +209,16 @@ class AnchorPool:
         return has
 
     def value_distances(self, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``[N]`` L2 distances between ``values`` ``[L-1, H, T, D]`` and the anchors' first T tokens."""
+        """``[N]`` L2 distances between ``values`` ``[L-1, H, T, D]`` and the anchors' first T
+        tokens; an anchor shorter than ``T`` is compared over its ``n`` tokens and its distance
+        scaled by ``sqrt(T / n)`` (the same per-token scale)."""
         t = values.shape[2]
-        diff = take(self.base_values, slots)[:, :, :, :t].float() - values.float().to(self.base_values.device)[None]
-        return diff.flatten(1).norm(dim=1).cpu()
+        base = take(self.base_values, slots)[:, :, :, :t].float()
+        query = values.float().to(base.device)[None, :, :, : base.shape[3]]
+        covered = torch.clamp(self.lengths[slots], max=t).clamp_min(1)
+        mask = (torch.arange(base.shape[3])[None] < covered[:, None]).to(base.device)  # [N, t']
+        diff = (base - query) * mask[:, None, None, :, None]
+        return (diff.flatten(1).norm(dim=1).cpu() * torch.sqrt(t / covered.float()))
 
     def credit(self, slots: torch.Tensor, weights: torch.Tensor, top_p: float) -> None:
         """Raise the activation count of the anchors among the nearest (top-p of ``weights``)."""
