@@ -32,7 +32,7 @@ import torch
 
 from . import measure, report
 from .models import load
-from .strategies import NAMES, Strategy, build, noise_floor
+from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, noise_floor
 from .workloads import Workload, coding_pipeline, gsm8k_debate, gsm8k_one_message, paper_shape, rag_handoff, shared_history
 
 
@@ -63,9 +63,9 @@ class Profile:
     d_warmup: int = 2
     d_requests: int = 10
     e_warmup: int = 3
-    e_requests: int = 10
+    e_requests: int = 6
     f_warmup: int = 2
-    f_requests: int = 6
+    f_requests: int = 4
 
     def describe(self) -> str:
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens; (a) N={self.a_agents} P={self.a_lead} "
@@ -282,7 +282,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--phases", default=",".join(PHASES))
-    parser.add_argument("--strategies", default=",".join(NAMES))
+    parser.add_argument("--strategies", default=",".join(DEFAULT_NAMES),
+                        help=f"comma-separated, of: {', '.join(NAMES)}")
     parser.add_argument("--gamma", type=float, default=0.3, help="entropy-gate threshold of the KVCOMM strategies")
     parser.add_argument("--recompute-share", type=float, default=0.15, help="CacheBlend-style share recomputed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))

@@ -40,7 +40,7 @@ from kvcomm_agents.prompt import render_prompt
 
 from .cacheblend import CacheBlend
 
-__all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "NAMES"]
+__all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "NAMES", "DEFAULT_NAMES"]
 
 #: byte budgets of each engine's segment store and anchor pools (several engines live side by
 #: side): CPU runs keep the library defaults' order of magnitude, a GPU run sizes for an 8B model
@@ -49,6 +49,10 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "lower-bound")
+#: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
+#: matching and gate ideas run when named: they would double the default profile's duration)
+DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
+                 "lower-bound")
 
 @dataclass
 class CallOutcome:

@@ -20,7 +20,8 @@ from kvcomm_agents.prompt import render_prompt
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    results = run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(out)])
+    results = run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(out),
+                        "--strategies", ",".join(NAMES)])
     folder = out / "random-tiny" / "smoke"
     saved = {phase: json.loads((folder / f"phase_{phase}.json").read_text()) for phase in run.PHASES if phase != "b-gamma"}
     records = [r for phase in saved.values() for r in phase["records"]]
@@ -103,6 +104,7 @@ def test_a_finished_phase_is_loaded_not_rerun(smoke, capsys):
     _, _, folder, out, _ = smoke
     before = (folder / "phase_b.json").stat().st_mtime_ns
     run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(out), "--phases", "b",
+              "--strategies", ",".join(NAMES),
               "--no-plots"])
     assert "phase b: finished earlier" in capsys.readouterr().out
     assert (folder / "phase_b.json").stat().st_mtime_ns == before
