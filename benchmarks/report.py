@@ -107,7 +107,7 @@ def summarize_answers(answers: list[dict]) -> list[dict]:
     return rows
 
 
-_STRATEGY_ORDER = ["dense", "prefix", "rerotate-messages", "rerotate", "cacheblend", "kvcomm-messages", "kvcomm-mean", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-weighted", "kvcomm-own-text",
+_STRATEGY_ORDER = ["dense", "prefix", "rerotate-messages", "rerotate", "cacheblend", "kvcomm-messages", "kvcomm-mean", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length", "kvcomm-weighted", "kvcomm-own-text",
                    "lower-bound"]
 
 

@@ -17,7 +17,8 @@ decoding and the timing points:
 - ``kvcomm-only-itself``: ``kvcomm-mean`` where a segment judged new is computed alone
   (``experimental.new_segment="only_itself"``) instead of with everything after it.
 - ``kvcomm-any-length``: ``kvcomm-mean`` whose gate consults anchors shorter than the segment
-  too (``experimental.anchor_lengths="any"``).
+  too (``experimental.anchor_lengths="any"``); ``kvcomm-most-length`` those at least 3/4 as long
+  (``"most"``).
 - ``kvcomm-own-text``: ``kvcomm-mean`` that also reuses the receiver's own text (role headers
   between messages) with the anchors' own-text offsets, as the paper does with its prefixes.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
@@ -48,7 +49,8 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
-         "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "lower-bound")
+         "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
+         "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
@@ -216,6 +218,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                                "experimental": ExperimentalSettings(new_segment="only_itself")},
         "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,
                               "experimental": ExperimentalSettings(anchor_lengths="any")},
+        "kvcomm-most-length": {"method": "kvcomm", "gamma": gamma,
+                               "experimental": ExperimentalSettings(anchor_lengths="most")},
     }
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")

@@ -64,14 +64,14 @@ class ExperimentalSettings(BaseModel):
     min_prefix_tokens: int = Field(
         default=4, ge=1, description="Shortest exact prefix worth keeping in the store after a call."
     )
-    anchor_lengths: Literal["at_least", "any"] = Field(
+    anchor_lengths: Literal["at_least", "most", "any"] = Field(
         default="at_least",
         description=(
             "Which of a kind's anchors the gate consults for a segment. 'at_least': those at least "
-            "as long as the segment (the paper). 'any': every one, compared over the tokens it "
-            "has; with the 'mean' estimator a token takes the mean offset of the anchors covering "
-            "it from their start, else of those covering it from their end ('weighted' keeps "
-            "'at_least')."
+            "as long as the segment (the paper). 'most': those at least 3/4 as long. 'any': every "
+            "one. Shorter anchors are compared over the tokens they have; with the 'mean' "
+            "estimator a token takes the mean offset of the anchors covering it from their start, "
+            "else of those covering it from their end ('weighted' keeps 'at_least')."
         ),
     )
     new_segment: Literal["dense_after", "only_itself"] = Field(

@@ -60,9 +60,10 @@ def entropy_score(distances: torch.Tensor) -> tuple[float, torch.Tensor]:
 
 
 def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamma: float, min_anchors: int,
-          any_length: bool = False) -> GateVerdict:
+          length_share: float = 1.0) -> GateVerdict:
     """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor.
-    ``any_length``: consult anchors shorter than the segment too (compared over their tokens)."""
+    ``length_share``: consult anchors at least this share of the segment's length (below 1:
+    shorter anchors too, compared over their tokens)."""
     if pool is None:
         return GateVerdict(False, 0)
     own = pool.slot_of(segment.id)
@@ -71,7 +72,7 @@ def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamm
         if stack is not None and own < stack.has.numel() and bool(stack.has[own]):
             # the receiver recorded this very segment: its own offsets, weight 1
             return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([own]), own_offsets=True)
-    slots = pool.candidates(receiver, segment.num_tokens, exclude=own, any_length=any_length)
+    slots = pool.candidates(receiver, segment.num_tokens, exclude=own, length_share=length_share)
     verdict = GateVerdict(False, int(slots.numel()), candidates=slots)
     if slots.numel() == 0:
         return verdict

@@ -51,8 +51,9 @@ class KVCommAnchors:
         temperature: softmax temperature of the weighted estimator.
         activation_top_p: anchors credited per reuse decision (eviction keeps the credited).
         freeze: the engine's freeze count (shared with its own-text store).
-        any_length: consult anchors shorter than the segment too (mean estimator only: covered
-            tokens from the anchors' starts, the rest from their ends).
+        length_share: consult anchors at least this share of a segment's length (1: the paper;
+            below 1 with the mean estimator only: covered tokens from the anchors' starts, the
+            rest from their ends).
     """
 
     def __init__(
@@ -67,9 +68,9 @@ class KVCommAnchors:
         temperature: float = 1.0,
         activation_top_p: float = 0.9,
         freeze: Optional[BlockCount] = None,
-        any_length: bool = False,
+        length_share: float = 1.0,
     ) -> None:
-        self.any_length = any_length and estimator == "mean"
+        self.length_share = length_share if estimator == "mean" else 1.0
         self.max_anchors, self.eviction_window, self.max_bytes = max_anchors, eviction_window, max_bytes
         self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
         self.temperature, self.activation_top_p = temperature, activation_top_p
@@ -125,7 +126,7 @@ class KVCommAnchors:
         with self._lock:
             pool = self.pool(segment.ref.kind)
             verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors,
-                            any_length=self.any_length)
+                            length_share=self.length_share)
             if verdict.reuse and not verdict.own_offsets and not self.frozen:
                 pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
             return verdict

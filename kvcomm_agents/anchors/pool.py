@@ -8,6 +8,7 @@ handful of vectorised reductions with no per-call gathers of anchor tensors. Wha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -191,13 +192,13 @@ class AnchorPool:
 
     # ---- matching -------------------------------------------------------------------------
     def candidates(self, receiver: str, length: int, exclude: Optional[int] = None,
-                   any_length: bool = False) -> torch.Tensor:
-        """``[N]`` slots of anchors at least ``length`` tokens long (of any length with
-        ``any_length``) holding ``receiver``'s offsets."""
+                   length_share: float = 1.0) -> torch.Tensor:
+        """``[N]`` slots of anchors at least ``length_share x length`` tokens long (and at least
+        one) holding ``receiver``'s offsets."""
         stack = self.placeholder.get(receiver)
         if stack is None or not self.segment_ids:
             return torch.zeros(0, dtype=torch.long)
-        ok = self.held_by(stack) & (self.lengths >= (1 if any_length else length))
+        ok = self.held_by(stack) & (self.lengths >= max(1, math.ceil(length_share * length)))
         if exclude is not None:
             ok[exclude] = False
         return ok.nonzero().flatten()

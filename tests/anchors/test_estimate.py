@@ -72,8 +72,9 @@ def test_a_longer_segment_takes_covered_tokens_from_starts_and_the_rest_from_end
     pool.record(pool.add(short), "s2", 0, *offsets(0, 4))
     pool.record(pool.add(longer), "s2", 0, *offsets(1, 6))
     assert pool.candidates("s2", 9).numel() == 0
-    slots = pool.candidates("s2", 9, any_length=True)
+    slots = pool.candidates("s2", 9, length_share=0.0)
     assert slots.tolist() == [0, 1]
+    assert pool.candidates("s2", 8, length_share=0.75).tolist() == [1]  # 6 >= 0.75 x 8, 4 is not
     query_k, query_v = upper(segment(7, tokens=9))
     est = estimate_offsets(pool, "s2", query_k, query_v, slots, "mean", 1.0)
     (k0, v0), (k1, v1) = offsets(0, 4), offsets(1, 6)
