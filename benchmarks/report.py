@@ -59,6 +59,29 @@ def summarize_calls(records: list[dict]) -> dict:
     }
 
 
+def warmup_cost(records: list[dict], target: float = 0.9) -> dict[str, Optional[int]]:
+    """Per strategy, the requests (warm-up included, counted from 1) until the reuse rate
+    reaches ``target`` for good: the first request from which every request's reuse rate
+    (downstream calls with shared text and reuse allowed, fully reused) is at least ``target``.
+    None: not reached within the run (the last request below it). Strategies without reuse
+    eligibility (dense, the lower bound) are left out."""
+    out: dict[str, Optional[int]] = {}
+    for strategy in sorted({r["strategy"] for r in records}, key=_order):
+        eligible = [r for r in records if r["strategy"] == strategy and r["shared_found"] and not r["opted_out"]
+                    and r["agent_index"] > 1]
+        if not eligible or strategy in ("dense", "lower-bound"):
+            continue
+        requests = sorted({r["request"] for r in eligible})
+        rate = {q: _mean([float(r["fully_reused"]) for r in eligible if r["request"] == q]) for q in requests}
+        reached = None
+        for q in reversed(requests):
+            if rate[q] < target:
+                break
+            reached = q
+        out[strategy] = None if reached is None else requests.index(reached) + 1
+    return out
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """Rows per (phase, strategy, agent index), plus the downstream aggregate (agents 2..N)."""
     measured = [r for r in records if not r["warmup"]]

@@ -334,11 +334,16 @@ def main(argv=None) -> dict:
                                     "concurrent": saved.get("concurrent", False)}
         if phase in ("b", "c", "d", "e", "f"):  # replies generated freely (not (a)'s exact-length ones)
             results["phases"][phase]["dense_follows_references"] = report.dense_follows_references(saved["records"])
+        results["phases"][phase]["warmup_cost"] = report.warmup_cost(saved["records"])
         results["rows"] = rows
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for phase in args.phases:
         report.print_phase(phase, results["phases"][phase]["title"], rows, per_agent=phase == "a",
                            timed=not results["phases"][phase]["concurrent"])
+        cost = results["phases"][phase].get("warmup_cost") or {}
+        if cost:
+            print("  warm-up cost (requests until every later request reuses >= 90% of its eligible calls): "
+                  + ", ".join(f"{name} {'not reached' if n is None else n}" for name, n in cost.items()))
         follows = results["phases"][phase].get("dense_follows_references") or {}
         if follows.get("calls"):
             print(f"  dense (engine, unbatched) follows the batched dense replies: whole reply in "

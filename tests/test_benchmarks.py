@@ -156,3 +156,18 @@ def test_shipped_replies_are_taken_for_their_keys_only(tmp_path):
     assert refs[shipped_key][0]["text"] == "shipped"
     other = workload.requests[1].key
     assert refs[other] == generated[other]  # no seed for this prompt: generated
+
+
+def test_warmup_cost_counts_requests_until_reuse_stays_at_90_percent():
+    from benchmarks.report import warmup_cost
+
+    def call(strategy, request, agent_index, fully_reused, shared=True):
+        return {"strategy": strategy, "request": request, "agent_index": agent_index, "fully_reused": fully_reused,
+                "shared_found": shared, "opted_out": False}
+
+    pattern = {"kvcomm-mean": [False, True, False, True, True], "rerotate": [True] * 5,
+               "prefix": [False] * 5}
+    records = [call(name, q, k, ok) for name, oks in pattern.items() for q, ok in enumerate(oks) for k in (2, 3)]
+    records += [call("kvcomm-mean", q, 1, False) for q in range(5)]  # the first agent never counts
+    records += [call("dense", q, 2, False) for q in range(5)]
+    assert warmup_cost(records) == {"prefix": None, "rerotate": 1, "kvcomm-mean": 4}
