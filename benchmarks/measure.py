@@ -14,6 +14,7 @@ in the same slot (ratios, not absolute times, are what survives a noisy machine)
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -148,6 +149,7 @@ def _stats_fields(out: CallOutcome) -> dict:
         "recomputed_tokens": s.recomputed_tokens, "own_text_tokens": s.own_text_tokens, "mode": s.mode,
         "prefilled_reasons": [d.reason for d in shared if d.status == "prefilled"],
         "plan_s": s.plan_s, "align_s": s.align_s, "hook_s": s.hook_s, "prefill_s": s.prefill_s,
+        "total_s": s.total_s,
     }
 
 
@@ -162,6 +164,26 @@ def _record(phase, workload, r, key, warmup, k, agent, strategy, out: CallOutcom
         "store_evictions": strategy.evictions(), "peak_extra_bytes": out.peak_extra_bytes,
         **_stats_fields(out),
     }
+
+
+def pipeline_wall_times(records: list[dict]) -> dict[str, dict]:
+    """End-to-end time of each strategy's pipelines from an end-to-end run that did not share the
+    CPU: per request, the sum of its calls' wall time (prefill and decode, ``total_s``); the
+    median over the measured requests, and the median over requests of dense's sum divided by the
+    strategy's (dense must have run as a strategy)."""
+    sums: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.get("warmup") or r.get("total_s") is None:
+            continue
+        sums.setdefault(r["strategy"], {}).setdefault(r["request"], 0.0)
+        sums[r["strategy"]][r["request"]] += r["total_s"]
+    dense = sums.get("dense", {})
+    out = {}
+    for name, per_request in sums.items():
+        ratios = [dense[q] / t for q, t in per_request.items() if q in dense and t > 0]
+        out[name] = {"requests": len(per_request), "median_s": statistics.median(per_request.values()),
+                     "speedup_vs_dense": statistics.median(ratios) if ratios else None}
+    return out
 
 
 def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,

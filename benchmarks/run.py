@@ -197,6 +197,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
     signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "device": ctx.device,
                  "profile": _relevant(asdict(ctx.profile), phase),
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share}
+    if phase == "b-e2e" and ctx.args.e2e_timed:
+        signature["e2e_timed"] = True
     signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
     path = ctx.out / f"phase_{phase}.json"
     if path.is_file() and not ctx.args.fresh:
@@ -211,13 +213,15 @@ def run_phase(ctx: Context, phase: str) -> dict:
     answers: list[dict] = []
     if phase == "b-e2e":
         # the dense pipeline is the dense replies every forced phase uses (greedy, batched):
-        # decoding them again unbatched would double this phase's time
+        # decoding them again unbatched would double this phase's time; --e2e-timed decodes it
+        # too, and runs the pipelines in turns so that their wall times are comparable
         refs = _refs(ctx, workload)
-        strategies = _strategies(ctx, [n for n in names if n != "dense"])
+        timed = ctx.args.e2e_timed
+        strategies = _strategies(ctx, names if timed else [n for n in names if n != "dense"])
         bar = _progress(calls * len(strategies), f"{phase} ({len(strategies)} strategies + dense replies)")
-        # answers, not speed: on a CPU the pipelines run side by side, one thread each
+        # otherwise answers, not speed: on a CPU the pipelines run side by side, one thread each
         records, answers = measure.run_end_to_end(workload, strategies, warmup=warmup, phase=phase, refs=refs,
-                                                  concurrent=ctx.device == "cpu", progress=bar.update)
+                                                  concurrent=ctx.device == "cpu" and not timed, progress=bar.update)
     else:
         refs = _refs(ctx, workload)
         strategies = _strategies(ctx, names) + (_subset_strategies(ctx, names) if phase == "b" else [])
@@ -287,6 +291,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gamma", type=float, default=0.3, help="entropy-gate threshold of the KVCOMM strategies")
     parser.add_argument("--recompute-share", type=float, default=0.15, help="CacheBlend-style share recomputed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--e2e-timed", action="store_true",
+                        help="end to end: decode the dense pipeline too and run the pipelines in turns, "
+                             "reporting each pipeline's wall time (prefill and decode)")
     parser.add_argument("--fresh", action="store_true", help="rerun finished phases (cached dense replies are kept)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-seed-replies", action="store_true",
@@ -335,11 +342,17 @@ def main(argv=None) -> dict:
         if phase in ("b", "c", "d", "e", "f"):  # replies generated freely (not (a)'s exact-length ones)
             results["phases"][phase]["dense_follows_references"] = report.dense_follows_references(saved["records"])
         results["phases"][phase]["warmup_cost"] = report.warmup_cost(saved["records"])
+        if phase == "b-e2e" and not saved.get("concurrent"):
+            results["phases"][phase]["pipeline_wall"] = measure.pipeline_wall_times(saved["records"])
         results["rows"] = rows
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for phase in args.phases:
         report.print_phase(phase, results["phases"][phase]["title"], rows, per_agent=phase == "a",
                            timed=not results["phases"][phase]["concurrent"])
+        for name, wall in (results["phases"][phase].get("pipeline_wall") or {}).items():
+            ratio = "-" if wall["speedup_vs_dense"] is None else f"{wall['speedup_vs_dense']:.2f}x"
+            print(f"  end to end {name:<14} wall time per pipeline (prefill + decode, median of "
+                  f"{wall['requests']}): {wall['median_s']:.1f} s, {ratio} dense")
         cost = results["phases"][phase].get("warmup_cost") or {}
         if cost:
             print("  warm-up cost (requests until every later request reuses >= 90% of its eligible calls): "

@@ -171,3 +171,14 @@ def test_warmup_cost_counts_requests_until_reuse_stays_at_90_percent():
     records += [call("kvcomm-mean", q, 1, False) for q in range(5)]  # the first agent never counts
     records += [call("dense", q, 2, False) for q in range(5)]
     assert warmup_cost(records) == {"prefix": None, "rerotate": 1, "kvcomm-mean": 4}
+
+
+def test_timed_end_to_end_reports_each_pipelines_wall_time(tmp_path):
+    results = run.main(["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--out", str(tmp_path),
+                        "--phases", "b-e2e", "--e2e-timed", "--no-plots"])
+    phase = results["phases"]["b-e2e"]
+    assert not phase["concurrent"]
+    walls = phase["pipeline_wall"]
+    assert set(walls) == set(run.E2E_STRATEGIES)
+    assert all(w["median_s"] > 0 and w["requests"] >= 1 for w in walls.values())
+    assert walls["dense"]["speedup_vs_dense"] == 1.0
