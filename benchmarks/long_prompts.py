@@ -51,10 +51,10 @@ def _status_kib(field: str) -> int:
 def _filler(tokenizer, tokens: int) -> tuple[str, str]:
     """Two halves of a document of about ``tokens`` tokens, made of GSM8K questions."""
     questions = [json.loads(line)["question"] for line in DATA.read_text().splitlines() if line.strip()]
-    text, i = [], 0
+    text: list[str] = []
     while len(tokenizer("\n".join(text), add_special_tokens=False)["input_ids"]) < tokens:
-        text.extend(questions[i % len(questions)] for i in range(i, i + 20))
-        i += 20
+        start = len(text)
+        text += [questions[(start + j) % len(questions)] for j in range(20)]
     ids = tokenizer("\n".join(text), add_special_tokens=False)["input_ids"][:tokens]
     return tokenizer.decode(ids[: tokens // 2]).strip(), tokenizer.decode(ids[tokens // 2:]).strip()
 

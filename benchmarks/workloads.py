@@ -100,17 +100,24 @@ def majority_or_last(replies: list[str]) -> Optional[str]:
     return max(reversed(answers), key=answers.count)
 
 
-def gsm8k_debate(*, requests: int, offset: int = 0, agents: int = 4, reply_tokens: int = 128) -> Workload:
-    """(b) ``agents`` fully connected GSM8K solvers (no opt-out); questions ``offset..``."""
+def _solver_requests(requests: int, offset: int, agents: int, prompt) -> list[Request]:
+    """GSM8K questions ``offset..`` as requests of ``agents`` solvers; solver ``k``'s prompt is
+    ``prompt(k, agents, question, replies)`` (``k`` from 1)."""
     rows = gsm8k_questions(offset + requests)[offset:]
     names = tuple(f"solver-{k + 1}" for k in range(agents))
     built = []
     for i, row in enumerate(rows):
         def messages(k: int, replies: list[str], question=row["question"]) -> list[dict]:
-            return debate_messages(k + 1, agents, question, replies)
+            return prompt(k + 1, agents, question, replies)
 
         built.append(Request(f"q{offset + i}", names, messages, gold=gold_answer(row)))
-    return Workload("gsm8k_debate", f"(b) GSM8K debate, {agents} solvers", built, reply_tokens,
+    return built
+
+
+def gsm8k_debate(*, requests: int, offset: int = 0, agents: int = 4, reply_tokens: int = 128) -> Workload:
+    """(b) ``agents`` fully connected GSM8K solvers (no opt-out); questions ``offset..``."""
+    return Workload("gsm8k_debate", f"(b) GSM8K debate, {agents} solvers",
+                    _solver_requests(requests, offset, agents, debate_messages), reply_tokens,
                     final_answer=majority_or_last)
 
 
@@ -125,15 +132,8 @@ def one_message_prompt(k: int, agents: int, question: str, replies: list[str]) -
 
 def gsm8k_one_message(*, requests: int, offset: int = 0, agents: int = 4, reply_tokens: int = 128) -> Workload:
     """(e) (b)'s debate with every prompt one user message (:func:`one_message_prompt`)."""
-    rows = gsm8k_questions(offset + requests)[offset:]
-    names = tuple(f"solver-{k + 1}" for k in range(agents))
-    built = []
-    for i, row in enumerate(rows):
-        def messages(k: int, replies: list[str], question=row["question"]) -> list[dict]:
-            return one_message_prompt(k + 1, agents, question, replies)
-
-        built.append(Request(f"q{offset + i}", names, messages, gold=gold_answer(row)))
-    return Workload("gsm8k_one_message", f"(e) GSM8K, one message per prompt, {agents} solvers", built, reply_tokens,
+    return Workload("gsm8k_one_message", f"(e) GSM8K, one message per prompt, {agents} solvers",
+                    _solver_requests(requests, offset, agents, one_message_prompt), reply_tokens,
                     final_answer=majority_or_last)
 
 

@@ -90,7 +90,8 @@ class ExperimentalSettings(BaseModel):
             "Where shared text is looked for. 'anywhere': besides whole segments per message, any "
             "run of at least min_match_tokens token ids an earlier call computed (its messages, "
             "reply or whole prompt), wherever it sits in a message (a rolling-hash index). "
-            "'messages': only a segment's whole text (or a message's reference), as before 0.4."
+            "'messages': only a segment's whole text (or a message's reference), the matching "
+            "before token runs (kept for comparison)."
         ),
     )
 
