@@ -30,7 +30,9 @@ def assemble(plan: CallPlan, rotator: RopeRotator, position_offset: int = 0) -> 
         pieces.append(prefix.shifted(rotator, position_offset))
     for run in plan.runs:
         kv = run.segment.kv.window(run.segment_start, run.segment_start + run.length)
-        pieces.append(kv.with_offsets(run.key_offsets, run.value_offsets).shifted(rotator, run.shift + position_offset))
+        if run.offsets_on:
+            kv = kv.with_offsets(run.key_offsets, run.value_offsets)
+        pieces.append(kv.shifted(rotator, run.shift + position_offset))
     block = KVBlock.cat(pieces)
     if plan.recompute is not None:
         positions = torch.cat([torch.arange(plan.prefix_length)]

@@ -174,11 +174,16 @@ class KVCommConfig(BaseModel):
         ),
     )
     audit_every: int = Field(
-        default=0, ge=0,
+        default=16, ge=0,
         description=(
-            "Also prefill every N-th reused call densely and record the first-token KL(dense || "
-            "reuse) in its stats (0 = off), so a deployment can watch its own drift. With "
-            "method='kvcomm' the audit's exact KV is also recorded in the anchors."
+            "Prefill every N-th reused call densely as well, after its reply, and record the "
+            "first-token KL(dense || reuse) in its stats (0 = off: no audits, and KVCOMM's "
+            "offsets are never checked). With method='kvcomm' the audit's exact KV is recorded "
+            "in the anchors, one more reuse prefill flips one segment kind's offsets, and a "
+            "kind whose offsets measured worse than none for a receiver is served re-rotated "
+            "only (gate record offsets='off'); calls with a kind sampled fewer than twice for "
+            "their receiver are audited whatever N is (docs/anchors.md, 'Offsets checked "
+            "against dense')."
         ),
     )
     experimental: ExperimentalSettings = Field(

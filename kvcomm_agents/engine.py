@@ -462,17 +462,35 @@ class KVCommEngine:
                                   self.info.rotator, bases)
 
     def _audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
-        """Every ``audit_every``-th reused call: prefill densely and return KL(dense || reuse).
+        """Audit a reused call against dense prefill; returns KL(dense || served), or None.
 
-        The dense pass is exact everywhere, so the reused segments' real offsets are observed too."""
+        Audited: every ``audit_every``-th reused call, and (``method="kvcomm"``) every reused
+        call that carries estimated offsets of a kind the tracker has too few samples of for
+        this receiver. The dense pass is exact everywhere, so the reused segments' real offsets
+        are observed too. With estimated offsets, one more reuse prefill flips one kind's
+        offsets, which gives the tracker a paired sample (:mod:`.anchors.tracker`)."""
         if not self.config.audit_every or not plan.runs:
             return None
         self._reused_calls += 1
-        if self._reused_calls % self.config.audit_every:
+        tracker = self._anchors.tracker
+        kinds = plan.estimated_kinds() if self.config.method == "kvcomm" and not self._anchors.frozen else []
+        if self._reused_calls % self.config.audit_every and not (kinds and tracker.wants_audit(agent, kinds)):
             return None
+        kind = tracker.kind_to_flip(agent, kinds)
+        flipped_logits = None
+        if kind is not None:
+            flipped = plan.with_offsets_flipped(kind)
+            flipped_logits = hf.prefill(self.model, flipped.prompt_ids, flipped.computed_positions(),
+                                        assemble(flipped, self.info.rotator), flipped.reused_positions(),
+                                        masked=True).logits
         dense = hf.prefill(self.model, plan.prompt_ids, torch.arange(plan.num_prompt))
+        kl = first_token_kl(dense.logits, logits)
+        if flipped_logits is not None:
+            kl_flipped = first_token_kl(dense.logits, flipped_logits)
+            on, off = (kl, kl_flipped) if plan.offsets_applied(kind) else (kl_flipped, kl)
+            tracker.record(agent, kind, on, off)
         self._observe(plan.as_observed(), agent, _kv_reader(dense.cache, dense.slot_positions))
-        return first_token_kl(dense.logits, logits)
+        return kl
 
     def _result(self, call: _Prepared, agent: str, reuse: Optional[bool], text: TextAccumulator, finish: str,
                 segment: Optional[SegmentRef], ttft: float, audit_kl: Optional[float]) -> ChatResult:

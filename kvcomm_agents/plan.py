@@ -51,6 +51,10 @@ class GateRecord(BaseModel):
     anchors: int = Field(description="Length-compatible anchors holding this receiver's offsets (consulted).")
     score: Optional[float] = Field(default=None, description="The score the gate compared with its threshold.")
     entropy: Optional[float] = Field(default=None, description="The paper's H / log2 N over the consulted anchors.")
+    offsets: Optional[Literal["estimated", "own", "off"]] = Field(
+        default=None,
+        description="With decision 'reuse': 'estimated' from the anchors, 'own' (the receiver recorded this very "
+        "segment), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
 
 
 class SegmentDecision(BaseModel):
@@ -87,6 +91,7 @@ class ReusedRun:
     value_offsets: Optional[torch.Tensor] = None
     own_text: bool = False  # a piece of the receiver's own text, not a shared segment
     verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
+    offsets_on: bool = True  # apply key_offsets/value_offsets (False: kept only for an audit's flipped pass)
 
     @property
     def prompt_end(self) -> int:
@@ -210,6 +215,25 @@ class CallPlan:
         """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""
         return self.runs[0].prompt_start if self.runs else self.num_prompt
 
+    def estimated_kinds(self) -> list:
+        """Kinds of the shared runs that carry estimated offsets (applied or not), in prompt
+        order: the kinds an audit can flip (:meth:`with_offsets_flipped`)."""
+        kinds = [tuple(run.segment.ref.kind) for run in self.runs if _estimated(run)]
+        return list(dict.fromkeys(kinds))
+
+    def with_offsets_flipped(self, kind) -> "CallPlan":
+        """The same plan with the estimated offsets of ``kind``'s runs switched (applied where
+        they were not, dropped where they were): an audit's second, paired pass."""
+        kind = tuple(kind)
+        runs = tuple(replace(run, offsets_on=not run.offsets_on)
+                     if _estimated(run) and tuple(run.segment.ref.kind) == kind else run for run in self.runs)
+        return replace(self, runs=runs)
+
+    def offsets_applied(self, kind) -> bool:
+        """Whether the estimated offsets of ``kind``'s runs are applied in this plan."""
+        kind = tuple(kind)
+        return any(run.offsets_on for run in self.runs if _estimated(run) and tuple(run.segment.ref.kind) == kind)
+
     def as_observed(self) -> "CallPlan":
         """The same prompt as if computed densely: every reused shared run becomes an observation
         and every own-text piece an observed, computed one (what an audit's dense pass saw)."""
@@ -219,3 +243,9 @@ class CallPlan:
                                for r in self.runs if not r.own_text),
             pieces=tuple(replace(p, reused=False, observed=True) for p in self.pieces),
         )
+
+
+def _estimated(run: ReusedRun) -> bool:
+    """A shared run whose offsets were estimated from other anchors (not its receiver's own)."""
+    return (not run.own_text and run.key_offsets is not None and run.verdict is not None
+            and not getattr(run.verdict, "own_offsets", False))

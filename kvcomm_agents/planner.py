@@ -175,8 +175,11 @@ class _RunDecider:
                 reason = "after_new_anchor"
             else:
                 verdict = self.anchors.decide(self.agent, occ.segment)
+                offsets = None
+                if verdict.reuse:
+                    offsets = "own" if verdict.own_offsets else ("estimated" if verdict.offsets_on else "off")
                 gate = GateRecord(decision="reuse" if verdict.reuse else "new_anchor", anchors=verdict.anchors,
-                                  score=verdict.score, entropy=verdict.entropy)
+                                  score=verdict.score, entropy=verdict.entropy, offsets=offsets)
                 if not verdict.reuse:
                     reason = "new_anchor"
             if reason is not None:

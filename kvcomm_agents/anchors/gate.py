@@ -34,6 +34,8 @@ class GateVerdict:
         weights: ``[N]`` softmax over the consulted anchors' value distances.
         candidates: ``[N]`` their slots.
         own_offsets: the receiver recorded this very segment and reuses its own offsets.
+        offsets_on: the estimated offsets are applied (False: the audits measured that this
+            kind's offsets hurt this receiver, :mod:`.tracker`; the segment is re-rotated only).
     """
 
     reuse: bool
@@ -43,6 +45,7 @@ class GateVerdict:
     weights: Optional[torch.Tensor] = None
     candidates: Optional[torch.Tensor] = None
     own_offsets: bool = False
+    offsets_on: bool = True
 
 
 def entropy_score(distances: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -30,6 +30,7 @@ from .estimate import Estimator, OffsetEstimate, estimate_offsets
 from .gate import GateVerdict, judge
 from .persist import load_pools, save_pools
 from .pool import AnchorPool
+from .tracker import OffsetTracker
 
 __all__ = ["KVCommAnchors", "ExactKV"]
 
@@ -78,6 +79,7 @@ class KVCommAnchors:
         self._lock = threading.RLock()
         self._freeze = freeze or BlockCount()
         self._warned = False
+        self.tracker = OffsetTracker()
 
     # ---- inspection -----------------------------------------------------------------------
     def pool(self, kind: Kind) -> Optional[AnchorPool]:
@@ -95,6 +97,7 @@ class KVCommAnchors:
     def clear(self) -> None:
         with self._lock:
             self._pools.clear()
+            self.tracker.clear()
 
     @property
     def frozen(self) -> bool:
@@ -127,8 +130,10 @@ class KVCommAnchors:
             pool = self.pool(segment.ref.kind)
             verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors,
                             length_share=self.length_share)
-            if verdict.reuse and not verdict.own_offsets and not self.frozen:
-                pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
+            if verdict.reuse and not verdict.own_offsets:
+                verdict.offsets_on = self.tracker.offsets_on(receiver, segment.ref.kind)
+                if not self.frozen:
+                    pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
             return verdict
 
     # ---- 2. attach offsets ----------------------------------------------------------------
@@ -138,7 +143,8 @@ class KVCommAnchors:
     ) -> tuple[list[ReusedRun], list[OwnTextPiece]]:
         """Runs with their estimated offsets (one estimate per segment), and the own-text pieces.
 
-        A run the gate let through gets its segment's offsets; an own-text run gets the own-text
+        A run the gate let through gets its segment's offsets (applied unless the tracker turned
+        its kind off for this receiver: they stay on the run for an audit's flipped pass); an own-text run gets the own-text
         offsets of the segment before it, or is dropped (and its piece computed) when the anchors
         hold none. Runs without a verdict (the exact-prefix side, re-rotation only) stay as they are.
         """
@@ -156,7 +162,8 @@ class KVCommAnchors:
                     est = self._estimate(receiver, run.segment, run.verdict, after[0].key if after else None)
                     estimates[run.segment.id] = est
                 window = slice(run.segment_start, run.segment_start + run.length)
-                kept.append(replace(run, key_offsets=est.keys[:, :, window], value_offsets=est.values[:, :, window]))
+                kept.append(replace(run, key_offsets=est.keys[:, :, window], value_offsets=est.values[:, :, window],
+                                    offsets_on=run.verdict.offsets_on))
             else:
                 piece = reused_pieces[run.prompt_start]
                 est = estimates.get(piece.after.id)

@@ -1,0 +1,110 @@
+"""Whether KVCOMM's estimated offsets help, per receiver and segment kind, measured against dense.
+
+An audit (``KVCommConfig.audit_every``) prefills a reused call densely and compares first-token
+logits. On top of that, it flips the offsets of one segment kind (on where they were on, off
+where they were off) in one more reuse prefill, so each audit yields a *paired* sample for one
+``(receiver, kind)``: ``KL(dense || offsets on)`` and ``KL(dense || offsets off)`` (re-rotation
+only for that kind), on the same prompt, with everything else equal.
+
+A kind's offsets stay on for a receiver until its recent samples say they hurt: the mean of
+``KL_on - KL_off`` over the last ``window`` samples is above zero with at least ``min_samples``
+samples. Then that kind is served re-rotated without offsets (visible as ``offsets="off"`` in
+the gate record), and later audits keep measuring both ways, so offsets come back if they start
+helping. This is what keeps KVCOMM from drifting further from dense than re-rotation only on a
+model or prompt format where offsets learned on one context do not transfer to another.
+
+Pure bookkeeping over floats: no tensors, no model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from ..kv.segments import Kind
+
+__all__ = ["OffsetTracker", "PairedSample", "KindRecord"]
+
+
+@dataclass(frozen=True)
+class PairedSample:
+    """One audit of one ``(receiver, kind)``: first-token KL against dense, in nats, of the same
+    call with this kind's offsets on and off (every other run as served)."""
+
+    kl_on: float
+    kl_off: float
+
+
+@dataclass(frozen=True)
+class KindRecord:
+    """What the tracker knows about one ``(receiver, kind)`` (``OffsetTracker.records``)."""
+
+    receiver: str
+    kind: Kind
+    samples: int
+    mean_kl_on: float
+    mean_kl_off: float
+    offsets_on: bool
+
+
+class OffsetTracker:
+    """Paired audit samples per ``(receiver, kind)`` and the on/off rule built on them.
+
+    Args:
+        window: samples kept per ``(receiver, kind)`` (the most recent).
+        min_samples: samples needed before offsets may be turned off; also the audits a kind
+            gets as soon as possible (``wants_audit``) before audits fall back to their period.
+    """
+
+    def __init__(self, window: int = 8, min_samples: int = 2) -> None:
+        if window < 1 or min_samples < 1:
+            raise ValueError("window and min_samples must be >= 1")
+        self.window, self.min_samples = window, min_samples
+        self._samples: dict[tuple[str, Kind], deque[PairedSample]] = {}
+        self._lock = threading.Lock()
+
+    def offsets_on(self, receiver: str, kind: Kind) -> bool:
+        """Whether ``receiver`` gets estimated offsets for segments of ``kind``."""
+        with self._lock:
+            samples = self._samples.get((receiver, tuple(kind)))
+            if not samples or len(samples) < self.min_samples:
+                return True
+            return sum(s.kl_on - s.kl_off for s in samples) <= 0.0
+
+    def wants_audit(self, receiver: str, kinds: Iterable[Kind]) -> bool:
+        """True while one of ``kinds`` has fewer than ``min_samples`` samples for ``receiver``."""
+        with self._lock:
+            return any(len(self._samples.get((receiver, tuple(k)), ())) < self.min_samples for k in kinds)
+
+    def kind_to_flip(self, receiver: str, kinds: Iterable[Kind]) -> Optional[Kind]:
+        """The kind among ``kinds`` with the fewest samples for ``receiver`` (first one on ties),
+        or None when ``kinds`` is empty."""
+        with self._lock:
+            ordered = list(dict.fromkeys(tuple(k) for k in kinds))
+            if not ordered:
+                return None
+            return min(ordered, key=lambda k: len(self._samples.get((receiver, k), ())))
+
+    def record(self, receiver: str, kind: Kind, kl_on: float, kl_off: float) -> None:
+        """Add one paired sample (the oldest beyond ``window`` is dropped)."""
+        with self._lock:
+            key = (receiver, tuple(kind))
+            samples = self._samples.setdefault(key, deque(maxlen=self.window))
+            samples.append(PairedSample(float(kl_on), float(kl_off)))
+
+    def records(self) -> list[KindRecord]:
+        """One :class:`KindRecord` per ``(receiver, kind)`` sampled so far."""
+        with self._lock:
+            items = [(key, list(samples)) for key, samples in self._samples.items()]
+        out = []
+        for (receiver, kind), samples in items:
+            n = len(samples)
+            out.append(KindRecord(receiver, kind, n, sum(s.kl_on for s in samples) / n,
+                                  sum(s.kl_off for s in samples) / n, self.offsets_on(receiver, kind)))
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self._samples.clear()

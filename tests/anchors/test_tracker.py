@@ -1,0 +1,90 @@
+"""The offset tracker: its on/off rule on paired samples, and, on both tiny model families, an
+engine whose anchors hold harmful offsets turning them off for that receiver and kind after its
+audits, so that it serves exactly what re-rotation only serves."""
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.anchors.tracker import OffsetTracker
+from kvcomm_agents.fidelity import first_token_kl
+
+from ..conftest import first_logits
+
+USER, REPLY_KIND = ("user", None), ("s1", "assistant")
+
+
+def test_offsets_stay_on_until_enough_samples_say_they_hurt():
+    tracker = OffsetTracker(window=4, min_samples=2)
+    assert tracker.offsets_on("s2", USER)
+    tracker.record("s2", USER, kl_on=0.5, kl_off=0.1)
+    assert tracker.offsets_on("s2", USER)  # one sample is not enough
+    tracker.record("s2", USER, kl_on=0.4, kl_off=0.1)
+    assert not tracker.offsets_on("s2", USER)
+    assert tracker.offsets_on("s3", USER) and tracker.offsets_on("s2", REPLY_KIND)  # per receiver and kind
+    for _ in range(4):  # the window forgets the old samples: offsets come back when they help
+        tracker.record("s2", USER, kl_on=0.05, kl_off=0.2)
+    assert tracker.offsets_on("s2", USER)
+    (record,) = tracker.records()
+    assert (record.samples, record.offsets_on) == (4, True)
+    assert record.mean_kl_on == pytest.approx(0.05) and record.mean_kl_off == pytest.approx(0.2)
+
+
+def test_audits_go_first_to_the_kinds_with_fewest_samples():
+    tracker = OffsetTracker(min_samples=2)
+    kinds = [USER, REPLY_KIND]
+    assert tracker.wants_audit("s2", kinds) and tracker.kind_to_flip("s2", kinds) == USER
+    tracker.record("s2", USER, 0.1, 0.2)
+    assert tracker.kind_to_flip("s2", kinds) == REPLY_KIND
+    tracker.record("s2", REPLY_KIND, 0.1, 0.2)
+    tracker.record("s2", USER, 0.1, 0.2)
+    assert tracker.wants_audit("s2", kinds)  # the reply kind has one sample
+    tracker.record("s2", REPLY_KIND, 0.1, 0.2)
+    assert not tracker.wants_audit("s2", kinds) and tracker.kind_to_flip("s2", []) is None
+
+
+def _prompt(question: str) -> list[dict]:
+    return [{"role": "system", "content": "You are solver two."}, {"role": "user", "content": question}]
+
+
+def test_harmful_offsets_are_turned_off_after_paired_audits(model, tokenizer):
+    """Anchors whose offsets were made harmful (scaled 30x) are used at first; the warm-up audits
+    measure them against re-rotation only on the same prompts, the tracker turns them off for
+    this receiver and kind, and the next call is served exactly as re-rotation only serves it,
+    its drift from dense no larger."""
+    config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False)  # only the warm-up audits
+    engine = KVCommEngine(model, tokenizer, config=config)
+    rerotate = KVCommEngine(model, tokenizer, config=config.model_copy(update={"method": "rerotate"}))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    # each question shorter than the last, so earlier anchors are long enough to be consulted
+    questions = [f"How many apples are left if Sam has {'very ' * (8 - i)}many and eats {i}?" for i in range(7)]
+
+    def ask(question: str):
+        for each in (engine, rerotate):
+            each.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)  # the sender
+        return engine.replay(_prompt(question), agent="s2", reply_ids=[tokenizer.eos_token_id])
+
+    for question in questions[:2]:  # two new anchors for s2
+        assert ask(question).result.stats.shared_decisions[0].gate.decision == "new_anchor"
+    pool = engine.anchors.pool(USER)
+    with torch.inference_mode():
+        pool.placeholder["s2"].keys.mul_(30.0)
+        pool.placeholder["s2"].values.mul_(30.0)
+    audited = [ask(question).result.stats for question in questions[2:4]]
+    for stats in audited:  # reused with the (harmful) estimated offsets, and audited
+        (decision,) = stats.shared_decisions
+        assert decision.gate.decision == "reuse" and decision.gate.offsets == "estimated"
+        assert stats.audit_kl is not None
+    # (the questions share their opening words, so s1 reuses token runs of earlier questions too)
+    (record,) = [r for r in engine.anchors.tracker.records() if r.receiver == "s2"]
+    assert (record.kind, record.samples) == (USER, 2)
+    assert record.mean_kl_on > record.mean_kl_off and not record.offsets_on
+
+    replay = ask(questions[4])
+    (decision,) = replay.result.stats.shared_decisions
+    assert decision.status == "reused" and decision.gate.offsets == "off"
+    assert replay.result.stats.audit_kl is None  # enough samples: back to the audit period
+    served = replay.first_token_logits
+    torch.testing.assert_close(served, first_logits(rerotate, _prompt(questions[4]), agent="s2"), atol=1e-4, rtol=0)
+    reference = first_logits(dense, _prompt(questions[4]), agent="s2")
+    assert first_token_kl(reference, served) <= record.mean_kl_on
