@@ -11,7 +11,12 @@ decoding and the timing points:
 - ``rerotate``: shared segments re-rotated, no offsets (``method="rerotate"``).
 - ``cacheblend``: re-rotation plus CacheBlend-style selective recompute of the given share
   (``benchmarks.cacheblend``, through the engine's plan hook).
-- ``kvcomm-mean`` / ``kvcomm-weighted``: KVCOMM anchors with either estimator, gamma configurable.
+- ``kvcomm-mean`` / ``kvcomm-weighted``: KVCOMM anchors with either estimator, gamma configurable
+  (the library default, audits included: ``audit_every=16``).
+
+The baselines without anchors (``prefix``, ``rerotate``, ``cacheblend`` and their variants) run
+with ``audit_every=0``: an audit there only measures, and its dense pass would be charged to the
+method's end-to-end time.
 - ``rerotate-messages`` / ``kvcomm-messages``: the same with shared text found only as whole
   segments per message (``experimental.shared_runs="messages"``, before token runs).
 - ``kvcomm-only-itself``: ``kvcomm-mean`` where a segment judged new is computed alone
@@ -19,6 +24,10 @@ decoding and the timing points:
 - ``kvcomm-any-length``: ``kvcomm-mean`` whose gate consults anchors shorter than the segment
   too (``experimental.anchor_lengths="any"``); ``kvcomm-most-length`` those at least 3/4 as long
   (``"most"``).
+- ``kvcomm-no-audit``: ``kvcomm-mean`` without audits (``audit_every=0``): the default before
+  offsets were checked against dense (no warm-up audits, no offsets turned off).
+- ``kvcomm-head-8`` / ``rerotate-head-8``: the first 8 tokens of every reused run computed in
+  context (``experimental.recompute_head=8``), the cheap-fidelity idea.
 - ``kvcomm-own-text``: ``kvcomm-mean`` that also reuses the receiver's own text (role headers
   between messages) with the anchors' own-text offsets, as the paper does with its prefixes.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
@@ -50,7 +59,7 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
-         "lower-bound")
+         "kvcomm-no-audit", "kvcomm-head-8", "rerotate-head-8", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
@@ -205,17 +214,21 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     """The engine settings a strategy name stands for."""
     table = {
         "dense": {"method": "dense"},
-        "prefix": {"method": "exact_prefix"},
-        "rerotate": {"method": "rerotate"},
-        "cacheblend": {"method": "rerotate"},
+        "prefix": {"method": "exact_prefix", "audit_every": 0},
+        "rerotate": {"method": "rerotate", "audit_every": 0},
+        "cacheblend": {"method": "rerotate", "audit_every": 0},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
-        "rerotate-messages": {"method": "rerotate", "experimental": ExperimentalSettings(shared_runs="messages")},
+        "rerotate-messages": {"method": "rerotate", "audit_every": 0, "experimental": ExperimentalSettings(shared_runs="messages")},
         "kvcomm-messages": {"method": "kvcomm", "gamma": gamma,
                             "experimental": ExperimentalSettings(shared_runs="messages")},
         "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(new_segment="only_itself")},
+        "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0},
+        "kvcomm-head-8": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(recompute_head=8)},
+        "rerotate-head-8": {"method": "rerotate", "audit_every": 0,
+                            "experimental": ExperimentalSettings(recompute_head=8)},
         "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,
                               "experimental": ExperimentalSettings(anchor_lengths="any")},
         "kvcomm-most-length": {"method": "kvcomm", "gamma": gamma,

@@ -84,6 +84,14 @@ class ExperimentalSettings(BaseModel):
             "still go through the gate."
         ),
     )
+    recompute_head: int = Field(
+        default=0, ge=0,
+        description=(
+            "Compute the first N tokens of every reused run in context instead of reusing them "
+            "(cheap fidelity: the tokens right after a change of context deviate most, and "
+            "attention sinks form there). 0: off. Measured in docs/benchmarks.md."
+        ),
+    )
     shared_runs: Literal["anywhere", "messages"] = Field(
         default="anywhere",
         description=(

@@ -190,8 +190,11 @@ class _RunDecider:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
                 return "prefilled", reason, in_prefix, gate  # the rest is computed
         reused = 0
+        head = self.config.experimental.recompute_head
         for p, s, length in beyond_prefix:
             length = min(length, n - 1 - p)
+            if head:  # cheap fidelity: the run's first tokens (a change of context) are computed
+                p, s, length = p + head, s + head, length - head
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict))
                 reused += length

@@ -1,9 +1,11 @@
 """The engine on tiny real models: dense equivalence, reuse, visible fallbacks, decoding options."""
 
 import pytest
+import torch
 
 from kvcomm_agents import (
-    ChatResult, InvalidMessagesError, InvalidRequestError, KVCommConfig, KVCommEngine, KVCommError, ReuseSummary,
+    ChatResult, ExperimentalSettings, InvalidMessagesError, InvalidRequestError, KVCommConfig, KVCommEngine,
+    KVCommError, ReuseSummary,
 )
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.prompt import render_prompt
@@ -337,3 +339,22 @@ def test_shared_text_inside_a_new_message_is_found_by_token_runs(model, tokenize
     exact_only = make_engine(model, method="exact_prefix")
     replayed(exact_only, first_prompt, "s1")
     assert not [d for d in replayed(exact_only, second, "s2").stats.decisions if d.found_by == "tokens"]
+
+
+def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, tokenizer, make_engine):
+    """``experimental.recompute_head=4``: every reused run gives up its first 4 tokens to the
+    prefill; a head as long as the runs leaves nothing reused and the call equals dense."""
+    def second_call(head: int):
+        engine = make_engine(llama, prefix_cache=False, experimental=ExperimentalSettings(recompute_head=head))
+        first = replayed(engine, solver_messages("You are solver one."), "s1")
+        messages = solver_messages("You are solver two.", first.text)
+        return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]), messages
+
+    plain, messages = second_call(0)
+    headed, _ = second_call(4)
+    runs = [d for d in plain.result.stats.shared_decisions if d.status == "reused"]
+    assert runs and headed.result.stats.reused_tokens == plain.result.stats.reused_tokens - 4 * len(runs)
+    whole, _ = second_call(10_000)
+    assert whole.result.stats.reused_tokens == 0
+    dense = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages, agent="s2")
+    torch.testing.assert_close(whole.first_token_logits, dense, atol=1e-4, rtol=0)

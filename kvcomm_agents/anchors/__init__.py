@@ -10,6 +10,7 @@ Layer 0 is never offset (it is exact after re-rotation) and is not stored.
 - :mod:`.pool`: storage of one kind's anchors, eviction;
 - :mod:`.gate`: the paper's entropy rule;
 - :mod:`.estimate`: the offset estimate (mean, or the paper's weights);
+- :mod:`.tracker`: whether a kind's offsets help a receiver, from paired audits against dense;
 - :mod:`.kvcomm`: :class:`KVCommAnchors`, the three calls the engine makes (decide, attach
   offsets, observe exact KV) and the byte budget over pools.
 """
@@ -18,5 +19,6 @@ from .estimate import OffsetEstimate
 from .gate import GateVerdict
 from .kvcomm import KVCommAnchors
 from .pool import AnchorPool
+from .tracker import KindRecord, OffsetTracker
 
-__all__ = ["KVCommAnchors", "GateVerdict", "OffsetEstimate", "AnchorPool"]
+__all__ = ["KVCommAnchors", "GateVerdict", "OffsetEstimate", "AnchorPool", "OffsetTracker", "KindRecord"]
