@@ -190,8 +190,8 @@ class KVCommConfig(BaseModel):
             "in the anchors, one more reuse prefill flips one segment kind's offsets, and a "
             "kind whose offsets measured worse than none for a receiver is served re-rotated "
             "only (gate record offsets='off'); calls with a kind sampled fewer than twice for "
-            "their receiver are audited whatever N is (docs/anchors.md, 'Offsets checked "
-            "against dense')."
+            "their receiver are audited too, one in 4 of that receiver's reused calls "
+            "(docs/anchors.md, 'Offsets checked against dense')."
         ),
     )
     experimental: ExperimentalSettings = Field(

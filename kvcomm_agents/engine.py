@@ -464,9 +464,9 @@ class KVCommEngine:
     def _audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
         """Audit a reused call against dense prefill; returns KL(dense || served), or None.
 
-        Audited: every ``audit_every``-th reused call, and (``method="kvcomm"``) every reused
-        call that carries estimated offsets of a kind the tracker has too few samples of for
-        this receiver. The dense pass is exact everywhere, so the reused segments' real offsets
+        Audited: every ``audit_every``-th reused call, and (``method="kvcomm"``) a reused call
+        carrying estimated offsets of a kind the tracker has too few samples of for this
+        receiver, at most one in ``tracker.warmup_gap`` of the receiver's calls. The dense pass is exact everywhere, so the reused segments' real offsets
         are observed too. With estimated offsets, one more reuse prefill flips one kind's
         offsets, which gives the tracker a paired sample (:mod:`.anchors.tracker`)."""
         if not self.config.audit_every or not plan.runs:
@@ -474,8 +474,10 @@ class KVCommEngine:
         self._reused_calls += 1
         tracker = self._anchors.tracker
         kinds = plan.estimated_kinds() if self.config.method == "kvcomm" and not self._anchors.frozen else []
-        if self._reused_calls % self.config.audit_every and not (kinds and tracker.wants_audit(agent, kinds)):
+        warmup = bool(kinds) and tracker.warmup_audit_due(agent, kinds)
+        if self._reused_calls % self.config.audit_every and not warmup:
             return None
+        tracker.audited(agent)
         kind = tracker.kind_to_flip(agent, kinds)
         flipped_logits = None
         if kind is not None:

@@ -55,15 +55,33 @@ class OffsetTracker:
     Args:
         window: samples kept per ``(receiver, kind)`` (the most recent).
         min_samples: samples needed before offsets may be turned off; also the audits a kind
-            gets as soon as possible (``wants_audit``) before audits fall back to their period.
+            gets early (``wants_audit``) before audits fall back to their period.
+        warmup_gap: those early audits come at most once every ``warmup_gap`` reused calls of
+            a receiver (the first on its ``warmup_gap``-th).
     """
 
-    def __init__(self, window: int = 8, min_samples: int = 2) -> None:
-        if window < 1 or min_samples < 1:
-            raise ValueError("window and min_samples must be >= 1")
-        self.window, self.min_samples = window, min_samples
+    def __init__(self, window: int = 8, min_samples: int = 2, warmup_gap: int = 4) -> None:
+        if window < 1 or min_samples < 1 or warmup_gap < 1:
+            raise ValueError("window, min_samples and warmup_gap must be >= 1")
+        self.window, self.min_samples, self.warmup_gap = window, min_samples, warmup_gap
         self._samples: dict[tuple[str, Kind], deque[PairedSample]] = {}
+        self._since_audit: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    def warmup_audit_due(self, receiver: str, kinds: Iterable[Kind]) -> bool:
+        """Count one reused call of ``receiver`` carrying estimated offsets of ``kinds``; True
+        when one of them still wants samples (:meth:`wants_audit`) and ``warmup_gap`` such calls
+        have passed since this receiver's last audit, which bounds what the warm-up audits cost
+        (one call in ``warmup_gap``). Call :meth:`audited` when any audit of it runs."""
+        kinds = list(kinds)
+        with self._lock:
+            count = self._since_audit[receiver] = self._since_audit.get(receiver, 0) + 1
+        return count >= self.warmup_gap and self.wants_audit(receiver, kinds)
+
+    def audited(self, receiver: str) -> None:
+        """An audit of ``receiver`` ran: its warm-up gap starts again."""
+        with self._lock:
+            self._since_audit[receiver] = 0
 
     def offsets_on(self, receiver: str, kind: Kind) -> bool:
         """Whether ``receiver`` gets estimated offsets for segments of ``kind``."""
@@ -108,3 +126,4 @@ class OffsetTracker:
     def clear(self) -> None:
         with self._lock:
             self._samples.clear()
+            self._since_audit.clear()

@@ -43,6 +43,16 @@ def test_audits_go_first_to_the_kinds_with_fewest_samples():
     assert not tracker.wants_audit("s2", kinds) and tracker.kind_to_flip("s2", []) is None
 
 
+def test_warmup_audits_come_at_most_once_every_gap_calls():
+    tracker = OffsetTracker(min_samples=1, warmup_gap=3)
+    assert [tracker.warmup_audit_due("s2", [USER]) for _ in range(3)] == [False, False, True]
+    tracker.audited("s2")
+    assert [tracker.warmup_audit_due("s2", [USER]) for _ in range(3)] == [False, False, True]
+    tracker.audited("s2")
+    tracker.record("s2", USER, 0.1, 0.2)  # enough samples: no more warm-up audits
+    assert not any(tracker.warmup_audit_due("s2", [USER]) for _ in range(5))
+
+
 def _prompt(question: str) -> list[dict]:
     return [{"role": "system", "content": "You are solver two."}, {"role": "user", "content": question}]
 
@@ -54,6 +64,7 @@ def test_harmful_offsets_are_turned_off_after_paired_audits(model, tokenizer):
     its drift from dense no larger."""
     config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False)  # only the warm-up audits
     engine = KVCommEngine(model, tokenizer, config=config)
+    engine.anchors.tracker.warmup_gap = 1  # every reused call may be a warm-up audit (default: one in 4)
     rerotate = KVCommEngine(model, tokenizer, config=config.model_copy(update={"method": "rerotate"}))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     # each question shorter than the last, so earlier anchors are long enough to be consulted
