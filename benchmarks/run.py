@@ -32,7 +32,7 @@ import torch
 
 from . import measure, report
 from .models import load
-from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, noise_floor
+from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor
 from .workloads import Workload, coding_pipeline, gsm8k_debate, gsm8k_one_message, paper_shape, rag_handoff, shared_history
 
 
@@ -287,7 +287,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--strategies", default=",".join(DEFAULT_NAMES),
-                        help=f"comma-separated, of: {', '.join(NAMES)}")
+                        help=f"comma-separated, of: {', '.join(NAMES)}; an engine strategy + '-head-N' recomputes the "
+                             "first N tokens of each reused run")
     parser.add_argument("--gamma", type=float, default=0.3, help="entropy-gate threshold of the KVCOMM strategies")
     parser.add_argument("--recompute-share", type=float, default=0.15, help="CacheBlend-style share recomputed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -302,8 +303,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.phases = [p for p in args.phases.split(",") if p]
     args.strategies = [s for s in args.strategies.split(",") if s]
     for name in args.strategies:
-        if name not in NAMES:
-            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")
+        if not known(name):
+            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N'")
     if "dense" not in args.strategies:
         parser.error("the dense strategy is the reference and must be included")
     return args

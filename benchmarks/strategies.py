@@ -26,8 +26,9 @@ method's end-to-end time.
   (``"most"``).
 - ``kvcomm-no-audit``: ``kvcomm-mean`` without audits (``audit_every=0``): the default before
   offsets were checked against dense (no warm-up audits, no offsets turned off).
-- ``kvcomm-head-8`` / ``rerotate-head-8``: the first 8 tokens of every reused run computed in
-  context (``experimental.recompute_head=8``), the cheap-fidelity idea.
+- ``<engine strategy>-head-N`` (e.g. ``kvcomm-mean-head-8``, ``rerotate-head-8``): the first N
+  tokens of every reused run computed in context (``experimental.recompute_head=N``), the
+  cheap-fidelity idea.
 - ``kvcomm-own-text``: ``kvcomm-mean`` that also reuses the receiver's own text (role headers
   between messages) with the anchors' own-text offsets, as the paper does with its prefixes.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
@@ -38,6 +39,7 @@ method's end-to-end time.
 from __future__ import annotations
 
 import copy
+import re
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -50,7 +52,7 @@ from kvcomm_agents.prompt import render_prompt
 
 from .cacheblend import CacheBlend
 
-__all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "NAMES", "DEFAULT_NAMES"]
+__all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "known", "NAMES", "DEFAULT_NAMES"]
 
 #: byte budgets of each engine's segment store and anchor pools (several engines live side by
 #: side): CPU runs keep the library defaults' order of magnitude, a GPU run sizes for an 8B model
@@ -59,7 +61,7 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
-         "kvcomm-no-audit", "kvcomm-head-8", "rerotate-head-8", "lower-bound")
+         "kvcomm-no-audit", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
@@ -210,6 +212,12 @@ class LowerBound(Strategy):
         )
 
 
+def known(name: str) -> bool:
+    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``."""
+    head = re.fullmatch(r"(.+)-head-(\d+)", name)
+    return name in NAMES or bool(head and head.group(1) in NAMES and head.group(1) != "lower-bound")
+
+
 def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     """The engine settings a strategy name stands for."""
     table = {
@@ -226,16 +234,20 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(new_segment="only_itself")},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0},
-        "kvcomm-head-8": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(recompute_head=8)},
-        "rerotate-head-8": {"method": "rerotate", "audit_every": 0,
-                            "experimental": ExperimentalSettings(recompute_head=8)},
         "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,
                               "experimental": ExperimentalSettings(anchor_lengths="any")},
         "kvcomm-most-length": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(anchor_lengths="most")},
     }
+    head = re.fullmatch(r"(.+)-head-(\d+)", name)
+    if head and head.group(1) in table:  # any engine strategy with recompute_head=N
+        settings = dict(table[head.group(1)])
+        experimental = settings.get("experimental", ExperimentalSettings())
+        settings["experimental"] = experimental.model_copy(update={"recompute_head": int(head.group(2))})
+        return settings
     if name not in table:
-        raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}")
+        raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy "
+                         "followed by -head-N")
     return table[name]
 
 
