@@ -16,7 +16,8 @@ decoding and the timing points:
 
 The baselines without anchors (``prefix``, ``rerotate``, ``cacheblend`` and their variants) run
 with ``audit_every=0``: an audit there only measures, and its dense pass would be charged to the
-method's end-to-end time.
+method's end-to-end time. The re-rotation baselines also run without the default head recompute
+(``recompute_head=0``): they are the method alone, the reference of issue 12's targets.
 - ``rerotate-messages`` / ``kvcomm-messages``: the same with shared text found only as whole
   segments per message (``experimental.shared_runs="messages"``, before token runs).
 - ``kvcomm-only-itself``: ``kvcomm-mean`` where a segment judged new is computed alone
@@ -212,6 +213,10 @@ class LowerBound(Strategy):
         )
 
 
+#: the re-rotation baselines are the method alone: no head recompute (``rerotate-head-N`` adds it)
+PURE = ExperimentalSettings(recompute_head=0)
+
+
 def known(name: str) -> bool:
     """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``."""
     head = re.fullmatch(r"(.+)-head-(\d+)", name)
@@ -223,12 +228,13 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     table = {
         "dense": {"method": "dense"},
         "prefix": {"method": "exact_prefix", "audit_every": 0},
-        "rerotate": {"method": "rerotate", "audit_every": 0},
-        "cacheblend": {"method": "rerotate", "audit_every": 0},
+        "rerotate": {"method": "rerotate", "audit_every": 0, "experimental": PURE},
+        "cacheblend": {"method": "rerotate", "audit_every": 0, "experimental": PURE},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
-        "rerotate-messages": {"method": "rerotate", "audit_every": 0, "experimental": ExperimentalSettings(shared_runs="messages")},
+        "rerotate-messages": {"method": "rerotate", "audit_every": 0,
+                              "experimental": PURE.model_copy(update={"shared_runs": "messages"})},
         "kvcomm-messages": {"method": "kvcomm", "gamma": gamma,
                             "experimental": ExperimentalSettings(shared_runs="messages")},
         "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
