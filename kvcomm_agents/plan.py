@@ -92,6 +92,7 @@ class ReusedRun:
     own_text: bool = False  # a piece of the receiver's own text, not a shared segment
     verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
     offsets_on: bool = True  # apply key_offsets/value_offsets (False: kept only for an audit's flipped pass)
+    head: int = 0  # segment tokens right before the run computed in context (experimental.recompute_head)
 
     @property
     def prompt_end(self) -> int:

@@ -111,7 +111,7 @@ def _own_text(
     own-text KV when there is one (``own_texts`` given). Returns the runs (own-text runs added)
     and the pieces."""
     n = int(layout.ids.numel())
-    ends = [(run.prompt_start, run.prompt_end, run, None) for run in runs]
+    ends = [(run.prompt_start - run.head, run.prompt_end, run, None) for run in runs]
     ends += [(seen.prompt_start, seen.prompt_start + seen.length, None, seen) for seen in observations]
     ends.sort(key=lambda item: item[0])
     pieces, new_runs = [], []
@@ -163,6 +163,7 @@ class _RunDecider:
         prefix_len, n = self.prefix_length, self.n
         beyond_prefix = [(max(p, prefix_len), s + max(p, prefix_len) - p, p + length - max(p, prefix_len))
                          for p, s, length in runs if p + length > prefix_len]
+        clipped = {prefix_len} if any(p < prefix_len < p + length for p, s, length in runs) else set()
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict, gate = None, None
         if beyond_prefix and self.config.method == "exact_prefix":
@@ -193,10 +194,12 @@ class _RunDecider:
         head = self.config.experimental.recompute_head
         for p, s, length in beyond_prefix:
             length = min(length, n - 1 - p)
-            if head:  # cheap fidelity: the run's first tokens (a change of context) are computed
-                p, s, length = p + head, s + head, length - head
+            # cheap fidelity: the run's first tokens are computed, unless the run continues an
+            # exact prefix that already holds them (a repeated prompt then reuses what it reused)
+            taken = min(head, max(length, 0)) if p > prefix_len or p not in clipped else 0
+            p, s, length = p + taken, s + taken, length - taken
             if length > 0:
-                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict))
+                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken))
                 reused += length
         reused += in_prefix
         if not reused:

@@ -47,9 +47,12 @@ def test_rerotation_reuses_both_segments_as_runs_of_their_own_ids():
     assert sum(d.reused_tokens for d in plan.decisions) == plan.reused_tokens
     assert plan.exact_until() == plan.runs[0].prompt_start
     partition(plan)
-    # own text after each segment running to its end: up to the next segment or the last token
+    # own text after each segment running to its end: up to the next segment (its computed
+    # head tokens belong to the segment) or the last token
+    assert [run.head for run in plan.runs] == [config.experimental.recompute_head] * 2
     assert [(p.start, p.end, p.after.id) for p in plan.pieces] == [
-        (plan.runs[0].prompt_end, plan.runs[1].prompt_start, question.id), (plan.runs[1].prompt_end, plan.num_prompt - 1, reply.id)]
+        (plan.runs[0].prompt_end, plan.runs[1].prompt_start - plan.runs[1].head, question.id),
+        (plan.runs[1].prompt_end, plan.num_prompt - 1, reply.id)]
     assert all(not p.reused and not p.observed for p in plan.pieces)
 
 
