@@ -466,9 +466,10 @@ class KVCommEngine:
 
         Audited: every ``audit_every``-th reused call, and (``method="kvcomm"``) a reused call
         carrying estimated offsets of a kind the tracker has too few samples of for this
-        receiver, at most one in ``tracker.warmup_gap`` of the receiver's calls. The dense pass is exact everywhere, so the reused segments' real offsets
-        are observed too. With estimated offsets, one more reuse prefill flips one kind's
-        offsets, which gives the tracker a paired sample (:mod:`.anchors.tracker`)."""
+        receiver, at most one in ``tracker.warmup_gap`` of the receiver's calls. The dense pass
+        is exact everywhere, so the reused segments' real offsets are observed too. With
+        estimated offsets, one more reuse prefill flips one kind's offsets, which gives the
+        tracker a paired sample (:mod:`.anchors.tracker`)."""
         if not self.config.audit_every or not plan.runs:
             return None
         self._reused_calls += 1

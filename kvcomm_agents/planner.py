@@ -161,9 +161,9 @@ class _RunDecider:
         if not runs:
             return "prefilled", "stale" if occ.edited else "too_short", 0, None
         prefix_len, n = self.prefix_length, self.n
-        beyond_prefix = [(max(p, prefix_len), s + max(p, prefix_len) - p, p + length - max(p, prefix_len))
-                         for p, s, length in runs if p + length > prefix_len]
-        clipped = {prefix_len} if any(p < prefix_len < p + length for p, s, length in runs) else set()
+        # (prompt start, segment start, length, whether it continues the exact prefix)
+        beyond_prefix = [(max(p, prefix_len), s + max(p, prefix_len) - p, p + length - max(p, prefix_len),
+                          p < prefix_len) for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict, gate = None, None
         if beyond_prefix and self.config.method == "exact_prefix":
@@ -187,16 +187,16 @@ class _RunDecider:
                 only_itself = isinstance(occ, TokenMatch) or self.config.experimental.new_segment == "only_itself"
                 if not only_itself:  # a partial token run judged new costs only itself
                     self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
-                for p, s, length in beyond_prefix:
+                for p, s, length, _ in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
                 return "prefilled", reason, in_prefix, gate  # the rest is computed
         reused = 0
         head = self.config.experimental.recompute_head
-        for p, s, length in beyond_prefix:
+        for p, s, length, continues_prefix in beyond_prefix:
             length = min(length, n - 1 - p)
             # cheap fidelity: the run's first tokens are computed, unless the run continues an
             # exact prefix that already holds them (a repeated prompt then reuses what it reused)
-            taken = min(head, max(length, 0)) if p > prefix_len or p not in clipped else 0
+            taken = 0 if continues_prefix else min(head, max(length, 0))
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken))

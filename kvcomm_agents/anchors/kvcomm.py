@@ -144,9 +144,9 @@ class KVCommAnchors:
         """Runs with their estimated offsets (one estimate per segment), and the own-text pieces.
 
         A run the gate let through gets its segment's offsets (applied unless the tracker turned
-        its kind off for this receiver: they stay on the run for an audit's flipped pass); an own-text run gets the own-text
-        offsets of the segment before it, or is dropped (and its piece computed) when the anchors
-        hold none. Runs without a verdict (the exact-prefix side, re-rotation only) stay as they are.
+        its kind off for this receiver: they stay on the run for an audit's flipped pass); an
+        own-text run gets the own-text offsets of the segment before it, or is dropped (and its
+        piece computed) when the anchors hold none. Runs without a verdict (the exact-prefix side, re-rotation only) stay as they are.
         """
         estimates: dict[str, OffsetEstimate] = {}
         reused_pieces = {piece.start: piece for piece in pieces if piece.reused}
