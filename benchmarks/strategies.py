@@ -27,6 +27,9 @@ method's end-to-end time. The re-rotation baselines also run without the default
   (``"most"``).
 - ``kvcomm-no-audit``: ``kvcomm-mean`` without audits (``audit_every=0``): the default before
   offsets were checked against dense (no warm-up audits, no offsets turned off).
+- ``kvcomm-no-versions``: ``kvcomm-mean`` without recorded versions
+  (``experimental.recorded_versions=False``): a segment another receiver recorded after the same
+  text is not reused with that receiver's offsets (the default before them).
 - ``<engine strategy>-head-N`` (e.g. ``kvcomm-mean-head-8``, ``rerotate-head-8``): the first N
   tokens of every reused run computed in context (``experimental.recompute_head=N``), the
   cheap-fidelity idea.
@@ -62,7 +65,7 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
-         "kvcomm-no-audit", "lower-bound")
+         "kvcomm-no-audit", "kvcomm-no-versions", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
@@ -240,6 +243,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(new_segment="only_itself")},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0},
+        "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma,
+                               "experimental": ExperimentalSettings(recorded_versions=False)},
         "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,
                               "experimental": ExperimentalSettings(anchor_lengths="any")},
         "kvcomm-most-length": {"method": "kvcomm", "gamma": gamma,

@@ -18,7 +18,7 @@ from .config import KVCommConfig
 from .kv.block import KVBlock
 from .kv.own_text import OwnTextStore
 from .kv.rope import RopeRotator
-from .kv.segments import Kind, KVSegment, SegmentRef, content_hash
+from .kv.segments import CONTEXT_TOKENS, Kind, KVSegment, SegmentRef, content_hash
 from .kv.store import SegmentStore
 from .plan import CallPlan
 from .prompt import PromptLayout
@@ -75,11 +75,13 @@ class CallCapture:
         self.fingerprint, self.config = fingerprint, config
         self.own_texts = own_texts if config.experimental.own_text == "reuse" else None
 
-    def cut(self, kv_at: KVAt, start: int, token_ids: list[int], char_spans: list, text: str, kind: Kind) -> KVSegment:
-        """Prompt positions ``start .. start + len(token_ids)`` as a segment (keys de-rotated by ``-start``)."""
+    def cut(self, kv_at: KVAt, start: int, token_ids: list[int], char_spans: list, text: str, kind: Kind,
+            context_ids: list[int] | tuple[int, ...] = ()) -> KVSegment:
+        """Prompt positions ``start .. start + len(token_ids)`` as a segment (keys de-rotated by
+        ``-start``); ``context_ids``: the ids before ``start`` (the KV's context)."""
         block = kv_at(torch.arange(start, start + len(token_ids))).shifted(self.rotator, -start)
         return KVSegment.create(kind=kind, text=text, token_ids=token_ids, char_spans=char_spans, kv=block,
-                                fingerprint=self.fingerprint)
+                                fingerprint=self.fingerprint, context_ids=context_ids[-CONTEXT_TOKENS:])
 
     def store_prefix(self, plan: CallPlan, generated: list[int], kv_at: KVAt) -> None:
         """Keep the exact KV of the prompt plus reply, up to the first re-rotated token."""
@@ -139,11 +141,14 @@ class CallCapture:
             return None
         char_spans = [(s - span[0], e - span[0]) for s, e in layout.offsets[tokens.start : tokens.stop]]
         segment = self.cut(kv_at, tokens.start, layout.ids[tokens.start : tokens.stop].tolist(), char_spans,
-                           layout.text[span[0] : span[1]], kind)
+                           layout.text[span[0] : span[1]], kind,
+                           layout.ids[max(0, tokens.start - CONTEXT_TOKENS) : tokens.start].tolist())
         return segment.ref if self.store.put(segment) else None
 
-    def capture_reply(self, start: int, generated: list[int], text: str, agent: str, kv_at: KVAt) -> Optional[SegmentRef]:
-        """Store the reply's KV (the ids that map onto its text) as an ``(agent, "assistant")`` segment."""
+    def capture_reply(self, start: int, generated: list[int], text: str, agent: str, kv_at: KVAt,
+                      prompt_ids: Optional[torch.Tensor] = None) -> Optional[SegmentRef]:
+        """Store the reply's KV (the ids that map onto its text) as an ``(agent, "assistant")``
+        segment; ``prompt_ids``: the ``[start]`` ids it was generated after (its context)."""
         spans = align_ids_to_text(self.tokenizer, generated, text)
         last = max((i for i, span in enumerate(spans) if span is not None), default=-1)
         if last + 1 < self.config.min_match_tokens or not text:
@@ -152,5 +157,6 @@ class CallCapture:
         same = self.store.find_by_hash(content_hash(text, generated[: last + 1]), self.fingerprint)
         if same is not None and same.ref.kind == kind:
             return same.ref  # the same reply, same ids, same agent: stored once
-        segment = self.cut(kv_at, start, generated[: last + 1], spans[: last + 1], text, kind)
+        context = prompt_ids[-CONTEXT_TOKENS:].tolist() if prompt_ids is not None else ()
+        segment = self.cut(kv_at, start, generated[: last + 1], spans[: last + 1], text, kind, context)
         return segment.ref if self.store.put(segment) else None

@@ -93,6 +93,16 @@ class ExperimentalSettings(BaseModel):
             "2-4 points of reused tokens (docs/benchmarks.md, 'Cheap fidelity'). 0: off."
         ),
     )
+    recorded_versions: bool = Field(
+        default=True,
+        description=(
+            "Reuse a segment with the offsets another receiver (or this one) recorded for this "
+            "very segment when the text before it in that receiver's prompt matches this prompt's "
+            "for longer than the text before the segment's own KV does (method='kvcomm'; "
+            "kvcomm_agents.anchors.versions). False: only the receiver's own recorded offsets and "
+            "the gate's estimates (kept for comparison)."
+        ),
+    )
     shared_runs: Literal["anywhere", "messages"] = Field(
         default="anywhere",
         description=(

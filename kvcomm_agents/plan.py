@@ -51,10 +51,11 @@ class GateRecord(BaseModel):
     anchors: int = Field(description="Length-compatible anchors holding this receiver's offsets (consulted).")
     score: Optional[float] = Field(default=None, description="The score the gate compared with its threshold.")
     entropy: Optional[float] = Field(default=None, description="The paper's H / log2 N over the consulted anchors.")
-    offsets: Optional[Literal["estimated", "own", "off"]] = Field(
+    offsets: Optional[Literal["estimated", "own", "recorded", "base", "off"]] = Field(
         default=None,
         description="With decision 'reuse': 'estimated' from the anchors, 'own' (the receiver recorded this very "
-        "segment), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
+        "segment), 'recorded' (another receiver recorded this very segment after the same text as this prompt "
+        "has before it), 'base' (the segment's own KV was computed after the same text: no offsets), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
 
 
 class SegmentDecision(BaseModel):
@@ -216,6 +217,17 @@ class CallPlan:
         """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""
         return self.runs[0].prompt_start if self.runs else self.num_prompt
 
+    def observable_until(self) -> int:
+        """Prompt position of the first reused token that is not from a recorded version of its
+        segment (``N`` if none): offsets a pass shows before it are recorded as anchors. A
+        recorded version's KV is what its receiver computed after the same text, as near to
+        exact as offsets get (relative error 0.001-0.08 measured, :mod:`~kvcomm_agents.anchors.versions`),
+        so the segments after it are recorded too."""
+        for run in self.runs:
+            if run.own_text or not getattr(run.verdict, "from_version", False):
+                return run.prompt_start
+        return self.num_prompt
+
     def estimated_kinds(self) -> list:
         """Kinds of the shared runs that carry estimated offsets (applied or not), in prompt
         order: the kinds an audit can flip (:meth:`with_offsets_flipped`)."""
@@ -247,6 +259,7 @@ class CallPlan:
 
 
 def _estimated(run: ReusedRun) -> bool:
-    """A shared run whose offsets were estimated from other anchors (not its receiver's own)."""
+    """A shared run whose offsets were estimated from other anchors (not a recorded version of
+    its segment, its receiver's own or another's)."""
     return (not run.own_text and run.key_offsets is not None and run.verdict is not None
-            and not getattr(run.verdict, "own_offsets", False))
+            and getattr(run.verdict, "source", None) is None)

@@ -25,6 +25,7 @@ from typing import Optional
 from .anchors import KVCommAnchors
 from .config import KVCommConfig
 from .kv.own_text import OwnTextStore, piece_key
+from .kv.segments import CONTEXT_TOKENS
 from .kv.store import SegmentStore
 from .matching import Occurrence, TokenMatch, find_occurrences, find_token_matches, match_runs
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
@@ -170,19 +171,22 @@ class _RunDecider:
             return "prefilled", "exact_only", in_prefix, None  # the rest is computed
         if beyond_prefix and self.anchors is not None:
             reason = None
+            first_p, first_s = beyond_prefix[0][0], beyond_prefix[0][1]
+            tokens = (first_s, beyond_prefix[-1][1] + beyond_prefix[-1][2])
+            context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
             if self.calibrating:
                 reason = "calibration"
-            elif self.dense_from is not None:
-                reason = "after_new_anchor"
             else:
-                verdict = self.anchors.decide(self.agent, occ.segment)
-                offsets = None
-                if verdict.reuse:
-                    offsets = "own" if verdict.own_offsets else ("estimated" if verdict.offsets_on else "off")
-                gate = GateRecord(decision="reuse" if verdict.reuse else "new_anchor", anchors=verdict.anchors,
-                                  score=verdict.score, entropy=verdict.entropy, offsets=offsets)
-                if not verdict.reuse:
-                    reason = "new_anchor"
+                # after a new anchor only a recorded version of the segment is reused (its KV is
+                # what a receiver computed after the same text): the context stays near exact
+                verdict = (self.anchors.recorded(self.agent, occ.segment, tokens, context) if self.dense_from is not None
+                           else self.anchors.decide(self.agent, occ.segment, tokens, context))
+                if verdict is None:
+                    reason = "after_new_anchor"
+                else:
+                    gate = _gate_record(verdict)
+                    if not verdict.reuse:
+                        reason = "new_anchor"
             if reason is not None:
                 only_itself = isinstance(occ, TokenMatch) or self.config.experimental.new_segment == "only_itself"
                 if not only_itself:  # a partial token run judged new costs only itself
@@ -205,3 +209,13 @@ class _RunDecider:
         if not reused:
             return "prefilled", "too_short", 0, gate
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
+
+
+def _gate_record(verdict) -> GateRecord:
+    """What the stats say about one gate verdict."""
+    offsets = None
+    if verdict.reuse:
+        offsets = ("own" if verdict.own_offsets else "recorded" if verdict.source is not None
+                   else "base" if verdict.base_fits else "estimated" if verdict.offsets_on else "off")
+    return GateRecord(decision="reuse" if verdict.reuse else "new_anchor", anchors=verdict.anchors,
+                      score=verdict.score, entropy=verdict.entropy, offsets=offsets)

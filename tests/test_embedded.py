@@ -48,9 +48,11 @@ QUESTIONS = [
 
 
 def test_default_kvcomm_records_anchors_then_reuses(engine):
-    """The default engine (KVCOMM, mean offsets, entropy gate): on the first questions the
-    downstream solvers prefill what they have not seen twice (new anchors, recorded); on the
-    third the gate consults two anchors per kind and reuses."""
+    """The default engine (KVCOMM, mean offsets, entropy gate, recorded versions): on the first
+    question solver two reuses the question as it is (its KV was computed after the same
+    system-prompt ending) and computes solver one's reply in context (a new anchor, recorded);
+    solver three reuses that reply with solver two's recorded offsets (the same text precedes
+    it); on the third question the gate consults two anchors and reuses with estimated offsets."""
     kvcomm = KVCommEngine(engine.model, engine.tokenizer)
     assert (kvcomm.config.method, kvcomm.config.experimental.estimator) == ("kvcomm", "mean")
     per_question = []
@@ -62,9 +64,15 @@ def test_default_kvcomm_records_anchors_then_reuses(engine):
             calls.append(result.stats)
         per_question.append(calls)
     first, last = per_question[0], per_question[-1]
-    assert [d.reason for d in first[1].decisions][0] == "new_anchor"
-    assert first[1].reused_tokens == first[1].prefix_tokens  # only an exact prefix (template start)
-    gates = [d.gate for d in last[1].decisions if d.gate is not None]
-    assert gates and all(g.anchors == 2 for g in gates)
+
+    def by_kind(stats):
+        return {d.segment.kind: d for d in stats.decisions}
+
+    second = by_kind(first[1])
+    assert second[("user", None)].gate.offsets == "base"
+    assert second[("solver-1", "assistant")].reason == "new_anchor"
+    assert by_kind(first[2])[("solver-1", "assistant")].gate.offsets == "recorded"
+    estimated = [d.gate for d in last[1].decisions if d.gate is not None and d.gate.offsets == "estimated"]
+    assert estimated and all(g.anchors == 2 for g in estimated)
     assert ReuseSummary.of(s for s in last[1:]).token_share > 0.3
-    assert kvcomm.anchors.anchors(("user", None)) >= 2 and kvcomm.anchors.nbytes() > 0
+    assert kvcomm.anchors.anchors(("solver-1", "assistant")) >= 2 and kvcomm.anchors.nbytes() > 0

@@ -43,12 +43,15 @@ def estimate_offsets(
     estimator: Estimator,
     temperature: float,
     piece: Optional[str] = None,
+    source: Optional[str] = None,
 ) -> OffsetEstimate:
     """Offsets of a segment with canonical base ``keys``/``values`` ``[L-1, H, T, D]`` for
     ``receiver``, from the anchors in ``slots`` (``[N]``, all holding this receiver's offsets and
-    at least ``T`` tokens long); with ``piece``, also the own-text offsets of that piece."""
+    at least ``T`` tokens long); with ``piece``, also the own-text offsets of that piece.
+    ``source``: whose placeholder offsets the anchors are read from (default ``receiver``; a
+    recorded version of the segment, :mod:`.versions`)."""
     t = keys.shape[2]
-    stack = pool.placeholder[receiver]
+    stack = pool.placeholder[source or receiver]
     device = stack.keys.device
     query_k, query_v = keys.float().to(device), values.float().to(device)
     if estimator == "mean" and bool((pool.lengths[slots] < t).any()):

@@ -34,6 +34,11 @@ class GateVerdict:
         weights: ``[N]`` softmax over the consulted anchors' value distances.
         candidates: ``[N]`` their slots.
         own_offsets: the receiver recorded this very segment and reuses its own offsets.
+        source: the receiver whose recorded offsets of this very segment are reused (its own,
+            or another's whose context matches the new prompt better than the base's,
+            :mod:`.versions`); None where offsets are estimated from other anchors.
+        base_fits: the segment's own KV was computed after the same text as here
+            (:mod:`.versions`): reused as it is, no offsets.
         offsets_on: the estimated offsets are applied (False: the audits measured that this
             kind's offsets hurt this receiver, :mod:`.tracker`; the segment is re-rotated only).
     """
@@ -46,6 +51,13 @@ class GateVerdict:
     candidates: Optional[torch.Tensor] = None
     own_offsets: bool = False
     offsets_on: bool = True
+    source: Optional[str] = None
+    base_fits: bool = False
+
+    @property
+    def from_version(self) -> bool:
+        """Reused as a version computed after the same text (no estimate, :mod:`.versions`)."""
+        return self.source is not None or self.base_fits
 
 
 def entropy_score(distances: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -74,7 +86,8 @@ def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamm
         stack = pool.placeholder.get(receiver)
         if stack is not None and own < stack.has.numel() and bool(stack.has[own]):
             # the receiver recorded this very segment: its own offsets, weight 1
-            return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([own]), own_offsets=True)
+            return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([own]), own_offsets=True,
+                               source=receiver)
     slots = pool.candidates(receiver, segment.num_tokens, exclude=own, length_share=length_share)
     verdict = GateVerdict(False, int(slots.numel()), candidates=slots)
     if slots.numel() == 0:

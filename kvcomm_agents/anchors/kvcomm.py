@@ -24,13 +24,14 @@ from ..errors import BudgetWarning
 from ..kv.block import KVBlock
 from ..kv.blocks import BlockCount
 from ..kv.rope import RopeRotator
-from ..kv.segments import Kind, KVSegment
+from ..kv.segments import CONTEXT_TOKENS, Kind, KVSegment
 from ..plan import CallPlan, OwnTextPiece, ReusedRun
 from .estimate import Estimator, OffsetEstimate, estimate_offsets
 from .gate import GateVerdict, judge
 from .persist import load_pools, save_pools
 from .pool import AnchorPool
 from .tracker import OffsetTracker
+from .versions import best_recorded_version
 
 __all__ = ["KVCommAnchors", "ExactKV"]
 
@@ -55,6 +56,8 @@ class KVCommAnchors:
         length_share: consult anchors at least this share of a segment's length (1: the paper;
             below 1 with the mean estimator only: covered tokens from the anchors' starts, the
             rest from their ends).
+        recorded_versions: reuse another receiver's recorded offsets of the very segment when
+            its context matches better than the base's (:mod:`.versions`).
     """
 
     def __init__(
@@ -70,7 +73,9 @@ class KVCommAnchors:
         activation_top_p: float = 0.9,
         freeze: Optional[BlockCount] = None,
         length_share: float = 1.0,
+        recorded_versions: bool = True,
     ) -> None:
+        self.recorded_versions = recorded_versions
         self.length_share = length_share if estimator == "mean" else 1.0
         self.max_anchors, self.eviction_window, self.max_bytes = max_anchors, eviction_window, max_bytes
         self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
@@ -124,17 +129,45 @@ class KVCommAnchors:
 
     # ---- 1. decide --------------------------------------------------------------------------
     @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
-    def decide(self, receiver: str, segment: KVSegment) -> GateVerdict:
-        """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor."""
+    def decide(self, receiver: str, segment: KVSegment, tokens: Optional[tuple[int, int]] = None,
+               context: Sequence[int] = ()) -> GateVerdict:
+        """Reuse ``segment`` for ``receiver`` with recorded or estimated offsets, or make it a
+        new anchor. ``tokens``: the segment tokens ``(first, last)`` (exclusive) the prompt
+        reuses; ``context``: the prompt's ids before token ``first``. A recorded version of the
+        segment whose context matches better than the base's is reused first (:mod:`.versions`);
+        otherwise the gate judges (:mod:`.gate`)."""
         with self._lock:
             pool = self.pool(segment.ref.kind)
+            if tokens is not None:
+                recorded = self.recorded(receiver, segment, tokens, context)
+                if recorded is not None:
+                    return recorded
             verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors,
                             length_share=self.length_share)
-            if verdict.reuse and not verdict.own_offsets:
+            if verdict.reuse and verdict.source is None:
                 verdict.offsets_on = self.tracker.offsets_on(receiver, segment.ref.kind)
                 if not self.frozen:
                     pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
             return verdict
+
+    @torch.inference_mode()
+    def recorded(self, receiver: str, segment: KVSegment, tokens: tuple[int, int],
+                 context: Sequence[int]) -> Optional[GateVerdict]:
+        """A reuse verdict with the version of ``segment`` (its base, or a receiver's recorded
+        offsets) whose context fits ``context`` (the prompt's ids before segment token
+        ``tokens[0]``) longest, or None when none fits (:mod:`.versions`; also None with
+        ``recorded_versions`` off)."""
+        if not self.recorded_versions:
+            return None
+        with self._lock:
+            version = best_recorded_version(self.pool(segment.ref.kind), receiver, segment, tokens[0], tokens[1],
+                                            context)
+        if version is None:
+            return None
+        if version.receiver is None:
+            return GateVerdict(True, 0, score=0.0, base_fits=True)
+        return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([version.slot]),
+                           own_offsets=version.receiver == receiver, source=version.receiver)
 
     # ---- 2. attach offsets ----------------------------------------------------------------
     @torch.inference_mode()
@@ -153,7 +186,7 @@ class KVCommAnchors:
         dropped: set[int] = set()
         kept = []
         for run in runs:
-            if run.verdict is None:
+            if run.verdict is None or run.verdict.base_fits:
                 kept.append(run)
             elif not run.own_text:
                 est = estimates.get(run.segment.id)
@@ -182,7 +215,7 @@ class KVCommAnchors:
             self._pools.move_to_end(kind)
             keys, values = segment.kv.upper_layers()
             return estimate_offsets(pool, receiver, keys, values, verdict.candidates, self.estimator,
-                                    self.temperature, piece)
+                                    self.temperature, piece, source=verdict.source)
 
     # ---- 3. observe -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -206,14 +239,15 @@ class KVCommAnchors:
             rotator: moves real keys into the canonical frame of the base.
             own_text: base KV of the plan's own-text pieces, by piece start.
         """
-        exact_until = plan.num_prompt if plan.observe_after_reuse else plan.exact_until()
+        exact_until = plan.num_prompt if plan.observe_after_reuse else plan.observable_until()
         if not self.frozen:
             for seen in plan.observations:
                 if seen.length <= 0 or seen.prompt_start + seen.length > exact_until:
                     continue
                 keys, values = offsets(exact_kv(seen.prompt_start, seen.length), seen.segment.kv,
                                        seen.prompt_start - seen.segment_start, seen.segment_start, rotator)
-                self._record(receiver, seen.segment, seen.segment_start, keys, values)
+                context = tuple(plan.prompt_ids[max(0, seen.prompt_start - CONTEXT_TOKENS):seen.prompt_start].tolist())
+                self._record(receiver, seen.segment, seen.segment_start, keys, values, context)
         for piece in plan.pieces:
             base = own_text.get(piece.start)
             if piece.reused or base is None or not piece.observed or piece.end > exact_until:
@@ -221,9 +255,10 @@ class KVCommAnchors:
             keys, values = offsets(exact_kv(piece.start, piece.end - piece.start), base.kv, piece.start, 0, rotator)
             self._record_own_text(receiver, piece.after, piece.key, keys, values)
 
-    def _record(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``; the segment becomes an
-        anchor of its kind's pool if it is not one yet."""
+    def _record(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor,
+                context: Optional[tuple[int, ...]] = None) -> None:
+        """Offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``, observed after the ids
+        ``context``; the segment becomes an anchor of its kind's pool if it is not one yet."""
         kind = tuple(segment.ref.kind)
         with self._lock:
             pool = self._pools.get(kind)
@@ -232,7 +267,7 @@ class KVCommAnchors:
             slot = pool.slot_of(segment.id)
             if slot is None:
                 slot = pool.add(segment)
-            pool.record(slot, receiver, start, keys, values)
+            pool.record(slot, receiver, start, keys, values, context)
             self._pools.move_to_end(kind)
             self._enforce_budget()
 

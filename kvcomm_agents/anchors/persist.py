@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import AnchorFileError
-from .pool import AnchorPool, OffsetStack
+from .pool import AnchorPool, OffsetStack, RecordedContext
 
 __all__ = ["FORMAT", "save_pools", "load_pools"]
 
@@ -49,6 +49,8 @@ def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -
         described.append({
             "kind": list(pool.kind), "segment_ids": pool.segment_ids, "created": pool.created, "clock": pool._clock,
             "stacks": [[role, list(key) if isinstance(key, tuple) else key] for role, key, _ in stacks],
+            "contexts": [{str(slot): [c.start, c.end, list(c.ids)] for slot, c in stack.contexts.items()}
+                         for _, _, stack in stacks],
         })
     meta = {"format": FORMAT, **header, "pools": described}
     path = os.fspath(path)
@@ -105,12 +107,15 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
         pool.base_values = _checked(tensors[f"{name}.base_values"], shape, device, dtype)
         if pool.base_keys.shape[0] < slots or pool.base_values.shape != pool.base_keys.shape:
             raise ValueError("base KV of another size than the pool")
+    contexts = desc.get("contexts") or [{} for _ in desc["stacks"]]  # files before recorded versions: none
     for j, (role, key) in enumerate(desc["stacks"]):
         has = tensors[f"{name}.stack{j}.has"].to(torch.bool)
         keys = tensors.get(f"{name}.stack{j}.keys")
         stack = OffsetStack(None if keys is None else _checked(keys, shape, device, torch.float32),
                             None if keys is None else _checked(tensors[f"{name}.stack{j}.values"], shape, device,
                                                                torch.float32), has)
+        stack.contexts = {int(slot): RecordedContext(int(c[0]), int(c[1]), tuple(int(i) for i in c[2]))
+                          for slot, c in contexts[j].items()}
         if role == "placeholder":
             pool.placeholder[str(key)] = stack
         elif role == "own_text":

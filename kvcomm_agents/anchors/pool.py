@@ -16,7 +16,7 @@ import torch
 
 from ..kv.segments import Kind, KVSegment
 
-__all__ = ["AnchorPool", "OffsetStack", "take", "top_p_members"]
+__all__ = ["AnchorPool", "OffsetStack", "RecordedContext", "take", "top_p_members"]
 
 
 def _zeros_like_grown(t: Optional[torch.Tensor], slots: int, tokens: int, like: torch.Tensor) -> torch.Tensor:
@@ -35,20 +35,31 @@ class OffsetStack:
     Attributes:
         keys, values: ``[slots, L-1, kv_heads, tokens, head_dim]`` canonical-frame offsets.
         has: ``[slots]`` bool, which slots hold offsets.
+        contexts: per slot, the :class:`RecordedContext` its offsets were observed in (absent
+            where unknown or mixed from several passes).
     """
 
     keys: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     has: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    contexts: dict[int, "RecordedContext"] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
-    def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor, slots: int, tokens: int) -> None:
+    def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor, slots: int, tokens: int,
+              context: Optional[tuple[int, ...]] = None) -> None:
         """Store ``[L-1, H, n, D]`` offsets of tokens ``start..start+n`` in ``slot`` (the stack
-        grows to at least ``slots`` x ``tokens``, the pool's capacity)."""
+        grows to at least ``slots`` x ``tokens``, the pool's capacity). ``context``: the ids
+        before token ``start`` in the pass that observed them (None: unknown)."""
         n = keys.shape[2]
+        fresh = slot >= self.has.numel() or not bool(self.has[slot])
+        old = None if fresh else self.contexts.get(slot)
+        if context is not None and (fresh or (old is not None and start <= old.start and start + n >= old.end)):
+            self.contexts[slot] = RecordedContext(start, start + n, tuple(context))
+        elif not fresh or context is None:
+            self.contexts.pop(slot, None)  # offsets of several passes (or of an unknown one)
         tokens = max(tokens, start + n)
         cap_slots, cap_tokens = (self.keys.shape[0], self.keys.shape[3]) if self.keys is not None else (0, 0)
         if slots > cap_slots or tokens > cap_tokens:
@@ -66,6 +77,17 @@ class OffsetStack:
     def clear_slot(self, slot: int) -> None:
         if slot < self.has.numel():
             self.has[slot] = False
+        self.contexts.pop(slot, None)
+
+
+@dataclass(frozen=True)
+class RecordedContext:
+    """Where a slot's offsets were observed: segment tokens ``start..end`` and the last ids
+    (at most ``CONTEXT_TOKENS``) before token ``start`` in that prompt."""
+
+    start: int
+    end: int
+    ids: tuple[int, ...]
 
 
 def take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -176,10 +198,12 @@ class AnchorPool:
             stack.clear_slot(victim)
         return victim
 
-    def record(self, slot: int, receiver: str, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Placeholder offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``."""
+    def record(self, slot: int, receiver: str, start: int, keys: torch.Tensor, values: torch.Tensor,
+               context: Optional[tuple[int, ...]] = None) -> None:
+        """Placeholder offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``, observed
+        after ``context`` (the ids before token ``start``; None: unknown)."""
         stack = self.placeholder.setdefault(receiver, OffsetStack())
-        stack.write(slot, start, keys, values, *self._capacity)
+        stack.write(slot, start, keys, values, *self._capacity, context=context)
 
     def record_own_text(self, slot: int, receiver: str, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Offsets ``[L-1, H, P, D]`` of the receiver's own-text piece ``piece`` after the segment."""
@@ -243,3 +267,5 @@ class AnchorPool:
             has = torch.zeros(n, dtype=torch.bool)
             has[: kept.numel()] = stack.has[kept]
             stack.keys, stack.values, stack.has = stack.keys[kept].clone(), stack.values[kept].clone(), has
+            moved = {old: new for new, old in enumerate(keep)}
+            stack.contexts = {moved[old]: c for old, c in stack.contexts.items() if old in moved}

@@ -16,7 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .block import KVBlock
 
-__all__ = ["SegmentRef", "KVSegment", "content_hash", "Kind"]
+__all__ = ["SegmentRef", "KVSegment", "content_hash", "Kind", "CONTEXT_TOKENS"]
+
+#: How many ids before a segment (or an anchor's recorded offsets) are kept to say in which
+#: context its KV was computed: the nearest text shapes a token's KV most.
+CONTEXT_TOKENS = 64
 
 #: What produced a segment: ``(agent, "assistant")`` for replies, ``("user", None)`` for user
 #: text, ``(tool_name, "tool")`` for tool results, ``("document", None)`` for ``add_segment``.
@@ -65,6 +69,9 @@ class KVSegment:
             for ids that do not map onto ``text`` exactly (never matched).
         kv: the KV of those ``T`` tokens, post-RoPE keys de-rotated so that token ``i`` sits at
             position ``i``.
+        context_ids: the last ids (at most :data:`CONTEXT_TOKENS`) before the segment's first
+            token where its KV was computed (empty where nothing preceded it or it is unknown):
+            which context the KV belongs to (:mod:`kvcomm_agents.anchors.versions`).
     """
 
     ref: SegmentRef
@@ -72,6 +79,7 @@ class KVSegment:
     token_ids: tuple[int, ...]
     char_spans: tuple[Optional[tuple[int, int]], ...]
     kv: KVBlock
+    context_ids: tuple[int, ...] = ()
     _index: dict[tuple[int, int], int] | None = field(default=None, repr=False)
 
     @classmethod
@@ -84,6 +92,7 @@ class KVSegment:
         char_spans: list[Optional[tuple[int, int]]] | tuple[Optional[tuple[int, int]], ...],
         kv: KVBlock,
         fingerprint: str,
+        context_ids: list[int] | tuple[int, ...] = (),
     ) -> "KVSegment":
         """Build a segment and its reference (a fresh id)."""
         token_ids = tuple(int(t) for t in token_ids)
@@ -98,7 +107,8 @@ class KVSegment:
             text_hash=content_hash(text, token_ids),
             fingerprint=fingerprint,
         )
-        return cls(ref, text, token_ids, tuple(char_spans), kv)
+        context = tuple(int(t) for t in context_ids)[-CONTEXT_TOKENS:] if CONTEXT_TOKENS else ()
+        return cls(ref, text, token_ids, tuple(char_spans), kv, context)
 
     @property
     def id(self) -> str:
