@@ -149,7 +149,7 @@ def _stats_fields(out: CallOutcome) -> dict:
         "recomputed_tokens": s.recomputed_tokens, "own_text_tokens": s.own_text_tokens, "mode": s.mode,
         "prefilled_reasons": [d.reason for d in shared if d.status == "prefilled"],
         "offsets_off": sum(1 for d in shared if d.gate is not None and d.gate.offsets == "off"),
-        "gate": [[d.gate.decision, d.gate.anchors, d.gate.score] for d in shared if d.gate is not None],
+        "gate": [[d.gate.decision, d.gate.anchors, d.gate.score, d.gate.offsets] for d in shared if d.gate is not None],
         "audit_kl": s.audit_kl,
         "plan_s": s.plan_s, "align_s": s.align_s, "hook_s": s.hook_s, "prefill_s": s.prefill_s,
         "total_s": s.total_s,

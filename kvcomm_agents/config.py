@@ -205,6 +205,18 @@ class KVCommConfig(BaseModel):
             "(docs/anchors.md, 'Offsets checked against dense')."
         ),
     )
+    kl_budget: Optional[float] = Field(
+        default=None, gt=0.0,
+        description=(
+            "Fidelity budget of KVCOMM's estimated offsets (method='kvcomm', needs audit_every): "
+            "where the audits measure a receiver's calls with a segment kind's estimated offsets "
+            "at a mean first-token KL(dense || served) above it, that kind's segments are "
+            "prefilled for that receiver instead (reason 'over_kl_budget', recorded as anchors), "
+            "but for one call in 4, reused and audited to keep the measure current. Versions of a "
+            "segment computed after the same text are not estimates and always reused. None: no "
+            "budget."
+        ),
+    )
     experimental: ExperimentalSettings = Field(
         default_factory=ExperimentalSettings,
         description="Research knobs (estimator, own-text reuse, anchor pool details); see ExperimentalSettings.",

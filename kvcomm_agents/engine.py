@@ -96,7 +96,7 @@ class KVCommEngine:
             max_anchors=c.max_anchors, eviction_window=x.eviction_window, max_bytes=c.anchor_max_bytes if c.anchor_max_bytes is not None else anchor_budget,
             estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
             activation_top_p=x.activation_top_p, freeze=self._freeze, length_share={"at_least": 1.0, "most": 0.75, "any": 0.0}[x.anchor_lengths],
-            recorded_versions=x.recorded_versions,
+            recorded_versions=x.recorded_versions, kl_budget=c.kl_budget,
         )
         self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
         self._calibrating = BlockCount()  # open calibrating() blocks

@@ -36,6 +36,7 @@ DecisionReason = Literal[
     "sliding_window",  # prefilled: prompt plus reply exceed the model's sliding window
     "new_anchor",  # prefilled: the anchor gate judged it new (too few or too dissimilar anchors); recorded now
     "after_new_anchor",  # prefilled: it follows a new-anchor segment, computed densely from there
+    "over_kl_budget",  # prefilled: audits measured this receiver's calls with estimated offsets of this kind above kl_budget; recorded now
     "exact_only",  # prefilled: method="exact_prefix"; only exact prefixes are reused
     "calibration",  # prefilled: engine.calibrate / calibrating(): computed densely and recorded as an anchor
     "bad_reference",  # prefilled: the message's segment reference is malformed (another version, hand-written)

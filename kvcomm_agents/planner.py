@@ -186,7 +186,7 @@ class _RunDecider:
                 else:
                     gate = _gate_record(verdict)
                     if not verdict.reuse:
-                        reason = "new_anchor"
+                        reason = "over_kl_budget" if verdict.over_budget else "new_anchor"
             if reason is not None:
                 only_itself = isinstance(occ, TokenMatch) or self.config.experimental.new_segment == "only_itself"
                 if not only_itself:  # a partial token run judged new costs only itself

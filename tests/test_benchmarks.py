@@ -182,3 +182,19 @@ def test_timed_end_to_end_reports_each_pipelines_wall_time(tmp_path):
     assert set(walls) == set(run.E2E_STRATEGIES)
     assert all(w["median_s"] > 0 and w["requests"] >= 1 for w in walls.values())
     assert walls["dense"]["speedup_vs_dense"] == 1.0
+
+
+def test_offset_sources_scores_each_receivers_recorded_offsets(tmp_path):
+    """``benchmarks.offset_sources`` on a tiny model: every reply kind read by two or more
+    receivers is scored from the other receivers' records, errors are relative (>= 0), the
+    JSON is written."""
+    from benchmarks import offset_sources
+
+    out = tmp_path / "sources.json"
+    results = offset_sources.main(["--model", "random:tiny", "--workloads", "b", "--requests", "2", "--out", str(out)])
+    rows = results["b"]
+    replies = [r for r in rows if r["kind"] == ["solver-1", "assistant"]]
+    assert {r["receiver"] for r in replies} == {"solver-2", "solver-3", "solver-4"}
+    assert all(any(k.startswith("from ") for k in r["error"]) for r in replies)
+    assert all(v >= 0 for r in rows for v in r["error"].values())
+    assert json.loads(out.read_text()) == results

@@ -39,6 +39,8 @@ class GateVerdict:
             :mod:`.versions`); None where offsets are estimated from other anchors.
         base_fits: the segment's own KV was computed after the same text as here
             (:mod:`.versions`): reused as it is, no offsets.
+        over_budget: the gate let it through, but audits measured this receiver's calls with
+            this kind's estimated offsets above ``kl_budget`` (:mod:`.tracker`): prefilled.
         offsets_on: the estimated offsets are applied (False: the audits measured that this
             kind's offsets hurt this receiver, :mod:`.tracker`; the segment is re-rotated only).
     """
@@ -53,6 +55,7 @@ class GateVerdict:
     offsets_on: bool = True
     source: Optional[str] = None
     base_fits: bool = False
+    over_budget: bool = False
 
     @property
     def from_version(self) -> bool:

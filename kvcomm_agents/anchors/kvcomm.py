@@ -58,6 +58,8 @@ class KVCommAnchors:
             rest from their ends).
         recorded_versions: reuse another receiver's recorded offsets of the very segment when
             its context matches better than the base's (:mod:`.versions`).
+        kl_budget: audited first-token KL above which a receiver's segments of a kind are
+            prefilled rather than reused with estimated offsets (:mod:`.tracker`; None: none).
     """
 
     def __init__(
@@ -74,8 +76,9 @@ class KVCommAnchors:
         freeze: Optional[BlockCount] = None,
         length_share: float = 1.0,
         recorded_versions: bool = True,
+        kl_budget: Optional[float] = None,
     ) -> None:
-        self.recorded_versions = recorded_versions
+        self.recorded_versions, self.kl_budget = recorded_versions, kl_budget
         self.length_share = length_share if estimator == "mean" else 1.0
         self.max_anchors, self.eviction_window, self.max_bytes = max_anchors, eviction_window, max_bytes
         self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
@@ -145,6 +148,9 @@ class KVCommAnchors:
             verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors,
                             length_share=self.length_share)
             if verdict.reuse and verdict.source is None:
+                if not self.tracker.within_budget(receiver, segment.ref.kind, self.kl_budget):
+                    verdict.reuse, verdict.over_budget = False, True
+                    return verdict
                 verdict.offsets_on = self.tracker.offsets_on(receiver, segment.ref.kind)
                 if not self.frozen:
                     pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)

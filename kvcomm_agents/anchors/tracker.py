@@ -13,6 +13,13 @@ the gate record), and later audits keep measuring both ways, so offsets come bac
 helping. This is what keeps KVCOMM from drifting further from dense than re-rotation only on a
 model or prompt format where offsets learned on one context do not transfer to another.
 
+A fidelity budget on top (``KVCommConfig.kl_budget``): where the recent samples put the KL a
+receiver is served with a kind's estimated offsets (offsets on or off, as the rule above serves
+them) above the budget, that kind's segments are prefilled for that receiver instead (new
+anchors, reason ``over_kl_budget``) except one decision in ``probe_every``, which is reused and
+audited so that the measure stays current. Versions of a segment computed after the same text
+(:mod:`.versions`) are not estimates and are never held back.
+
 Pure bookkeeping over floats: no tensors, no model.
 """
 
@@ -60,10 +67,12 @@ class OffsetTracker:
             a receiver (the first on its ``warmup_gap``-th).
     """
 
-    def __init__(self, window: int = 8, min_samples: int = 2, warmup_gap: int = 4) -> None:
-        if window < 1 or min_samples < 1 or warmup_gap < 1:
-            raise ValueError("window, min_samples and warmup_gap must be >= 1")
+    def __init__(self, window: int = 8, min_samples: int = 2, warmup_gap: int = 4, probe_every: int = 4) -> None:
+        if window < 1 or min_samples < 1 or warmup_gap < 1 or probe_every < 1:
+            raise ValueError("window, min_samples, warmup_gap and probe_every must be >= 1")
         self.window, self.min_samples, self.warmup_gap = window, min_samples, warmup_gap
+        self.probe_every = probe_every
+        self._held_back: dict[tuple[str, Kind], int] = {}
         self._samples: dict[tuple[str, Kind], deque[PairedSample]] = {}
         self._since_audit: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -91,10 +100,36 @@ class OffsetTracker:
                 return True
             return sum(s.kl_on - s.kl_off for s in samples) <= 0.0
 
-    def wants_audit(self, receiver: str, kinds: Iterable[Kind]) -> bool:
-        """True while one of ``kinds`` has fewer than ``min_samples`` samples for ``receiver``."""
+    def served_kl(self, receiver: str, kind: Kind) -> Optional[float]:
+        """Mean first-token KL of ``receiver``'s audited calls with ``kind``'s estimated offsets
+        as served (on or off, :meth:`offsets_on`); None with fewer than ``min_samples``."""
+        on = self.offsets_on(receiver, kind)
         with self._lock:
-            return any(len(self._samples.get((receiver, tuple(k)), ())) < self.min_samples for k in kinds)
+            samples = list(self._samples.get((receiver, tuple(kind)), ()))
+        if len(samples) < self.min_samples:
+            return None
+        return sum(s.kl_on if on else s.kl_off for s in samples) / len(samples)
+
+    def within_budget(self, receiver: str, kind: Kind, budget: Optional[float]) -> bool:
+        """Whether ``receiver`` may reuse ``kind``'s segments with estimated offsets under the
+        KL ``budget`` (None: no budget). Over it, every ``probe_every``-th call still may (a
+        probe, audited: :meth:`wants_audit`), so that the samples follow the anchors."""
+        served = self.served_kl(receiver, kind) if budget is not None else None
+        key = (receiver, tuple(kind))
+        if served is None or served <= budget:
+            with self._lock:
+                self._held_back.pop(key, None)
+            return True
+        with self._lock:
+            count = self._held_back[key] = self._held_back.get(key, 0) + 1
+        return count % self.probe_every == 0
+
+    def wants_audit(self, receiver: str, kinds: Iterable[Kind]) -> bool:
+        """True while one of ``kinds`` has fewer than ``min_samples`` samples for ``receiver``,
+        or is held back by the KL budget (a probe's call)."""
+        with self._lock:
+            return any(len(self._samples.get((receiver, tuple(k)), ())) < self.min_samples
+                       or self._held_back.get((receiver, tuple(k)), 0) for k in kinds)
 
     def kind_to_flip(self, receiver: str, kinds: Iterable[Kind]) -> Optional[Kind]:
         """The kind among ``kinds`` with the fewest samples for ``receiver`` (first one on ties),
@@ -127,3 +162,4 @@ class OffsetTracker:
         with self._lock:
             self._samples.clear()
             self._since_audit.clear()
+            self._held_back.clear()

@@ -53,6 +53,22 @@ def test_warmup_audits_come_at_most_once_every_gap_calls():
     assert not any(tracker.warmup_audit_due("s2", [USER]) for _ in range(5))
 
 
+def test_a_kind_over_the_kl_budget_is_held_back_but_for_probes_which_are_audited():
+    tracker = OffsetTracker(min_samples=2, probe_every=3)
+    assert tracker.within_budget("s2", USER, 0.01)  # no samples: no verdict yet
+    tracker.record("s2", USER, kl_on=0.05, kl_off=0.2)
+    tracker.record("s2", USER, kl_on=0.03, kl_off=0.2)
+    assert tracker.served_kl("s2", USER) == pytest.approx(0.04)  # offsets on: their KL is served
+    assert tracker.within_budget("s2", USER, None) and tracker.within_budget("s2", USER, 0.05)
+    assert not tracker.wants_audit("s2", [USER])
+    assert [tracker.within_budget("s2", USER, 0.01) for _ in range(6)] == [False, False, True] * 2
+    assert tracker.wants_audit("s2", [USER])  # the probes are what keeps the measure current
+    assert tracker.within_budget("s2", REPLY_KIND, 0.01)  # per kind
+    for _ in range(8):  # probes measured low: back within the budget, no more forced audits
+        tracker.record("s2", USER, kl_on=0.001, kl_off=0.2)
+    assert tracker.within_budget("s2", USER, 0.01) and not tracker.wants_audit("s2", [USER])
+
+
 def _prompt(question: str) -> list[dict]:
     return [{"role": "system", "content": "You are solver two."}, {"role": "user", "content": question}]
 
@@ -99,3 +115,27 @@ def test_harmful_offsets_are_turned_off_after_paired_audits(model, tokenizer):
     torch.testing.assert_close(served, first_logits(rerotate, _prompt(questions[4]), agent="s2"), atol=1e-4, rtol=0)
     reference = first_logits(dense, _prompt(questions[4]), agent="s2")
     assert first_token_kl(reference, served) <= record.mean_kl_on
+
+
+def test_over_the_kl_budget_a_receiver_prefills_that_kind_and_matches_dense(model, tokenizer):
+    """With a budget no estimate meets, the warm-up audits' samples put the user kind over it:
+    the next call prefills the segment (reason over_kl_budget) and its first-token logits equal
+    dense prefill's."""
+    config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False, kl_budget=1e-9)
+    engine = KVCommEngine(model, tokenizer, config=config)
+    engine.anchors.tracker.warmup_gap = 1
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    questions = [f"How many apples are left if Sam has {'very ' * (8 - i)}many and eats {i}?" for i in range(6)]
+
+    def ask(question: str):
+        engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)
+        return engine.replay(_prompt(question), agent="s2", reply_ids=[tokenizer.eos_token_id])
+
+    for question in questions[:4]:  # two new anchors, then two reused calls, audited
+        ask(question)
+    assert engine.anchors.tracker.served_kl("s2", USER) > 1e-9
+    replay = ask(questions[4])
+    (decision,) = replay.result.stats.shared_decisions
+    assert (decision.status, decision.reason) == ("prefilled", "over_kl_budget")
+    reference = first_logits(dense, _prompt(questions[4]), agent="s2")
+    torch.testing.assert_close(replay.first_token_logits, reference, atol=1e-4, rtol=0)
