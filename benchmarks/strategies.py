@@ -27,12 +27,10 @@ method's end-to-end time. The re-rotation baselines also run without the default
   (``"most"``).
 - ``kvcomm-no-audit``: ``kvcomm-mean`` without audits (``audit_every=0``): the default before
   offsets were checked against dense (no warm-up audits, no offsets turned off).
-- ``kvcomm-no-versions``: ``kvcomm-mean`` without recorded versions
-  (``experimental.recorded_versions=False``): a segment another receiver recorded after the same
-  text is not reused with that receiver's offsets (the default before them).
-- ``kvcomm-kl-budget``: ``kvcomm-mean`` with ``kl_budget=0.015`` (issue 12's KL target on (b)):
-  a receiver's segments of a kind whose audited KL with estimated offsets is above it are
-  prefilled, but for one probe in 4.
+- ``kvcomm-no-versions``: ``kvcomm-mean`` without recorded versions and without the KL budget
+  (``experimental.recorded_versions=False``, ``kl_budget=None``): the default before both.
+- ``kvcomm-no-budget``: ``kvcomm-mean`` without the KL budget (``kl_budget=None``): estimated
+  offsets wherever the entropy gate lets a segment through, measured or not.
 - ``<engine strategy>-head-N`` (e.g. ``kvcomm-mean-head-8``, ``rerotate-head-8``): the first N
   tokens of every reused run computed in context (``experimental.recompute_head=N``), the
   cheap-fidelity idea.
@@ -68,7 +66,7 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
-         "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-kl-budget", "lower-bound")
+         "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
@@ -246,8 +244,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(new_segment="only_itself")},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0},
-        "kvcomm-kl-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": 0.015},
-        "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma,
+        "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
+        "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None,
                                "experimental": ExperimentalSettings(recorded_versions=False)},
         "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,
                               "experimental": ExperimentalSettings(anchor_lengths="any")},

@@ -13,11 +13,11 @@ the gate record), and later audits keep measuring both ways, so offsets come bac
 helping. This is what keeps KVCOMM from drifting further from dense than re-rotation only on a
 model or prompt format where offsets learned on one context do not transfer to another.
 
-A fidelity budget on top (``KVCommConfig.kl_budget``): where the recent samples put the KL a
+A fidelity budget on top (``KVCommConfig.kl_budget``): until the recent samples put the KL a
 receiver is served with a kind's estimated offsets (offsets on or off, as the rule above serves
-them) above the budget, that kind's segments are prefilled for that receiver instead (new
+them) within the budget, that kind's segments are prefilled for that receiver instead (new
 anchors, reason ``over_kl_budget``) except one decision in ``probe_every``, which is reused and
-audited so that the measure stays current. Versions of a segment computed after the same text
+audited so that the measure is gathered and stays current. Versions of a segment computed after the same text
 (:mod:`.versions`) are not estimates and are never held back.
 
 Pure bookkeeping over floats: no tensors, no model.
@@ -112,11 +112,15 @@ class OffsetTracker:
 
     def within_budget(self, receiver: str, kind: Kind, budget: Optional[float]) -> bool:
         """Whether ``receiver`` may reuse ``kind``'s segments with estimated offsets under the
-        KL ``budget`` (None: no budget). Over it, every ``probe_every``-th call still may (a
-        probe, audited: :meth:`wants_audit`), so that the samples follow the anchors."""
-        served = self.served_kl(receiver, kind) if budget is not None else None
+        KL ``budget`` (None: no budget): only once at least ``min_samples`` audits measured it
+        within the budget (faithful until measured). Otherwise every ``probe_every``-th call
+        still may (a probe, audited: :meth:`wants_audit`), which is how samples are gathered
+        and follow the anchors."""
+        if budget is None:
+            return True
+        served = self.served_kl(receiver, kind)
         key = (receiver, tuple(kind))
-        if served is None or served <= budget:
+        if served is not None and served <= budget:
             with self._lock:
                 self._held_back.pop(key, None)
             return True

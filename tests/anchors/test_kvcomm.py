@@ -137,7 +137,7 @@ def test_freeze_anchors_stops_learning_and_nests(llama, tokenizer):
 
 def test_audits_record_the_reused_segments_as_anchors(llama, tokenizer):
     # gamma 1 reuses as soon as two anchors are consulted (the entropy score is at most 1)
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(gamma=1.0, audit_every=1, prefix_cache=False))
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(gamma=1.0, audit_every=1, prefix_cache=False, kl_budget=None))
     # each question shorter than the last, so earlier anchors are long enough to be consulted
     questions = [f"How many apples are left if Sam has {'very ' * (4 - i)}many and eats {i}?" for i in range(3)]
     for question in questions:

@@ -55,7 +55,9 @@ def test_warmup_audits_come_at_most_once_every_gap_calls():
 
 def test_a_kind_over_the_kl_budget_is_held_back_but_for_probes_which_are_audited():
     tracker = OffsetTracker(min_samples=2, probe_every=3)
-    assert tracker.within_budget("s2", USER, 0.01)  # no samples: no verdict yet
+    # not measured yet: held back but for the probes (faithful until measured)
+    assert [tracker.within_budget("s2", USER, 0.01) for _ in range(3)] == [False, False, True]
+    assert tracker.within_budget("s2", USER, None)
     tracker.record("s2", USER, kl_on=0.05, kl_off=0.2)
     tracker.record("s2", USER, kl_on=0.03, kl_off=0.2)
     assert tracker.served_kl("s2", USER) == pytest.approx(0.04)  # offsets on: their KL is served
@@ -63,6 +65,8 @@ def test_a_kind_over_the_kl_budget_is_held_back_but_for_probes_which_are_audited
     assert not tracker.wants_audit("s2", [USER])
     assert [tracker.within_budget("s2", USER, 0.01) for _ in range(6)] == [False, False, True] * 2
     assert tracker.wants_audit("s2", [USER])  # the probes are what keeps the measure current
+    tracker.record("s2", REPLY_KIND, kl_on=0.001, kl_off=0.2)
+    tracker.record("s2", REPLY_KIND, kl_on=0.003, kl_off=0.2)
     assert tracker.within_budget("s2", REPLY_KIND, 0.01)  # per kind
     for _ in range(8):  # probes measured low: back within the budget, no more forced audits
         tracker.record("s2", USER, kl_on=0.001, kl_off=0.2)
@@ -78,7 +82,7 @@ def test_harmful_offsets_are_turned_off_after_paired_audits(model, tokenizer):
     measure them against re-rotation only on the same prompts, the tracker turns them off for
     this receiver and kind, and the next call is served exactly as re-rotation only serves it,
     its drift from dense no larger."""
-    config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False)  # only the warm-up audits
+    config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False, kl_budget=None)  # only warm-up audits
     engine = KVCommEngine(model, tokenizer, config=config)
     engine.anchors.tracker.warmup_gap = 1  # every reused call may be a warm-up audit (default: one in 4)
     rerotate = KVCommEngine(model, tokenizer, config=config.model_copy(update={"method": "rerotate"}))
@@ -117,25 +121,25 @@ def test_harmful_offsets_are_turned_off_after_paired_audits(model, tokenizer):
     assert first_token_kl(reference, served) <= record.mean_kl_on
 
 
-def test_over_the_kl_budget_a_receiver_prefills_that_kind_and_matches_dense(model, tokenizer):
-    """With a budget no estimate meets, the warm-up audits' samples put the user kind over it:
-    the next call prefills the segment (reason over_kl_budget) and its first-token logits equal
-    dense prefill's."""
+def test_under_a_kl_budget_estimates_wait_for_audits_and_held_back_calls_match_dense(model, tokenizer):
+    """With a budget no estimate meets, a receiver's user-kind segments are prefilled (reason
+    over_kl_budget, logits equal to dense prefill's) but for one probe in 4, which is reused
+    and audited; the probes' samples keep the kind over the budget."""
     config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False, kl_budget=1e-9)
     engine = KVCommEngine(model, tokenizer, config=config)
     engine.anchors.tracker.warmup_gap = 1
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
-    questions = [f"How many apples are left if Sam has {'very ' * (8 - i)}many and eats {i}?" for i in range(6)]
+    questions = [f"How many apples are left if Sam has {'very ' * (12 - i)}many and eats {i}?" for i in range(10)]
 
     def ask(question: str):
         engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)
         return engine.replay(_prompt(question), agent="s2", reply_ids=[tokenizer.eos_token_id])
 
-    for question in questions[:4]:  # two new anchors, then two reused calls, audited
-        ask(question)
+    replays = [ask(question) for question in questions]
+    reasons = [r.result.stats.shared_decisions[0].reason for r in replays]
+    assert reasons[:2] == ["new_anchor"] * 2
+    assert reasons[2:] == ["over_kl_budget"] * 3 + ["content"] + ["over_kl_budget"] * 3 + ["content"]
+    assert [r.result.stats.audit_kl is not None for r in replays[5::4]] == [True, True]  # the probes
     assert engine.anchors.tracker.served_kl("s2", USER) > 1e-9
-    replay = ask(questions[4])
-    (decision,) = replay.result.stats.shared_decisions
-    assert (decision.status, decision.reason) == ("prefilled", "over_kl_budget")
-    reference = first_logits(dense, _prompt(questions[4]), agent="s2")
-    torch.testing.assert_close(replay.first_token_logits, reference, atol=1e-4, rtol=0)
+    reference = first_logits(dense, _prompt(questions[8]), agent="s2")
+    torch.testing.assert_close(replays[8].first_token_logits, reference, atol=1e-4, rtol=0)
