@@ -243,7 +243,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                             "experimental": ExperimentalSettings(shared_runs="messages")},
         "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(new_segment="only_itself")},
-        "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0},
+        "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None,
                                "experimental": ExperimentalSettings(recorded_versions=False)},

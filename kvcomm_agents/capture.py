@@ -129,10 +129,13 @@ class CallCapture:
             if kind is None or index in found or content is None:
                 continue
             if self.store.find_text(content, self.fingerprint) is None:
-                self.capture_message(layout, index, kind, kv_at)
+                self.capture_message(layout, index, kind, kv_at, plan.observable_until())
 
-    def capture_message(self, layout: PromptLayout, index: int, kind: Kind, kv_at: KVAt) -> Optional[SegmentRef]:
-        """Store message ``index``'s content KV as a segment of ``kind``."""
+    def capture_message(self, layout: PromptLayout, index: int, kind: Kind, kv_at: KVAt,
+                        exact_until: Optional[int] = None) -> Optional[SegmentRef]:
+        """Store message ``index``'s content KV as a segment of ``kind``. Its context ids are kept
+        (it may serve as a version, :mod:`.anchors.versions`) only when it lies before
+        ``exact_until`` (the pass's first token whose KV was estimated; None: exact throughout)."""
         span = layout.content_spans[index]
         if span is None:
             return None
@@ -142,13 +145,15 @@ class CallCapture:
         char_spans = [(s - span[0], e - span[0]) for s, e in layout.offsets[tokens.start : tokens.stop]]
         segment = self.cut(kv_at, tokens.start, layout.ids[tokens.start : tokens.stop].tolist(), char_spans,
                            layout.text[span[0] : span[1]], kind,
-                           layout.ids[max(0, tokens.start - CONTEXT_TOKENS) : tokens.start].tolist())
+                           layout.ids[max(0, tokens.start - CONTEXT_TOKENS) : tokens.start].tolist()
+                           if exact_until is None or tokens.stop <= exact_until else ())
         return segment.ref if self.store.put(segment) else None
 
     def capture_reply(self, start: int, generated: list[int], text: str, agent: str, kv_at: KVAt,
                       prompt_ids: Optional[torch.Tensor] = None) -> Optional[SegmentRef]:
         """Store the reply's KV (the ids that map onto its text) as an ``(agent, "assistant")``
-        segment; ``prompt_ids``: the ``[start]`` ids it was generated after (its context)."""
+        segment; ``prompt_ids``: the ``[start]`` ids it was generated after (its context; None
+        where part of the prompt's KV was estimated, so that the reply is no version)."""
         spans = align_ids_to_text(self.tokenizer, generated, text)
         last = max((i for i, span in enumerate(spans) if span is not None), default=-1)
         if last + 1 < self.config.min_match_tokens or not text:

@@ -208,7 +208,8 @@ class KVCommConfig(BaseModel):
     kl_budget: Optional[float] = Field(
         default=0.015, gt=0.0,
         description=(
-            "Fidelity budget of KVCOMM's estimated offsets (method='kvcomm', needs audit_every). "
+            "Fidelity budget of KVCOMM's estimated offsets (method='kvcomm'; off with audit_every=0, "
+            "where nothing measures it). "
             "A receiver reuses a segment kind with estimated offsets only once its audits measured "
             "a mean first-token KL(dense || served) within the budget; until then, and whenever "
             "they measure above it, that kind's segments are prefilled for that receiver (reason "

@@ -96,7 +96,8 @@ class KVCommEngine:
             max_anchors=c.max_anchors, eviction_window=x.eviction_window, max_bytes=c.anchor_max_bytes if c.anchor_max_bytes is not None else anchor_budget,
             estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
             activation_top_p=x.activation_top_p, freeze=self._freeze, length_share={"at_least": 1.0, "most": 0.75, "any": 0.0}[x.anchor_lengths],
-            recorded_versions=x.recorded_versions, kl_budget=c.kl_budget,
+            recorded_versions=x.recorded_versions,
+            kl_budget=c.kl_budget if c.audit_every else None,  # nothing would ever measure it
         )
         self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
         self._calibrating = BlockCount()  # open calibrating() blocks
@@ -453,7 +454,8 @@ class KVCommEngine:
         self._observe(plan, agent, kv_at)
         roles = [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]
         self._capture.capture_messages(call.layout, roles, plan, kv_at)
-        return self._capture.capture_reply(n, generated, reply, agent, kv_at, call.layout.ids)
+        exact = plan.observable_until() >= n  # no estimated KV before the reply: it may serve as a version
+        return self._capture.capture_reply(n, generated, reply, agent, kv_at, call.layout.ids if exact else None)
 
     def _observe(self, plan: CallPlan, agent: str, kv_at) -> None:
         """Own-text KV first seen, then the anchors' observations of this exact pass."""

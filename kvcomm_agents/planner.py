@@ -171,8 +171,13 @@ class _RunDecider:
             return "prefilled", "exact_only", in_prefix, None  # the rest is computed
         if beyond_prefix and self.anchors is not None:
             reason = None
-            first_p, first_s = beyond_prefix[0][0], beyond_prefix[0][1]
-            tokens = (first_s, beyond_prefix[-1][1] + beyond_prefix[-1][2])
+            # versions are matched from the first reused token (after the computed head) and only
+            # for runs that follow the segment without gaps (one context holds for all of them)
+            contiguous = all(b[0] - a[0] == b[1] - a[1] == a[2] for a, b in zip(beyond_prefix, beyond_prefix[1:]))
+            p0, s0, length0, continues0 = beyond_prefix[0]
+            taken = 0 if continues0 else min(self.config.experimental.recompute_head, max(length0, 0))
+            first_p, first_s = p0 + taken, s0 + taken
+            tokens = (first_s, beyond_prefix[-1][1] + beyond_prefix[-1][2]) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
             if self.calibrating:
                 reason = "calibration"

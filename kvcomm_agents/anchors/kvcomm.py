@@ -157,13 +157,13 @@ class KVCommAnchors:
             return verdict
 
     @torch.inference_mode()
-    def recorded(self, receiver: str, segment: KVSegment, tokens: tuple[int, int],
+    def recorded(self, receiver: str, segment: KVSegment, tokens: Optional[tuple[int, int]],
                  context: Sequence[int]) -> Optional[GateVerdict]:
         """A reuse verdict with the version of ``segment`` (its base, or a receiver's recorded
         offsets) whose context fits ``context`` (the prompt's ids before segment token
         ``tokens[0]``) longest, or None when none fits (:mod:`.versions`; also None with
         ``recorded_versions`` off)."""
-        if not self.recorded_versions:
+        if not self.recorded_versions or tokens is None:
             return None
         with self._lock:
             version = best_recorded_version(self.pool(segment.ref.kind), receiver, segment, tokens[0], tokens[1],
@@ -187,25 +187,25 @@ class KVCommAnchors:
         own-text run gets the own-text offsets of the segment before it, or is dropped (and its
         piece computed) when the anchors hold none. Runs without a verdict (the exact-prefix side, re-rotation only) stay as they are.
         """
-        estimates: dict[str, OffsetEstimate] = {}
+        estimates: dict[tuple[str, int], OffsetEstimate] = {}  # per segment and verdict (context-dependent)
         reused_pieces = {piece.start: piece for piece in pieces if piece.reused}
         dropped: set[int] = set()
         kept = []
         for run in runs:
-            if run.verdict is None or run.verdict.base_fits:
+            if run.verdict is None or (run.verdict.base_fits and not run.own_text):
                 kept.append(run)
             elif not run.own_text:
-                est = estimates.get(run.segment.id)
+                est = estimates.get((run.segment.id, id(run.verdict)))
                 if est is None:
                     after = [p for p in pieces if p.after is run.segment and p.reused]
                     est = self._estimate(receiver, run.segment, run.verdict, after[0].key if after else None)
-                    estimates[run.segment.id] = est
+                    estimates[(run.segment.id, id(run.verdict))] = est
                 window = slice(run.segment_start, run.segment_start + run.length)
                 kept.append(replace(run, key_offsets=est.keys[:, :, window], value_offsets=est.values[:, :, window],
                                     offsets_on=run.verdict.offsets_on))
             else:
                 piece = reused_pieces[run.prompt_start]
-                est = estimates.get(piece.after.id)
+                est = estimates.get((piece.after.id, id(run.verdict)))  # the segment run's verdict
                 if est is None or est.own_text_keys is None:
                     dropped.add(piece.start)  # no own-text offsets for this piece yet: compute it
                     continue

@@ -81,11 +81,14 @@ class OffsetTracker:
         """Count one reused call of ``receiver`` carrying estimated offsets of ``kinds``; True
         when one of them still wants samples (:meth:`wants_audit`) and ``warmup_gap`` such calls
         have passed since this receiver's last audit, which bounds what the warm-up audits cost
-        (one call in ``warmup_gap``). Call :meth:`audited` when any audit of it runs."""
+        (one call in ``warmup_gap``), and always for a probe of a kind the KL budget holds back
+        (:meth:`within_budget`). Call :meth:`audited` when any audit of it runs."""
         kinds = list(kinds)
         with self._lock:
             count = self._since_audit[receiver] = self._since_audit.get(receiver, 0) + 1
-        return count >= self.warmup_gap and self.wants_audit(receiver, kinds)
+            probe = any(self._held_back.get((receiver, tuple(k)), 0) for k in kinds)
+        # a kind held back by the KL budget reaches a call only as a probe: always audited
+        return probe or (count >= self.warmup_gap and self.wants_audit(receiver, kinds))
 
     def audited(self, receiver: str) -> None:
         """An audit of ``receiver`` ran: its warm-up gap starts again."""

@@ -143,3 +143,14 @@ def test_under_a_kl_budget_estimates_wait_for_audits_and_held_back_calls_match_d
     assert engine.anchors.tracker.served_kl("s2", USER) > 1e-9
     reference = first_logits(dense, _prompt(questions[8]), agent="s2")
     torch.testing.assert_close(replays[8].first_token_logits, reference, atol=1e-4, rtol=0)
+
+
+def test_probes_are_always_audited_and_the_budget_needs_audits(model, tokenizer):
+    tracker = OffsetTracker(min_samples=2, warmup_gap=4, probe_every=2)
+    assert not tracker.within_budget("s2", USER, 0.01)  # held back (not measured yet)
+    assert tracker.within_budget("s2", USER, 0.01)  # the probe
+    assert tracker.warmup_audit_due("s2", [USER])  # audited on the receiver's first call, whatever the gap
+    # without audits nothing would measure the budget: the engine leaves it off
+    off = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
+    assert off.anchors.kl_budget is None
+    assert KVCommEngine(model, tokenizer).anchors.kl_budget == KVCommConfig().kl_budget == 0.015
