@@ -208,16 +208,17 @@ class KVCommConfig(BaseModel):
     kl_budget: Optional[float] = Field(
         default=0.015, gt=0.0,
         description=(
-            "Fidelity budget of KVCOMM's estimated offsets (method='kvcomm'; off with audit_every=0, "
-            "where nothing measures it). "
-            "A receiver reuses a segment kind with estimated offsets only once its audits measured "
-            "a mean first-token KL(dense || served) within the budget; until then, and whenever "
-            "they measure above it, that kind's segments are prefilled for that receiver (reason "
-            "'over_kl_budget', recorded as anchors) but for one call in 4, reused and audited to "
-            "gather the measure. Versions of a segment computed after the same text are not "
-            "estimates and are always reused. Default 0.015 (issue 12's KL target): on the quick "
-            "benchmark KL 0.0343 -> 0.0076 on (b) for 3.12x -> 2.01x TTFT (docs/benchmarks.md, "
-            "'Recorded versions and a KL budget'). None: no budget (the gate alone decides)."        ),
+            "Fidelity budget of KVCOMM's estimated offsets (method='kvcomm'; off with "
+            "audit_every=0, where nothing measures it). A receiver reuses a segment kind with "
+            "estimated offsets only once its audits measured a mean first-token KL(dense || "
+            "served) within the budget; until then, and whenever they measure above it, that "
+            "kind's segments are prefilled for that receiver (reason 'over_kl_budget', recorded "
+            "as anchors) but for one decision in 4 (a probe), reused and always audited to gather "
+            "the measure. Versions of a segment computed after the same text are not estimates "
+            "and are always reused. Default 0.015 (issue 12's KL target): on the quick benchmark "
+            "KL 0.0319 -> 0.0032 on (b) for 3.08x -> 2.11x TTFT (docs/benchmarks.md, 'Recorded "
+            "versions and a KL budget'). None: no budget (the gate alone decides)."
+        ),
     )
     experimental: ExperimentalSettings = Field(
         default_factory=ExperimentalSettings,
