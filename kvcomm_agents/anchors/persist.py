@@ -84,7 +84,7 @@ def load_pools(path: str | os.PathLike, *, fingerprint: str, shape: tuple[int, i
     try:
         pools = [_pool(f"pool{p}", desc, tensors, shape, max_anchors, eviction_window, device, dtype)
                  for p, desc in enumerate(meta["pools"])]
-    except (KeyError, TypeError, ValueError, IndexError) as error:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
         raise AnchorFileError(f"{path} is corrupted or does not fit this model ({error})") from error
     return pools, meta
 

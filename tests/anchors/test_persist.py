@@ -64,6 +64,9 @@ def test_saved_anchors_load_back_exactly_and_serve(llama, tokenizer, tmp_path):
     fresh = KVCommEngine(llama, tokenizer, config=CONFIG)
     assert fresh.load_anchors(path) == written
     _assert_same(_state(source), _state(fresh))
+    contexts = {k: {r: st.contexts for r, st in p.placeholder.items()} for k, p in source.anchors._pools.items()}
+    assert any(c for per in contexts.values() for c in per.values())  # the recorded versions' contexts
+    assert contexts == {k: {r: st.contexts for r, st in p.placeholder.items()} for k, p in fresh.anchors._pools.items()}
     # the warm engine's gate consults the loaded anchors at once; a cold one has none
     cold = KVCommEngine(llama, tokenizer, config=CONFIG)
     for engine in (fresh, cold):
@@ -110,3 +113,37 @@ def test_calibrating_records_every_shared_segment_then_reuse_resumes(llama, toke
     assert len(results) == 1
     after = replayed(engine, solver_messages("You are the second solver.", REPLY), "s2")
     assert after.stats.mode == "reuse"
+
+
+def _rewritten(path, tmp_path, change) -> object:
+    """A copy of an anchor file whose JSON header went through ``change(meta)``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["kvcomm"])
+    change(meta)
+    out = tmp_path / "rewritten.safetensors"
+    save_file(load_file(str(path)), str(out), metadata={"kvcomm": json.dumps(meta)})
+    return out
+
+
+def test_a_file_from_before_recorded_versions_loads_and_a_malformed_context_is_refused(llama, tokenizer, tmp_path):
+    source = _learned(llama, tokenizer)
+    path = tmp_path / "anchors.safetensors"
+    written = source.save_anchors(path)
+
+    def drop(meta):
+        for pool in meta["pools"]:
+            pool.pop("contexts")
+
+    fresh = KVCommEngine(llama, tokenizer, config=CONFIG)
+    assert fresh.load_anchors(_rewritten(path, tmp_path, drop)) == written  # no versions, anchors intact
+    assert all(not st.contexts for p in fresh.anchors._pools.values() for st in p.placeholder.values())
+
+    def malform(meta):
+        for pool in meta["pools"]:
+            pool["contexts"] = ["not a mapping" for _ in pool["contexts"]]
+
+    with pytest.raises(AnchorFileError, match="corrupted"):
+        fresh.load_anchors(_rewritten(path, tmp_path, malform))
