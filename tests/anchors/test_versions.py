@@ -117,3 +117,27 @@ def test_a_reply_recorded_by_one_receiver_serves_the_next_with_near_exact_offset
         assert error < 0.5, (part, error)  # tiny random models: 0.19 (llama), 0.36 (qwen2)
     reference = first_logits(dense, third, agent="s3")
     assert first_token_kl(reference, replay.first_token_logits) < first_token_kl(reference, first_logits(rerotate, third, agent="s3"))
+
+
+def test_a_reply_generated_after_estimated_kv_is_no_version(model, tokenizer):
+    """A reply keeps its context ids (and may serve as a version) only when no KV before it was
+    estimated: after a call that reused a segment with estimated offsets it has none."""
+    config = KVCommConfig(gamma=1.0, audit_every=0, prefix_cache=False, kl_budget=None)
+    engine = KVCommEngine(model, tokenizer, config=config)
+    questions = [f"How many apples are left if Sam has {'very ' * (8 - i)}many and eats {i}?" for i in range(4)]
+    estimated = None
+    for i, question in enumerate(questions):
+        engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)
+        reply_ids = tokenizer(f"Sam has {i} apples left, says solver two.", add_special_tokens=False)["input_ids"]
+        result = engine.replay([{"role": "system", "content": "You are solver two."},
+                                {"role": "user", "content": question}], agent="s2",
+                               reply_ids=reply_ids + [tokenizer.eos_token_id]).result
+        offsets = [d.gate.offsets for d in result.stats.shared_decisions if d.gate is not None]
+        reply = engine.store.get(result.segment.id) if result.segment is not None else None
+        if reply is None:
+            continue
+        if "estimated" in offsets:
+            estimated = reply
+        elif not offsets or all(o in ("base", "recorded", "own") for o in offsets):
+            assert reply.context_ids  # exact (or version-only) context: kept
+    assert estimated is not None and estimated.context_ids == ()
