@@ -96,11 +96,11 @@ class ExperimentalSettings(BaseModel):
     recorded_versions: bool = Field(
         default=True,
         description=(
-            "Reuse a segment with the offsets another receiver (or this one) recorded for this "
-            "very segment when the text before it in that receiver's prompt matches this prompt's "
-            "for longer than the text before the segment's own KV does (method='kvcomm'; "
-            "kvcomm_agents.anchors.versions). False: only the receiver's own recorded offsets and "
-            "the gate's estimates (kept for comparison)."
+            "Before the gate (and after a new anchor), reuse the version of a segment computed "
+            "after the same text as this prompt has before it, at least 16 ids in common, longest "
+            "match first: its own KV as it is, or the offsets a receiver recorded for this very "
+            "segment (method='kvcomm'; kvcomm_agents.anchors.versions). False: only the "
+            "receiver's own recorded offsets and the gate's estimates (kept for comparison)."
         ),
     )
     shared_runs: Literal["anywhere", "messages"] = Field(

@@ -55,8 +55,9 @@ class GateRecord(BaseModel):
     offsets: Optional[Literal["estimated", "own", "recorded", "base", "off"]] = Field(
         default=None,
         description="With decision 'reuse': 'estimated' from the anchors, 'own' (the receiver recorded this very "
-        "segment), 'recorded' (another receiver recorded this very segment after the same text as this prompt "
-        "has before it), 'base' (the segment's own KV was computed after the same text: no offsets), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
+        "segment), 'recorded' (another receiver recorded this very segment after the same text as this "
+        "prompt has before it), 'base' (the segment's own KV was computed after the same text: no "
+        "offsets), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
 
 
 class SegmentDecision(BaseModel):

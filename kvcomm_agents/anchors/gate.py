@@ -39,6 +39,7 @@ class GateVerdict:
             :mod:`.versions`); None where offsets are estimated from other anchors.
         base_fits: the segment's own KV was computed after the same text as here
             (:mod:`.versions`): reused as it is, no offsets.
+        context_matched: chosen by :mod:`.versions` (its context matches the new prompt's).
         over_budget: the gate let it through, but audits measured this receiver's calls with
             this kind's estimated offsets above ``kl_budget`` (:mod:`.tracker`): prefilled.
         offsets_on: the estimated offsets are applied (False: the audits measured that this
@@ -56,11 +57,13 @@ class GateVerdict:
     source: Optional[str] = None
     base_fits: bool = False
     over_budget: bool = False
+    context_matched: bool = False
 
     @property
     def from_version(self) -> bool:
-        """Reused as a version computed after the same text (no estimate, :mod:`.versions`)."""
-        return self.source is not None or self.base_fits
+        """Reused as a version computed after the same text (:mod:`.versions`): no estimate, and
+        its context checked (unlike the receiver's own offsets found by the gate alone)."""
+        return self.context_matched
 
 
 def entropy_score(distances: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -56,8 +56,8 @@ class KVCommAnchors:
         length_share: consult anchors at least this share of a segment's length (1: the paper;
             below 1 with the mean estimator only: covered tokens from the anchors' starts, the
             rest from their ends).
-        recorded_versions: reuse another receiver's recorded offsets of the very segment when
-            its context matches better than the base's (:mod:`.versions`).
+        recorded_versions: before the gate, reuse the version of a segment (its base, or a
+            receiver's recorded offsets) computed after the same text as here (:mod:`.versions`).
         kl_budget: audited first-token KL above which a receiver's segments of a kind are
             prefilled rather than reused with estimated offsets (:mod:`.tracker`; None: none).
     """
@@ -171,9 +171,9 @@ class KVCommAnchors:
         if version is None:
             return None
         if version.receiver is None:
-            return GateVerdict(True, 0, score=0.0, base_fits=True)
+            return GateVerdict(True, 0, score=0.0, base_fits=True, context_matched=True)
         return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([version.slot]),
-                           own_offsets=version.receiver == receiver, source=version.receiver)
+                           own_offsets=version.receiver == receiver, source=version.receiver, context_matched=True)
 
     # ---- 2. attach offsets ----------------------------------------------------------------
     @torch.inference_mode()
