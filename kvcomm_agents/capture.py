@@ -83,6 +83,38 @@ class CallCapture:
         return KVSegment.create(kind=kind, text=text, token_ids=token_ids, char_spans=char_spans, kv=block,
                                 fingerprint=self.fingerprint, context_ids=context_ids[-CONTEXT_TOKENS:])
 
+    def keep_call(self, plan: CallPlan, agent: str, generated: list[int], reply: str, kv_at: KVAt,
+                  anchors=None, layout: Optional[PromptLayout] = None,
+                  roles: Optional[list[tuple[Optional[str], Optional[str]]]] = None) -> Optional[SegmentRef]:
+        """Everything a finished call leaves for later calls: its exact prefix, own-text KV and
+        anchor observations (:meth:`observe`), user/tool messages seen for the first time (given
+        ``layout`` and ``roles``) and its reply. Returns the reply's reference, or None.
+
+        Args:
+            plan: the call's plan, as the runtime ran it.
+            agent: the receiving agent.
+            generated: reply ids whose KV the pass holds (the last sampled id has none).
+            reply: the reply text those ids decode to.
+            kv_at: the pass's KV at prompt-and-reply positions.
+            anchors: the KVCOMM anchors to feed (``method="kvcomm"``), or None.
+        """
+        n = plan.num_prompt
+        self.store_prefix(plan, generated, kv_at)
+        if self.config.method == "exact_prefix":
+            return None  # segments would never be read
+        self.observe(plan, agent, kv_at, anchors)
+        if layout is not None and roles is not None:
+            self.capture_messages(layout, roles, plan, kv_at)
+        exact = plan.observable_until() >= n  # no estimated KV before the reply: it may serve as a version
+        return self.capture_reply(n, generated, reply, agent, kv_at, plan.prompt_ids if exact else None)
+
+    def observe(self, plan: CallPlan, agent: str, kv_at: KVAt, anchors=None) -> None:
+        """Own-text KV first seen, then (``anchors`` given) the anchors' observations of the pass."""
+        bases = self.keep_own_text(plan, agent, kv_at)
+        if anchors is not None:
+            anchors.observe(agent, plan, lambda start, length: kv_at(torch.arange(start, start + length)),
+                            self.rotator, bases)
+
     def store_prefix(self, plan: CallPlan, generated: list[int], kv_at: KVAt) -> None:
         """Keep the exact KV of the prompt plus reply, up to the first re-rotated token."""
         if not self.config.prefix_cache:

@@ -92,13 +92,7 @@ class KVCommEngine:
             c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens)
         self._lock = threading.RLock()
         self._freeze = BlockCount()
-        self._anchors = KVCommAnchors(
-            max_anchors=c.max_anchors, eviction_window=x.eviction_window, max_bytes=c.anchor_max_bytes if c.anchor_max_bytes is not None else anchor_budget,
-            estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
-            activation_top_p=x.activation_top_p, freeze=self._freeze, length_share={"at_least": 1.0, "most": 0.75, "any": 0.0}[x.anchor_lengths],
-            recorded_versions=x.recorded_versions,
-            kl_budget=c.kl_budget if c.audit_every else None,  # nothing would ever measure it
-        )
+        self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze)
         self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
         self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
@@ -447,22 +441,13 @@ class KVCommEngine:
         if hf.num_cached(cache) != slots.numel():  # a sliding window dropped early KV
             logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
             return None
-        kv_at = _kv_reader(cache, slots)
-        self._capture.store_prefix(plan, generated, kv_at)
-        if self.config.method == "exact_prefix":
-            return None  # segments would never be read
-        self._observe(plan, agent, kv_at)
         roles = [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]
-        self._capture.capture_messages(call.layout, roles, plan, kv_at)
-        exact = plan.observable_until() >= n  # no estimated KV before the reply: it may serve as a version
-        return self._capture.capture_reply(n, generated, reply, agent, kv_at, call.layout.ids if exact else None)
+        return self._capture.keep_call(plan, agent, generated, reply, _kv_reader(cache, slots), self._kvcomm_anchors(),
+                                       call.layout, roles)
 
-    def _observe(self, plan: CallPlan, agent: str, kv_at) -> None:
-        """Own-text KV first seen, then the anchors' observations of this exact pass."""
-        bases = self._capture.keep_own_text(plan, agent, kv_at)
-        if self.config.method == "kvcomm":
-            self._anchors.observe(agent, plan, lambda start, length: kv_at(torch.arange(start, start + length)),
-                                  self.info.rotator, bases)
+    def _kvcomm_anchors(self) -> Optional[KVCommAnchors]:
+        """The anchors to feed observations to (``method="kvcomm"`` only)."""
+        return self._anchors if self.config.method == "kvcomm" else None
 
     def _audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
         """Audit a reused call against dense prefill; returns KL(dense || served), or None.
@@ -495,7 +480,7 @@ class KVCommEngine:
             kl_flipped = first_token_kl(dense.logits, flipped_logits)
             on, off = (kl, kl_flipped) if plan.offsets_applied(kind) else (kl_flipped, kl)
             tracker.record(agent, kind, on, off)
-        self._observe(plan.as_observed(), agent, _kv_reader(dense.cache, dense.slot_positions))
+        self._capture.observe(plan.as_observed(), agent, _kv_reader(dense.cache, dense.slot_positions), self._kvcomm_anchors())
         return kl
 
     def _result(self, call: _Prepared, agent: str, reuse: Optional[bool], text: TextAccumulator, finish: str,

@@ -40,6 +40,7 @@ DecisionReason = Literal[
     "exact_only",  # prefilled: method="exact_prefix"; only exact prefixes are reused
     "calibration",  # prefilled: engine.calibrate / calibrating(): computed densely and recorded as an anchor
     "bad_reference",  # prefilled: the message's segment reference is malformed (another version, hand-written)
+    "after_hole",  # prefilled: an engine without holes (vLLM) computes everything after the first computed token
 ]
 
 

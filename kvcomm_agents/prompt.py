@@ -39,6 +39,16 @@ class PromptLayout:
     content_spans: list[Optional[tuple[int, int]]]
     refs: list[Any] = field(default_factory=list)
 
+    @classmethod
+    def of_ids(cls, ids) -> "PromptLayout":
+        """A prompt known only by its token ids (a runtime that got ids, not messages): one
+        pseudo-message covering every token, no text. Shared text is then found only as runs of
+        token ids (:func:`~kvcomm_agents.matching.find_token_matches`); each token's "character
+        span" is its own index."""
+        ids = torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.long).flatten().cpu()
+        n = int(ids.numel())
+        return cls("", ids, [(i, i + 1) for i in range(n)], [(0, n)], [None])
+
     def content(self, index: int) -> Optional[str]:
         """Message ``index``'s content as rendered, or None if it could not be located."""
         span = self.content_spans[index]

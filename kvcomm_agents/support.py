@@ -21,7 +21,7 @@ from .identity import weights_digest
 from .kv.rope import RopeRotator
 from .errors import RopeCheckError, UnsupportedModelError
 
-__all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint"]
+__all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint", "check_config", "rotator_from_config"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REUSE_ATTENTION = ("sdpa", "eager")
@@ -63,8 +63,17 @@ def _sliding_window(config) -> Optional[int]:
     return int(window)
 
 
-def _check_config(model: PreTrainedModel) -> RopeRotator:
-    config = model.config
+def check_config(config, *, attention: Optional[str] = "check") -> None:
+    """Refuse, from the config alone, what exact re-rotation cannot handle.
+
+    Args:
+        config: a transformers ``PretrainedConfig``.
+        attention: the attention implementation to check (``"check"``: the config's own;
+            None: skip, for runtimes with their own kernels such as vLLM).
+
+    Raises:
+        UnsupportedModelError: with what is not supported.
+    """
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"'{model_type}' is an encoder-decoder model")
@@ -89,16 +98,47 @@ def _check_config(model: PreTrainedModel) -> RopeRotator:
             "cached keys cannot be re-rotated exactly"
         )
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(f"rope_type '{rope_type}' is not supported")
+        raise UnsupportedModelError(f"rope_type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
         raise UnsupportedModelError(f"partial rotary embeddings (factor {partial}) are not supported")
-    attention = getattr(config, "_attn_implementation", None)
-    if attention not in REUSE_ATTENTION:
+    if attention == "check":
+        attention = getattr(config, "_attn_implementation", None)
+        if attention not in REUSE_ATTENTION:
+            raise UnsupportedModelError(
+                f"attn_implementation '{attention}' ignores custom 4-D attention masks, which reuse "
+                "needs; load the model with attn_implementation='sdpa'"
+            )
+
+
+def rotator_from_config(config) -> RopeRotator:
+    """The re-rotation of a model known only by its config (a runtime that is not transformers,
+    e.g. vLLM): config checks (:func:`check_config`, attention kernel not checked), then the
+    rotary frequencies as transformers computes them for the config's rope type."""
+    check_config(config, attention=None)
+    params = _rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if float(scaling) != 1.0:
+        raise UnsupportedModelError("rotary attention scaling != 1 (YaRN, longrope) is not supported")
+    if 2 * inv_freq.numel() != head_dim:
         raise UnsupportedModelError(
-            f"attn_implementation '{attention}' ignores custom 4-D attention masks, which reuse "
-            "needs; load the model with attn_implementation='sdpa'"
-        )
+            f"rotary embeddings cover {2 * inv_freq.numel()} of {head_dim} head channels (partial rotary)")
+    return RopeRotator(inv_freq)
+
+
+def _check_config(model: PreTrainedModel) -> RopeRotator:
+    config = model.config
+    model_type = getattr(config, "model_type", "?")
+    check_config(config)
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):

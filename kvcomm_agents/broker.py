@@ -1,0 +1,172 @@
+"""KVCOMM for a runtime that computes prompts itself (vLLM, through its KV connector).
+
+The HF engine plans, aligns, computes and keeps in one call. A serving engine such as vLLM owns
+the compute, the paged KV memory and the scheduling; it asks, per request, how many prompt
+tokens an external loader can provide, lets the loader write their KV, computes the rest, and
+reports when the request has finished. :class:`KVCommBroker` answers those three moments with
+the core's own parts, on token ids alone:
+
+1. :meth:`plan`: the planner over an ids-only layout (shared text found as token runs, exact
+   prefixes, anchors, recorded versions), cut at its first hole (:func:`~.claims.contiguous_claim`):
+   the runtime cannot compute holes, so the claim is the reused prefix of the prompt;
+2. :meth:`aligned`: the claimed KV, re-rotated and offset (:func:`~.alignment.assemble`);
+3. :meth:`finish`: what the request computed becomes segments, exact prefixes, own-text KV and
+   anchor observations (:meth:`~.capture.CallCapture.keep_call`), read through ``kv_at``.
+
+No runtime imports: the runtime adapter (``integrations/kvcomm_vllm``) moves KV between its
+memory and :class:`~.kv.block.KVBlock` tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .alignment import assemble
+from .anchors import KVCommAnchors
+from .budgets import default_budgets
+from .capture import CallCapture, KVAt
+from .claims import Claim, contiguous_claim
+from .config import KVCommConfig
+from .kv.block import KVBlock
+from .kv.blocks import BlockCount
+from .kv.own_text import OwnTextStore
+from .kv.rope import RopeRotator
+from .kv.store import SegmentStore
+from .planner import plan_call
+from .plan import CallPlan
+from .prompt import PromptLayout
+
+__all__ = ["KVCommBroker", "BrokeredRequest", "for_runtime"]
+
+
+def for_runtime(config: KVCommConfig) -> KVCommConfig:
+    """``config`` adapted to a runtime without holes: no recomputed run heads (each would end the
+    claim), the receiver's own text reused from its own-text KV (otherwise the template glue after
+    the first segment ends it), no audits (the runtime does not run the dense shadow pass yet)."""
+    data = config.model_dump()
+    data["audit_every"] = 0
+    data["experimental"] = {**data["experimental"], "recompute_head": 0, "own_text": "reuse"}
+    return KVCommConfig(**data)
+
+
+@dataclass
+class BrokeredRequest:
+    """One request between :meth:`KVCommBroker.plan` and :meth:`KVCommBroker.finish`."""
+
+    agent: str
+    claim: Claim
+
+    @property
+    def plan(self) -> CallPlan:
+        return self.claim.plan
+
+
+class KVCommBroker:
+    """Plans claims and keeps finished requests' KV for a runtime that computes prompts itself.
+
+    Args:
+        tokenizer: the model's tokenizer (to align reply ids with their text).
+        rotator: the model's re-rotation (:func:`~.support.rotator_from_config`).
+        fingerprint: identifies model, dtype and tokenizer; stamped on every segment.
+        config: settings, adapted with :func:`for_runtime`.
+        device: where budgets are measured (the runtime's KV device).
+    """
+
+    def __init__(self, tokenizer, rotator: RopeRotator, fingerprint: str, config: KVCommConfig,
+                 device: torch.device | str = "cpu"):
+        self.tokenizer, self.rotator, self.fingerprint = tokenizer, rotator, fingerprint
+        self.config = c = for_runtime(config)
+        store_budget, anchor_budget = default_budgets(torch.device(device))
+        self.store = SegmentStore(c.store_max_bytes if c.store_max_bytes is not None else store_budget,
+                                  min_run=c.min_match_tokens)
+        freeze = BlockCount()
+        self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze)
+        self.own_texts = OwnTextStore(c.experimental.own_text_max_bytes, freeze)
+        self.capture = CallCapture(self.store, tokenizer, rotator, fingerprint, c, self.own_texts)
+        self._requests: dict[str, BrokeredRequest] = {}
+        self._lock = threading.RLock()
+
+    # ---- the runtime's three moments ------------------------------------------------------
+    def plan(self, request_id: str, prompt_ids: Sequence[int] | torch.Tensor, agent: str = "default", *,
+             reuse: bool = True, held: int = 0) -> Claim:
+        """Plan a request once (later calls for the same id return the same claim).
+
+        Args:
+            request_id: the runtime's request id.
+            prompt_ids: the prompt's ``[N]`` token ids.
+            agent: the receiving agent (anchors and own text are per receiver).
+            reuse: False: the request runs dense (reason ``reuse_off``); what it computes is kept.
+            held: prompt tokens the runtime already holds (its own exact prefix cache).
+        """
+        with self._lock:
+            known = self._requests.get(request_id)
+            if known is not None:
+                return known.claim
+            layout = PromptLayout.of_ids(prompt_ids)
+            if not self.config.reuse:
+                plan = CallPlan(layout.ids, dense_reason="reuse_off")
+            else:
+                plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self.config,
+                                 agent=agent, refuse_reason=None if reuse else "reuse_off",
+                                 anchors=self.anchors if self.config.method == "kvcomm" else None,
+                                 own_texts=self.own_texts)
+            claim = contiguous_claim(plan, held)
+            self._requests[request_id] = BrokeredRequest(agent, claim)
+            return claim
+
+    def aligned(self, request_id: str) -> Optional[KVBlock]:
+        """KV of the claimed positions ``0 .. claim.length`` (storage order = position order),
+        keys at their prompt positions: ``[L, kv_heads, length, head_dim]`` per device group.
+        None when the claim holds nothing reused."""
+        request = self._requests[request_id]
+        if request.plan.reused_tokens == 0:
+            return None
+        return assemble(request.plan, self.rotator)
+
+    def finish(self, request_id: str, output_ids: Sequence[int], kv_at: Optional[KVAt]) -> dict[str, Any]:
+        """Keep what a finished request computed and forget it; returns its report
+        (:meth:`report`).
+
+        Args:
+            output_ids: every generated id (the last one has no KV).
+            kv_at: the request's KV at ``[n]`` positions of prompt plus reply (None: the runtime
+                could not read it, e.g. the request was aborted before its prefill; nothing kept).
+        """
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                return {}
+            generated = [int(t) for t in output_ids][:-1]
+            if kv_at is not None and self.config.reuse:
+                with torch.inference_mode():
+                    reply = self.tokenizer.decode(generated, skip_special_tokens=True)
+                    self.capture.keep_call(request.plan, request.agent, generated, reply, kv_at,
+                                           self.anchors if self.config.method == "kvcomm" else None)
+            return self._report(request)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request without keeping anything (aborted, or its load failed)."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def report(self, request_id: str) -> dict[str, Any]:
+        """JSON-safe summary of a pending request's claim (see :meth:`finish`)."""
+        request = self._requests.get(request_id)
+        return {} if request is None else self._report(request)
+
+    @staticmethod
+    def _report(request: BrokeredRequest) -> dict[str, Any]:
+        plan, claim = request.plan, request.claim
+        return {
+            "agent": request.agent,
+            "prompt_tokens": plan.num_prompt,
+            "reused_tokens": claim.length,
+            "computed_tokens": plan.num_prompt - claim.length,
+            "dropped_tokens": claim.dropped_tokens,
+            "dense_reason": plan.dense_reason,
+            "decisions": [d.model_dump(mode="json", exclude={"segment"}) for d in plan.decisions],
+        }

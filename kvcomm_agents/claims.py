@@ -1,0 +1,80 @@
+"""A plan whose reused KV is one contiguous prefix of the prompt: for engines that cannot compute holes.
+
+The HF runtime computes any positions between reused runs (the template glue, a segment judged
+new, the recomputed head of a run) with a position mask. Paged engines such as vLLM cannot: an
+external KV loader may claim only the first ``k`` prompt tokens, and the engine computes every
+token after them (``../docs/scale-out.md``). :func:`contiguous_claim` cuts a plan at its first
+computed position: the runs before it stay reused, every run after it is computed in context by
+the engine (decision reason ``after_hole``), so that engine and plan agree on what was reused.
+Pure bookkeeping on token positions: no tensors are touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .plan import CallPlan
+
+__all__ = ["Claim", "contiguous_claim"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What an engine without holes loads for one prompt.
+
+    Attributes:
+        plan: the plan as the engine will run it (runs after the first hole dropped).
+        length: prompt tokens ``0 .. length`` served from reused KV (exact prefix plus the runs
+            that follow it without a gap); the engine computes ``length .. N``.
+        dropped_tokens: reused tokens of the original plan that the engine computes instead.
+    """
+
+    plan: CallPlan
+    length: int
+    dropped_tokens: int
+
+
+def contiguous_claim(plan: CallPlan, start: int = 0) -> Claim:
+    """Cut ``plan`` at its first computed position at or after ``start``.
+
+    Args:
+        plan: a planner's plan (``plan.recompute`` must be None: a recomputed position is a hole).
+        start: positions the engine already holds (its own exact prefix cache); the claim never
+            ends before it.
+
+    Returns:
+        The claim: the kept plan and the number of prompt tokens it serves from reused KV.
+    """
+    if plan.recompute is not None:
+        raise ValueError("a plan with recomputed positions has holes; build it with recompute_head=0")
+    end = max(plan.prefix_length, 0)
+    kept = []
+    for run in plan.runs:  # sorted and disjoint
+        if run.prompt_start != end:
+            break
+        kept.append(run)
+        end = run.prompt_end
+    length = max(end, min(start, plan.num_prompt - 1))
+    if len(kept) == len(plan.runs):
+        return Claim(plan, length, 0)
+    dropped_runs = plan.runs[len(kept):]
+    dropped = sum(run.length for run in dropped_runs)
+    lost: dict[str, int] = {}
+    for run in dropped_runs:
+        if not run.own_text:
+            lost[run.segment.id] = lost.get(run.segment.id, 0) + run.length
+    decisions = []
+    for decision in plan.decisions:
+        cut = lost.pop(decision.segment_id, 0) if decision.status == "reused" else 0
+        if cut:
+            left = max(decision.reused_tokens - cut, 0)
+            decision = decision.model_copy(update={"reused_tokens": left} if left else
+                                           {"reused_tokens": 0, "status": "prefilled", "reason": "after_hole"})
+        decisions.append(decision)
+    kept_own = {run.prompt_start for run in kept if run.own_text}
+    pieces = tuple(replace(piece, reused=False) if piece.reused and piece.start not in kept_own else piece
+                   for piece in plan.pieces)
+    cut_plan = replace(plan, runs=tuple(kept), decisions=tuple(decisions), pieces=pieces)
+    if cut_plan.reused_tokens == 0 and cut_plan.dense_reason is None:
+        cut_plan = replace(cut_plan, dense_reason="nothing_to_reuse")
+    return Claim(cut_plan, length, dropped)
