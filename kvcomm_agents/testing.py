@@ -8,12 +8,19 @@ template. ``tiny_llama()`` and ``tiny_qwen2()`` build seeded random models that 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-__all__ = ["CHATML_TEMPLATE", "TOOLS_TEMPLATE", "tiny_tokenizer", "tiny_llama", "tiny_qwen2", "TINY_CORPUS"]
+from .broker import KVCommBroker
+from .config import KVCommConfig
+from .engines import hf
+from .support import model_fingerprint, rotator_from_config
+
+__all__ = ["CHATML_TEMPLATE", "TOOLS_TEMPLATE", "tiny_tokenizer", "tiny_llama", "tiny_qwen2", "TINY_CORPUS",
+           "PrefixOnlyRuntime"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -130,3 +137,47 @@ def tiny_qwen2(tokenizer=None, *, seed: int = 0, **overrides) -> Qwen2ForCausalL
     tokenizer = tokenizer or tiny_tokenizer()
     overrides.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 1000000.0})
     return _build(Qwen2ForCausalLM, Qwen2Config, tokenizer, seed, overrides)
+
+
+class PrefixOnlyRuntime:
+    """A minimal runtime on transformers that does what vLLM does with a claim: load the broker's
+    KV for positions ``0 .. claim``, compute the rest, decode, hand the KV back. The reference the
+    vLLM connector is checked against (``tests_vllm/``), and the broker's own test bed."""
+
+    def __init__(self, model, tokenizer, **config):
+        self.model, self.tokenizer = model, tokenizer
+        self.broker = KVCommBroker(tokenizer, rotator_from_config(model.config), model_fingerprint(model, tokenizer),
+                                   KVCommConfig(**config))
+        self.count = 0
+
+    def ids(self, messages) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
+    def run(self, ids: list[int], agent: str, *, reuse: bool = True, new_tokens: int = 12,
+            forced: Optional[list[int]] = None):
+        """Prefill the claim's rest and decode greedily (or feed ``forced`` reply ids, e.g. the
+        reply another runtime generated). Returns ``(first-token logits, generated ids, report,
+        claim, prefill)``."""
+        if forced is not None:
+            new_tokens = len(forced)
+        self.count += 1
+        rid = f"r{self.count}"
+        claim = self.broker.plan(rid, ids, agent, reuse=reuse)
+        block = self.broker.aligned(rid)
+        n, length = len(ids), claim.length
+        with torch.inference_mode():
+            pre = hf.prefill(self.model, torch.tensor(ids), torch.arange(length, n), block,
+                             torch.arange(length) if block is not None else None)
+            out, logits = [int(pre.logits.argmax()) if forced is None else forced[0]], pre.logits
+            for step in range(new_tokens - 1):
+                step_logits = hf.run_forward(self.model, torch.tensor([[out[-1]]]), pre.cache,
+                                             position_ids=torch.tensor([[n + step]]))[0, -1]
+                out.append(int(step_logits.argmax()) if forced is None else forced[step + 1])
+            slots = torch.arange(n + new_tokens - 1)
+            report = self.broker.finish(rid, out, lambda positions: hf.kv_at_positions(pre.cache, slots, positions))
+        return logits, out, report, claim, pre
+
+    def dense_logits(self, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return hf.prefill(self.model, torch.tensor(ids), torch.arange(len(ids))).logits

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVCommConnector", "KVCommMetadata", "runtime_of"]
+__all__ = ["KVCommConnector", "KVCommMetadata", "runtime_of", "runtimes"]
 
 logger = logging.getLogger("kvcomm_agents.vllm")
 
@@ -109,6 +109,12 @@ def runtime_of(vllm_config: "VllmConfig") -> _Runtime:
         if found is None:
             found = _RUNTIMES[key] = _Runtime(vllm_config)
         return found
+
+
+def runtimes() -> list[_Runtime]:
+    """Every engine's runtime in this process (its ``broker`` holds the store and anchors)."""
+    with _RUNTIMES_LOCK:
+        return list(_RUNTIMES.values())
 
 
 def _check_supported(vllm_config: "VllmConfig", hf_config) -> None:

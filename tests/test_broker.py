@@ -1,0 +1,91 @@
+"""KVCommBroker: KVCOMM for a runtime that computes prompts itself, driven here by a minimal
+runtime on transformers (claims loaded as a plain prefix, the rest computed, greedy decode), on
+both tiny families. The vLLM connector drives the same broker (tests_vllm/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig
+from kvcomm_agents.broker import for_runtime
+from kvcomm_agents.engines import hf
+from kvcomm_agents.testing import PrefixOnlyRuntime
+
+from .conftest import QUESTION, tol
+
+
+SYSTEM_A = "You are agent A. Solve the problem step by step."
+SYSTEM_B = "You are agent B. Check the answer of the other agent."
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_exact_prefix_claim_gives_dense_output(family, llama, qwen2, tokenizer):
+    model = {"llama": llama, "qwen2": qwen2}[family]
+    runtime = PrefixOnlyRuntime(model, tokenizer)
+    first = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]
+    _, reply_ids, report, claim, _ = runtime.run(runtime.ids(first), "a")
+    assert claim.length == 0 and report["dense_reason"] == "nothing_to_reuse"
+    follow = runtime.ids(first + [{"role": "assistant", "content": tokenizer.decode(reply_ids)},
+                                  {"role": "user", "content": "Give the final answer only."}])
+    logits, _, report, claim, _ = runtime.run(follow, "a")
+    assert claim.length >= len(runtime.ids(first))  # the whole first prompt at least, exactly
+    assert report["reused_tokens"] == claim.length and report["computed_tokens"] == len(follow) - claim.length
+    torch.testing.assert_close(logits, runtime.dense_logits(follow), atol=tol(1e-4), rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_shared_run_after_an_agents_own_prefix_is_claimed_rerotated(family, llama, qwen2, tokenizer):
+    """The second request of agent B: its own prefix is exact (its first request), the question
+    another agent computed is re-rotated into place; layer 0 of re-rotated KV is exact."""
+    model = {"llama": llama, "qwen2": qwen2}[family]
+    runtime = PrefixOnlyRuntime(model, tokenizer, method="rerotate")
+    runtime.run(runtime.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": "Hello there."}]), "b")
+    runtime.run(runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]), "a")
+    prompt = runtime.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": QUESTION}])
+    _, _, report, claim, pre = runtime.run(prompt, "b")
+    found = [d for d in report["decisions"] if d["status"] == "reused"]
+    assert found and found[0]["reason"] == "tokens"
+    assert claim.length > found[0]["span"][0]  # past B's exact prefix, into the question
+    with torch.inference_mode():
+        dense = hf.prefill(model, torch.tensor(prompt), torch.arange(len(prompt)))
+    claimed = torch.arange(claim.length)
+    served = hf.kv_at_positions(pre.cache, pre.slot_positions, claimed)
+    exact = hf.kv_at_positions(dense.cache, dense.slot_positions, claimed)
+    torch.testing.assert_close(served.layer(0)[0], exact.layer(0)[0], atol=tol(1e-4), rtol=0)  # keys
+    torch.testing.assert_close(served.layer(0)[1], exact.layer(0)[1], atol=tol(1e-5), rtol=0)  # values
+
+
+def test_reuse_off_runs_dense_and_is_still_kept(llama, tokenizer):
+    runtime = PrefixOnlyRuntime(llama, tokenizer)
+    ids = runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}])
+    _, _, report, claim, _ = runtime.run(ids, "a", reuse=False)
+    assert claim.length == 0 and report["dense_reason"] == "reuse_off"
+    _, _, report, claim, _ = runtime.run(ids, "a")
+    assert claim.length == len(ids) - 1  # its prompt was kept: an exact prefix now
+
+
+def test_a_missing_segment_costs_speed_not_correctness(llama, tokenizer):
+    runtime = PrefixOnlyRuntime(llama, tokenizer)
+    ids = runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}])
+    runtime.run(ids, "a")
+    runtime.broker.store.clear()  # evicted, or a restarted server
+    logits, _, report, claim, _ = runtime.run(ids, "a")
+    assert claim.length == 0 and report["dense_reason"] == "nothing_to_reuse"
+    torch.testing.assert_close(logits, runtime.dense_logits(ids), atol=tol(1e-4), rtol=0)
+
+
+def test_requests_are_planned_once_and_forgotten_when_finished(llama, tokenizer):
+    runtime = PrefixOnlyRuntime(llama, tokenizer)
+    ids = list(range(5, 60))
+    first = runtime.broker.plan("x", ids, "a")
+    assert runtime.broker.plan("x", ids, "a") is first  # the scheduler may ask again
+    assert runtime.broker.report("x")["prompt_tokens"] == len(ids)
+    runtime.broker.drop("x")
+    assert runtime.broker.report("x") == {} and runtime.broker.finish("x", [1, 2], None) == {}
+
+
+def test_runtime_settings_never_make_holes():
+    config = for_runtime(KVCommConfig())
+    assert config.experimental.recompute_head == 0 and config.experimental.own_text == "reuse"
+    assert config.audit_every == 0 and config.method == "kvcomm"

@@ -1,0 +1,141 @@
+"""KVCommConnector on vLLM's CPU build, embedded SmolLM2-135M, float32."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from .conftest import kl, questions
+
+SYSTEM_A = "You are agent A. Solve the math problem step by step."
+SYSTEM_B = "You are agent B. Check agent A's solution and give the final answer."
+
+
+def test_the_pinned_vllm_is_the_installed_one():
+    from kvcomm_vllm import SUPPORTED_VLLM, check_vllm_version
+
+    assert check_vllm_version().startswith("0.32"), SUPPORTED_VLLM
+
+
+def test_exact_prefix_claim_gives_vllms_own_greedy_output(client):
+    first = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": questions(1)[0]}]
+    reply = client.generate(client.ids(first), "prefix_a", max_tokens=32).outputs[0].text
+    follow = client.ids(first + [{"role": "assistant", "content": reply},
+                                 {"role": "user", "content": "State the final answer as a number."}])
+    served = client.generate(follow, "prefix_a", max_tokens=32)
+    report = served.kv_transfer_params["kvcomm"]
+    assert report["reused_tokens"] >= len(client.ids(first)) and report["computed_tokens"] < 32
+    dense = client.generate(follow, "prefix_a", reuse=False, max_tokens=32)
+    assert dense.kv_transfer_params["kvcomm"]["dense_reason"] == "reuse_off"
+    assert served.outputs[0].token_ids == dense.outputs[0].token_ids  # token for token
+
+
+def test_kvcomm_claims_match_the_reference_runtime_and_its_fidelity(client, model_dir):
+    """A two-agent debate (B reads A's reply) for several questions: every claim the connector
+    makes equals the claim of the same broker on transformers (PrefixOnlyRuntime) fed the same
+    ids, and its first-token KL against vLLM dense is comparable to that runtime's KL against
+    transformers dense. Some claims go past the agents' exact prefixes (shared text re-rotated)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcomm_agents.testing import PrefixOnlyRuntime
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reference = PrefixOnlyRuntime(model, client.tokenizer)
+    kls_vllm, kls_reference, claims, beyond_prefix = [], [], [], 0
+    for question in questions(5):
+        a_ids = client.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": question}])
+        a_out = client.generate(a_ids, "a", max_tokens=40)
+        reference.run(a_ids, "a", forced=list(a_out.outputs[0].token_ids))
+        b_ids = client.ids([{"role": "system", "content": SYSTEM_B},
+                            {"role": "user", "content": f"{question}\n\nAgent A said: {a_out.outputs[0].text}"}])
+        served, report = client.first_token_logprobs(b_ids, "b")
+        dense, _ = client.first_token_logprobs(b_ids, "b", reuse=False)
+        logits, _, ref_report, _, _ = reference.run(b_ids, "b", forced=[int(served.argmax())])
+        ref_dense = reference.dense_logits(b_ids)
+        reference.run(b_ids, "b", reuse=False, forced=[int(dense.argmax())])
+        claims.append((report["reused_tokens"], ref_report["reused_tokens"]))
+        beyond_prefix += any(d["status"] == "reused" and d["reason"] == "tokens" for d in report["decisions"])
+        kls_vllm.append(kl(dense, served))
+        kls_reference.append(kl(torch.log_softmax(ref_dense.double(), -1), torch.log_softmax(logits.double(), -1)))
+    print(f"claims (vLLM, reference): {claims}; first-token KL vLLM {kls_vllm}; reference {kls_reference}")
+    assert beyond_prefix >= 1, claims
+    assert sum(a == b for a, b in claims) >= len(claims) - 1, claims  # one gate verdict may flip on numerics
+    mean_vllm, mean_reference = sum(kls_vllm) / len(kls_vllm), sum(kls_reference) / len(kls_reference)
+    assert mean_vllm <= 2 * mean_reference + 0.01, (kls_vllm, kls_reference)
+
+
+def test_a_missing_segment_falls_back_to_dense_with_a_reason(client, broker):
+    ids = client.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": questions(7)[6]}])
+    client.generate(ids, "missing", max_tokens=8)
+    broker.store.clear()  # evicted, or a restarted server
+    served, report = client.first_token_logprobs(ids, "missing")
+    assert report["reused_tokens"] == 0 and report["dense_reason"] == "nothing_to_reuse"
+    dense, _ = client.first_token_logprobs(ids, "missing", reuse=False)
+    assert kl(dense, served) < 1e-6
+
+
+def test_a_failed_load_is_recomputed_by_vllm(client, llm, monkeypatch):
+    from kvcomm_vllm.connector import runtimes
+
+    (runtime,) = runtimes()
+    ids = client.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": questions(8)[7]}])
+    baseline = client.generate(ids, "load_fail", reuse=False, max_tokens=16)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected load failure")
+
+    monkeypatch.setattr(runtime.paged, "write", broken)
+    served = client.generate(ids, "load_fail", max_tokens=16)
+    assert served.kv_transfer_params["kvcomm"]["reused_tokens"] > 0  # it was claimed, and the load failed
+    assert served.outputs[0].token_ids == baseline.outputs[0].token_ids
+
+
+def test_approximate_kv_never_reaches_a_later_dense_request(client):
+    """vLLM's prefix cache is off: a dense request after an approximate one of the same prompt
+    gives exactly what it gave before any reuse."""
+    question = questions(9)[8]
+    b_ids = client.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": question}])
+    before, _ = client.first_token_logprobs(b_ids, "pollution", reuse=False)
+    for agent in ("pollution_a", "pollution_b"):  # a few reused requests of the same text
+        client.generate(client.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": question}]),
+                        agent, max_tokens=4)
+        client.first_token_logprobs(b_ids, agent)
+    after, report = client.first_token_logprobs(b_ids, "pollution", reuse=False)
+    assert report["dense_reason"] == "reuse_off"
+    assert torch.equal(before, after)
+
+
+def _config(**overrides):
+    base = dict(cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
+                parallel_config=SimpleNamespace(world_size=1))
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"cache_config": SimpleNamespace(enable_prefix_caching=True, cache_dtype="auto")}, "prefix caching off"),
+    ({"parallel_config": SimpleNamespace(world_size=2)}, "one worker"),
+    ({"cache_config": SimpleNamespace(enable_prefix_caching=False, cache_dtype="fp8")}, "kv_cache_dtype='auto'"),
+])
+def test_unsafe_engine_settings_are_refused_at_start(overrides, message, model_dir):
+    from transformers import AutoConfig
+
+    from kvcomm_agents.errors import UnsupportedModelError
+    from kvcomm_vllm.connector import _check_supported
+
+    with pytest.raises(UnsupportedModelError, match=message):
+        _check_supported(_config(**overrides), AutoConfig.from_pretrained(model_dir))
+
+
+def test_unsupported_models_are_refused_at_start(model_dir):
+    from transformers import AutoConfig
+
+    from kvcomm_agents.errors import UnsupportedModelError
+    from kvcomm_vllm.connector import _check_supported
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e5, "factor": 4.0}
+    with pytest.raises(UnsupportedModelError, match="supported"):
+        _check_supported(_config(), config)
