@@ -165,6 +165,8 @@ class KVCommBroker:
             "agent": request.agent,
             "prompt_tokens": plan.num_prompt,
             "reused_tokens": claim.length,
+            "prefix_tokens": plan.prefix_length,
+            "own_text_tokens": plan.own_text_tokens,
             "computed_tokens": plan.num_prompt - claim.length,
             "dropped_tokens": claim.dropped_tokens,
             "dense_reason": plan.dense_reason,

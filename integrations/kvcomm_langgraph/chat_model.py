@@ -94,6 +94,8 @@ class ChatKVComm(BaseChatModel):
         engine = self.engine
         if engine is None:
             return "kvcomm:embedded-smollm2-135m-instruct"
+        if getattr(engine, "model_name", None):  # a remote engine (kvcomm_vllm.client.VLLMEngine)
+            return engine.model_name
         return f"kvcomm:{getattr(engine.model.config, '_name_or_path', '') or engine.model.config.model_type}"
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:

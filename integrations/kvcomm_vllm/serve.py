@@ -1,0 +1,74 @@
+"""Start vLLM's OpenAI-compatible server with the KVCOMM connector: one command.
+
+    python -m kvcomm_vllm.serve                      # the embedded SmolLM2-135M, port 8000
+    python -m kvcomm_vllm.serve --model /path/to/hf-folder --port 8100 --kvcomm '{"method": "rerotate"}'
+    bash scripts/run.sh serve-vllm                   # the same, setting up .venv-vllm first
+
+Everything after ``--`` goes to ``vllm serve`` as is. The settings the connector needs are
+added: the connector's ``--kv-transfer-config``, ``--no-enable-prefix-caching`` (approximate KV
+must never be hashed as exact blocks), ``--distributed-executor-backend uni`` and
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the worker in the scheduler's process), and on CPU
+``--enforce-eager`` (torch.compile warm-up takes minutes on 2 cores) and a 2 GiB KV cache unless
+``VLLM_CPU_KVCACHE_SPACE`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from . import check_vllm_version, kv_transfer_config
+
+__all__ = ["server_command", "main"]
+
+
+def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "float32",
+                   max_model_len: int = 2048, kvcomm: Optional[dict] = None, eager: bool = True,
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The server's command line (without the environment; see :func:`main`)."""
+    # vLLM's OpenAI server module, not the `vllm serve` CLI: the CLI reads the version of a
+    # distribution named "vllm", which the CPU build (distribution "vllm-cpu") lacks, and fails
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
+               "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm)),
+               "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--max-logprobs", "-1"]
+    if eager:
+        command.append("--enforce-eager")
+    return command + list(extra)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="python -m kvcomm_vllm.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a Hugging Face model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kvcomm", default="{}", help="KVCommConfig fields as JSON, e.g. '{\"method\": \"rerotate\"}'")
+    parser.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (slow start on CPU)")
+    args = parser.parse_args(argv)
+    check_vllm_version()
+    model = args.model
+    if model is None:
+        from kvcomm_agents.embedded import embedded_model_dir
+
+        model = str(embedded_model_dir())
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    command = server_command(model, host=args.host, port=args.port, dtype=args.dtype,
+                             max_model_len=args.max_model_len, kvcomm=json.loads(args.kvcomm),
+                             eager=not args.compile, extra=extra)
+    print("starting:", " ".join(command[2:]), flush=True)
+    os.execve(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()
