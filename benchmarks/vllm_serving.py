@@ -1,0 +1,286 @@
+"""Workload (b) on vLLM: plain vLLM against vLLM with the KVCOMM connector, and the HF engine.
+
+    .venv-vllm/bin/python -m benchmarks.vllm_serving --out benchmarks/out/vllm     # all phases
+    bash scripts/run.sh test-vllm -k pinned                                        # sets up .venv-vllm
+
+Each strategy runs in a process of its own, one after the other (they never share the CPU);
+speed is reported as ratios to plain vLLM measured in the same invocation.
+
+- ``ttft``: the GSM8K debate (4 solvers, each reading the question and every earlier reply), one
+  graph at a time: TTFT per agent index (vLLM's own first-token latency; the HF engine's
+  ``stats.ttft_s``), whole-graph wall time (prefill and decode), prompt tokens served from cache.
+  Strategies: ``vllm`` (prefix caching off), ``vllm-apc`` (vLLM's exact prefix cache, what vLLM
+  gives today), ``connector`` (KVCOMM, default settings), ``hf`` (this SDK's HF engine, default).
+- ``batch``: 8 graphs at once (each agent step of all 8 graphs submitted together, so vLLM
+  batches them), whole-batch wall time: ``vllm``, ``connector``, and the HF engine serving the
+  8 graphs one after the other (it serves one stream at a time).
+- ``fidelity``: per receiver call, the connector's first-token distribution against vLLM dense on
+  the same ids (full vocabulary), and the HF engine's ``audit_kl``-style KL against its own dense
+  prefill on its own run.
+
+Writes ``<out>/vllm_serving.json`` and prints the tables. The first ``--warmup`` graphs of every
+strategy are excluded from the figures (anchors, own-text KV and prefixes fill there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+AGENTS = 4
+STRATEGIES = ("vllm", "vllm-apc", "connector", "hf")
+
+
+# ---- one strategy, in its own process -------------------------------------------------------
+def _workload(requests: int, offset: int):
+    from benchmarks.workloads import gsm8k_debate
+
+    return gsm8k_debate(requests=requests, offset=offset, agents=AGENTS).requests
+
+
+class _VLLM:
+    def __init__(self, strategy: str, model: str):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm import LLM
+
+        kwargs = dict(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, max_logprobs=-1,
+                      seed=0, disable_log_stats=False)
+        if strategy == "connector":
+            from kvcomm_vllm import engine_kwargs
+
+            kwargs.update(engine_kwargs())
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the same process layout as the connector
+            kwargs.update(enable_prefix_caching=strategy == "vllm-apc", distributed_executor_backend="uni")
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def ids(self, messages) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
+    def generate(self, prompts: list[list[int]], agents: list[str], max_tokens: int, *, reuse: bool = True,
+                 logprobs=None):
+        from vllm import SamplingParams
+
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs,
+                                 extra_args={"kv_transfer_params": {"agent": a, "reuse": reuse}}) for a in agents]
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _report(output) -> dict:
+    return (output.kv_transfer_params or {}).get("kvcomm", {})
+
+
+def run_vllm(strategy: str, phase: str, args) -> dict:
+    from kvcomm_agents.embedded import embedded_model_dir
+
+    engine = _VLLM(strategy, str(embedded_model_dir()))
+    requests = _workload(args.requests, args.offset)
+    records = []
+    if phase == "ttft":
+        for index, request in enumerate(requests):
+            replies, started = [], time.perf_counter()
+            for k, agent in enumerate(request.agents):
+                ids = engine.ids(request.messages(k, replies))
+                out = engine.generate([ids], [agent], args.reply_tokens)[0]
+                replies.append(out.outputs[0].text)
+                records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": len(ids),
+                                "reused_tokens": _report(out).get("reused_tokens", 0),
+                                "ttft_s": out.metrics.first_token_latency})
+            records.append({"graph": index, "wall_s": time.perf_counter() - started})
+    elif phase == "batch":
+        for group in range(2):  # a warm-up batch, then the measured one
+            batch = requests[group * args.batch:(group + 1) * args.batch]
+            replies = [[] for _ in batch]
+            started = time.perf_counter()
+            for k in range(AGENTS):
+                prompts = [engine.ids(r.messages(k, replies[i])) for i, r in enumerate(batch)]
+                outs = engine.generate(prompts, [r.agents[k] for r in batch], args.reply_tokens)
+                for i, out in enumerate(outs):
+                    replies[i].append(out.outputs[0].text)
+            records.append({"group": group, "graphs": len(batch), "wall_s": time.perf_counter() - started})
+    else:  # fidelity: the connector's claim against vLLM dense, same ids, full vocabulary
+        import torch
+
+        def first(ids, agent, reuse):
+            out = engine.generate([ids], [agent], 1, reuse=reuse, logprobs=-1)[0]
+            row = torch.full((len(engine.tokenizer),), float("-inf"), dtype=torch.float64)
+            for token, entry in out.outputs[0].logprobs[0].items():
+                row[token] = entry.logprob
+            return row, _report(out)
+
+        for index, request in enumerate(requests):
+            replies = []
+            for k, agent in enumerate(request.agents):
+                ids = engine.ids(request.messages(k, replies))
+                served, report = first(ids, agent, True)
+                dense, _ = first(ids, agent, False)
+                finite = torch.isfinite(dense)
+                kl = float(torch.sum(dense[finite].exp() * (dense[finite] - served[finite])))
+                records.append({"graph": index, "agent_index": k + 1, "kl": kl,
+                                "reused_tokens": report.get("reused_tokens", 0), "prompt_tokens": len(ids)})
+                replies.append(engine.generate([ids], [agent], args.reply_tokens)[0].outputs[0].text)
+    return {"strategy": strategy, "phase": phase, "records": records}
+
+
+def run_hf(phase: str, args) -> dict:
+    import torch
+
+    from kvcomm_agents import KVCommEngine
+
+    torch.set_num_threads(2)
+    engine = KVCommEngine.from_pretrained(dtype=torch.float32)
+    requests = _workload(args.requests, args.offset)
+    records = []
+
+    def graph(request, index):
+        replies = []
+        for k, agent in enumerate(request.agents):
+            result = engine.chat(request.messages(k, replies), agent=agent, max_new_tokens=args.reply_tokens,
+                                 temperature=0.0)
+            replies.append(result.text)
+            s = result.stats
+            records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": s.prompt_tokens,
+                            "reused_tokens": s.reused_tokens, "ttft_s": s.ttft_s, "kl": s.audit_kl})
+
+    if phase == "ttft":
+        for index, request in enumerate(requests):
+            started = time.perf_counter()
+            graph(request, index)
+            records.append({"graph": index, "wall_s": time.perf_counter() - started})
+    elif phase == "batch":
+        for group in range(2):
+            batch = requests[group * args.batch:(group + 1) * args.batch]
+            started = time.perf_counter()
+            for i, request in enumerate(batch):
+                graph(request, group * args.batch + i)
+            records.append({"group": group, "graphs": len(batch), "wall_s": time.perf_counter() - started})
+    return {"strategy": "hf", "phase": phase, "records": records}
+
+
+# ---- orchestration --------------------------------------------------------------------------
+def _median(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(results: list[dict], warmup: int) -> dict:
+    """Per strategy: TTFT per agent index, graph wall time, token share; batch wall time;
+    fidelity. Ratios are to plain vLLM (``vllm``) from the same invocation."""
+    table: dict = {"ttft": {}, "batch": {}, "fidelity": {}}
+    for result in results:
+        strategy, phase, records = result["strategy"], result["phase"], result["records"]
+        if phase == "ttft":
+            calls = [r for r in records if "agent_index" in r and r["graph"] >= warmup]
+            graphs = [r["wall_s"] for r in records if "wall_s" in r and r["graph"] >= warmup]
+            table["ttft"][strategy] = {
+                "ttft_s": {k: _median(r["ttft_s"] for r in calls if r["agent_index"] == k) for k in range(1, AGENTS + 1)},
+                "graph_wall_s": _median(graphs),
+                "token_share": sum(r["reused_tokens"] for r in calls) / max(sum(r["prompt_tokens"] for r in calls), 1),
+            }
+        elif phase == "batch":
+            measured = [r for r in records if r.get("group") == 1]
+            table["batch"][strategy] = {"graphs": measured[0]["graphs"], "wall_s": measured[0]["wall_s"]}
+        else:
+            calls = [r for r in records if r["graph"] >= warmup and r["agent_index"] > 1]
+            kls = [r["kl"] for r in calls if r.get("kl") is not None]
+            table["fidelity"][strategy] = {"mean_kl": sum(kls) / len(kls) if kls else None, "calls": len(kls),
+                                           "token_share": sum(r["reused_tokens"] for r in calls)
+                                           / max(sum(r["prompt_tokens"] for r in calls), 1)}
+    base = table["ttft"].get("vllm")
+    for strategy, row in table["ttft"].items():
+        if base:
+            row["speedup_vs_vllm"] = {k: (base["ttft_s"][k] / v if v else None) for k, v in row["ttft_s"].items()}
+            row["graph_speedup_vs_vllm"] = base["graph_wall_s"] / row["graph_wall_s"]
+    hf = table["batch"].get("hf")
+    for strategy, row in table["batch"].items():
+        row["graphs_per_s"] = row["graphs"] / row["wall_s"]
+        if hf:
+            row["throughput_vs_hf"] = row["graphs_per_s"] / hf["graphs_per_s"]
+    return table
+
+
+def print_tables(table: dict) -> None:
+    print("\n(b) on vLLM, one graph at a time: median TTFT per agent index (speed-up vs plain vLLM)")
+    print(f"{'strategy':<11} " + " ".join(f"{'agent ' + str(k):>17}" for k in range(1, AGENTS + 1))
+          + f" {'graph wall':>16} {'from cache':>10}")
+    for strategy, row in table["ttft"].items():
+        cells = []
+        for k in range(1, AGENTS + 1):
+            ttft, speed = row["ttft_s"][k], row.get("speedup_vs_vllm", {}).get(k)
+            cells.append(f"{ttft * 1000:8.0f} ms" + (f" {speed:5.2f}x" if speed else " " * 7) if ttft else " " * 17)
+        wall, wall_speed = row["graph_wall_s"], row.get("graph_speedup_vs_vllm")
+        print(f"{strategy:<11} " + " ".join(cells) + f" {wall:7.2f} s {wall_speed or 0:5.2f}x {row['token_share']:>9.0%}")
+    if table["batch"]:
+        print("\n8 graphs at once: wall time and throughput against the HF engine (one stream at a time)")
+        for strategy, row in table["batch"].items():
+            print(f"{strategy:<11} {row['wall_s']:8.1f} s  {row['graphs_per_s']:.3f} graphs/s"
+                  + (f"  {row['throughput_vs_hf']:.2f}x HF" if "throughput_vs_hf" in row else ""))
+    if table["fidelity"]:
+        print("\nfidelity, receivers (agent index > 1): mean first-token KL against dense on the same ids")
+        for strategy, row in table["fidelity"].items():
+            kl = row["mean_kl"]
+            print(f"{strategy:<11} KL {kl:.4f} over {row['calls']} calls, {row['token_share']:.0%} of prompt tokens from cache"
+                  if kl is not None else f"{strategy:<11} no KL measured")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/out/vllm")
+    parser.add_argument("--phases", default="ttft,batch,fidelity")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--hf-python", default=".venv/bin/python", help="interpreter for the HF engine (needs accelerate)")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "strategy:phase", run in a child process
+    args = parser.parse_args(argv)
+    if args.one:
+        strategy, phase = args.one.split(":")
+        result = run_hf(phase, args) if strategy == "hf" else run_vllm(strategy, phase, args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    strategies = args.strategies.split(",")
+    results = []
+    for phase in args.phases.split(","):
+        if phase == "batch":
+            args_requests = max(args.requests, 2 * args.batch)
+        for strategy in strategies:
+            if phase == "batch" and strategy == "vllm-apc":
+                continue
+            if phase == "fidelity" and strategy != "connector":
+                continue  # the HF engine's own fidelity is in docs/benchmarks.md (its audits)
+            python = args.hf_python if strategy == "hf" else sys.executable
+            requests = args_requests if phase == "batch" else args.requests
+            command = [python, "-m", "benchmarks.vllm_serving", "--one", f"{strategy}:{phase}",
+                       "--requests", str(requests), "--offset", str(args.offset), "--batch", str(args.batch),
+                       "--reply-tokens", str(args.reply_tokens)]
+            print(f"running {strategy} / {phase} ...", flush=True)
+            started = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                raise SystemExit(f"{strategy}/{phase} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+            print(f"  {time.perf_counter() - started:.0f} s", flush=True)
+    (out / "vllm_serving.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))
+    table = summarize(results, args.warmup)
+    (out / "vllm_serving.json").write_text(json.dumps({"args": vars(args), "summary": table, "results": results},
+                                                      indent=1, default=str))
+    print_tables(table)
+
+
+if __name__ == "__main__":
+    main()
