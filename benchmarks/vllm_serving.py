@@ -200,9 +200,10 @@ def summarize(results: list[dict], warmup: int) -> dict:
         if base:
             row["speedup_vs_vllm"] = {k: (base["ttft_s"][k] / v if v else None) for k, v in row["ttft_s"].items()}
             row["graph_speedup_vs_vllm"] = base["graph_wall_s"] / row["graph_wall_s"]
-    hf = table["batch"].get("hf")
-    for strategy, row in table["batch"].items():
+    for row in table["batch"].values():
         row["graphs_per_s"] = row["graphs"] / row["wall_s"]
+    hf = table["batch"].get("hf")
+    for row in table["batch"].values():
         if hf:
             row["throughput_vs_hf"] = row["graphs_per_s"] / hf["graphs_per_s"]
     return table
@@ -218,7 +219,8 @@ def print_tables(table: dict) -> None:
             ttft, speed = row["ttft_s"][k], row.get("speedup_vs_vllm", {}).get(k)
             cells.append(f"{ttft * 1000:8.0f} ms" + (f" {speed:5.2f}x" if speed else " " * 7) if ttft else " " * 17)
         wall, wall_speed = row["graph_wall_s"], row.get("graph_speedup_vs_vllm")
-        print(f"{strategy:<11} " + " ".join(cells) + f" {wall:7.2f} s {wall_speed or 0:5.2f}x {row['token_share']:>9.0%}")
+        share = "n/a" if strategy == "vllm-apc" else f"{row['token_share']:.0%}"  # vLLM reports no hits here
+        print(f"{strategy:<11} " + " ".join(cells) + f" {wall:7.2f} s {wall_speed or 0:5.2f}x {share:>10}")
     if table["batch"]:
         print("\n8 graphs at once: wall time and throughput against the HF engine (one stream at a time)")
         for strategy, row in table["batch"].items():
@@ -243,8 +245,16 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--hf-python", default=".venv/bin/python", help="interpreter for the HF engine (needs accelerate)")
+    parser.add_argument("--summarize", default=None, help="print the tables of an earlier run's JSON")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "strategy:phase", run in a child process
     args = parser.parse_args(argv)
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        table = summarize(saved["results"], args.warmup)
+        saved["summary"] = table
+        Path(args.summarize).write_text(json.dumps(saved, indent=1, default=str))
+        print_tables(table)
+        return
     if args.one:
         strategy, phase = args.one.split(":")
         result = run_hf(phase, args) if strategy == "hf" else run_vllm(strategy, phase, args)
@@ -269,7 +279,10 @@ def main(argv=None) -> None:
                        "--reply-tokens", str(args.reply_tokens)]
             print(f"running {strategy} / {phase} ...", flush=True)
             started = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True)
+            # vLLM drops to 1 torch thread "for serving" unless OMP_NUM_THREADS says otherwise;
+            # the HF engine uses 2: both get the machine's 2 cores
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
                 raise SystemExit(f"{strategy}/{phase} failed ({done.returncode}):\n{done.stderr[-4000:]}")

@@ -175,7 +175,6 @@ class KVCommConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._runtime = runtime_of(vllm_config)
         self._loads: dict[str, Load] = {}
-        self._claims: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
         if role == KVConnectorRole.SCHEDULER and self._runtime.paged is None:
             raise UnsupportedModelError(
@@ -200,7 +199,6 @@ class KVCommConnector(KVConnectorBase_V1):
             self.broker.drop(request.request_id)
             return 0, False
         external = max(claim.length - num_computed_tokens, 0)
-        self._claims[request.request_id] = external
         return external, False
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
@@ -216,7 +214,6 @@ class KVCommConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        self._claims.pop(request.request_id, None)
         paged = self._runtime.paged
         prompt = len(request.prompt_token_ids)
         output = list(request.output_token_ids)
