@@ -118,6 +118,11 @@ class KVCommBroker:
             self._requests[request_id] = BrokeredRequest(agent, claim)
             return claim
 
+    def claim(self, request_id: str) -> Optional[Claim]:
+        """The claim planned for a pending request, or None."""
+        request = self._requests.get(request_id)
+        return None if request is None else request.claim
+
     def aligned(self, request_id: str) -> Optional[KVBlock]:
         """KV of the claimed positions ``0 .. claim.length`` (storage order = position order),
         keys at their prompt positions: ``[L, kv_heads, length, head_dim]`` per device group.

@@ -80,9 +80,13 @@ def test_requests_are_planned_once_and_forgotten_when_finished(llama, tokenizer)
     ids = list(range(5, 60))
     first = runtime.broker.plan("x", ids, "a")
     assert runtime.broker.plan("x", ids, "a") is first  # the scheduler may ask again
+    assert runtime.broker.claim("x") is first
     assert runtime.broker.report("x")["prompt_tokens"] == len(ids)
     runtime.broker.drop("x")
     assert runtime.broker.report("x") == {} and runtime.broker.finish("x", [1, 2], None) == {}
+    assert runtime.broker.claim("x") is None
+    with pytest.raises(KeyError):  # the connector's worker turns this into blocks vLLM recomputes
+        runtime.broker.aligned("x")
 
 
 def test_runtime_settings_never_make_holes():

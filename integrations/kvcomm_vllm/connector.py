@@ -204,7 +204,11 @@ class KVCommConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
-        end = request.num_computed_tokens + num_external_tokens if request.num_computed_tokens else num_external_tokens
+        # the claim ends at claim.length; vLLM holds the tokens before its start. A request no longer
+        # known to the broker still gets its load queued: it fails on the worker, which hands the
+        # blocks back to vLLM to recompute (never unwritten blocks read as KV)
+        claim = self.broker.claim(request.request_id)
+        end = claim.length if claim is not None else request.num_computed_tokens + num_external_tokens
         block_ids = list(blocks.get_block_ids()[0])
         self._loads[request.request_id] = Load(request.request_id, block_ids, end - num_external_tokens, end)
 
