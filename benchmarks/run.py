@@ -199,6 +199,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share}
     if phase == "b-e2e" and ctx.args.e2e_timed:
         signature["e2e_timed"] = True
+    if phase == "b-e2e" and ctx.args.e2e_noise_floor:
+        signature["e2e_noise_floor"] = True
     signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
     path = ctx.out / f"phase_{phase}.json"
     if path.is_file() and not ctx.args.fresh:
@@ -218,6 +220,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
         refs = _refs(ctx, workload)
         timed = ctx.args.e2e_timed
         strategies = _strategies(ctx, names if timed else [n for n in names if n != "dense"])
+        if ctx.args.e2e_noise_floor:  # the dense pipeline in bf16: the drift that is not reuse's
+            strategies.append(noise_floor(ctx.loaded.model, ctx.loaded.tokenizer))
         bar = _progress(calls * len(strategies), f"{phase} ({len(strategies)} strategies + dense replies)")
         # otherwise answers, not speed: on a CPU the pipelines run side by side, one thread each
         records, answers = measure.run_end_to_end(workload, strategies, warmup=warmup, phase=phase, refs=refs,
@@ -295,6 +299,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--e2e-timed", action="store_true",
                         help="end to end: decode the dense pipeline too and run the pipelines in turns, "
                              "reporting each pipeline's wall time (prefill and decode)")
+    parser.add_argument("--e2e-noise-floor", action="store_true",
+                        help="end to end: also run the dense pipeline in bf16 (the end-to-end noise floor; "
+                             "several times slower than fp32 on a CPU)")
     parser.add_argument("--fresh", action="store_true", help="rerun finished phases (cached dense replies are kept)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-seed-replies", action="store_true",

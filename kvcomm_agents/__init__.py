@@ -11,6 +11,7 @@ from .errors import (
     KVCommError,
     ModelNotAvailableError,
     RopeCheckError,
+    SharedTierWarning,
     UnsupportedModelError,
 )
 from .evaluation import Replay

@@ -35,6 +35,7 @@ from .kv.block import KVBlock
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
 from .kv.rope import RopeRotator
+from .kv.shared import SharedSegments
 from .kv.store import SegmentStore
 from .planner import plan_call
 from .plan import CallPlan
@@ -74,15 +75,16 @@ class KVCommBroker:
         fingerprint: identifies model, dtype and tokenizer; stamped on every segment.
         config: settings, adapted with :func:`for_runtime`.
         device: where budgets are measured (the runtime's KV device).
+        shared: a segment tier shared with other replicas (:mod:`.kv.shared`); None: this one only.
     """
 
     def __init__(self, tokenizer, rotator: RopeRotator, fingerprint: str, config: KVCommConfig,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", shared: Optional[SharedSegments] = None):
         self.tokenizer, self.rotator, self.fingerprint = tokenizer, rotator, fingerprint
         self.config = c = for_runtime(config)
         store_budget, anchor_budget = default_budgets(torch.device(device))
         self.store = SegmentStore(c.store_max_bytes if c.store_max_bytes is not None else store_budget,
-                                  min_run=c.min_match_tokens)
+                                  min_run=c.min_match_tokens, shared=shared)
         freeze = BlockCount()
         self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze)
         self.own_texts = OwnTextStore(c.experimental.own_text_max_bytes, freeze)

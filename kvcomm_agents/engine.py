@@ -32,6 +32,7 @@ from .identity import WeightsWatch
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
 from .kv.segments import Kind, SegmentRef
+from .kv.shared import SharedSegments
 from .kv.store import SegmentStore
 from .models import load_model
 from .plan import CallPlan
@@ -72,6 +73,9 @@ class KVCommEngine:
         config: settings; defaults to ``KVCommConfig()``.
         store: a segment store to share between engines; a new one by default.
         plan_hook: see :data:`PlanHook` (benchmarks only; None in production).
+        shared: a segment tier shared with other processes serving the same model (a fleet:
+            ``kvcomm_vllm.shared.RedisSegments``); what this engine computes is published there,
+            and what others published is found and fetched like its own (:mod:`.kv.shared`).
 
     Raises:
         UnsupportedModelError: the model cannot be re-rotated (the message says what is
@@ -79,7 +83,8 @@ class KVCommEngine:
     """
 
     def __init__(self, model, tokenizer, *, config: Optional[KVCommConfig] = None,
-                 store: Optional[SegmentStore] = None, plan_hook: Optional[PlanHook] = None):
+                 store: Optional[SegmentStore] = None, plan_hook: Optional[PlanHook] = None,
+                 shared: Optional[SharedSegments] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or KVCommConfig()
@@ -88,8 +93,11 @@ class KVCommEngine:
         self.plan_hook = plan_hook
         c, x = self.config, self.config.experimental
         store_budget, anchor_budget = default_budgets(hf.input_device(model))
+        if store is not None and shared is not None:
+            raise InvalidRequestError("give either store= or shared= (a store built with shared=...), not both")
         self._store = store if store is not None else SegmentStore(
-            c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens)
+            c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens,
+            shared=shared)
         self._lock = threading.RLock()
         self._freeze = BlockCount()
         self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze)

@@ -14,7 +14,9 @@ The tree::
 Argument errors are raised before any compute.
 
 Warnings: :class:`BudgetWarning` (a ``UserWarning``) when a byte budget cannot hold even one
-segment or anchor, so that reuse would silently stop.
+segment or anchor, so that reuse would silently stop; :class:`SharedTierWarning` (a
+``UserWarning``) when a shared segment tier fails (down, or a blob that is not what its catalog
+announced): the store serves from memory and computes what it cannot find.
 
 A missing, evicted, stale or foreign cache segment is *not* an error: the engine prefills that
 text instead and records the reason in ``ChatResult.stats.decisions``.
@@ -31,6 +33,7 @@ __all__ = [
     "InvalidRequestError",
     "InvalidMessagesError",
     "BudgetWarning",
+    "SharedTierWarning",
 ]
 
 SUPPORTED_MODELS_HINT = (
@@ -76,3 +79,7 @@ class InvalidMessagesError(InvalidRequestError):
 
 class BudgetWarning(UserWarning):
     """A byte budget is too small to hold one segment or anchor: that KV is not kept."""
+
+
+class SharedTierWarning(UserWarning):
+    """A shared segment tier failed or returned a bad blob: that KV is computed instead."""

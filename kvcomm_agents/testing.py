@@ -144,10 +144,10 @@ class PrefixOnlyRuntime:
     KV for positions ``0 .. claim``, compute the rest, decode, hand the KV back. The reference the
     vLLM connector is checked against (``tests_vllm/``), and the broker's own test bed."""
 
-    def __init__(self, model, tokenizer, **config):
+    def __init__(self, model, tokenizer, *, shared=None, **config):
         self.model, self.tokenizer = model, tokenizer
         self.broker = KVCommBroker(tokenizer, rotator_from_config(model.config), model_fingerprint(model, tokenizer),
-                                   KVCommConfig(**config))
+                                   KVCommConfig(**config), shared=shared)
         self.count = 0
 
     def ids(self, messages) -> list[int]:

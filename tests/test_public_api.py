@@ -8,7 +8,7 @@ import kvcomm_agents
 EXPECTED = {
     "KVCommEngine", "KVCommConfig", "ExperimentalSettings", "SegmentRef", "ChatResult", "CallStats", "SegmentDecision",
     "GateRecord", "ReuseSummary", "Replay", "StoreStats", "KVCommError", "UnsupportedModelError", "RopeCheckError",
-    "ModelNotAvailableError", "AnchorFileError", "InvalidRequestError", "InvalidMessagesError", "BudgetWarning",
+    "ModelNotAvailableError", "AnchorFileError", "InvalidRequestError", "InvalidMessagesError", "BudgetWarning", "SharedTierWarning",
 }
 
 

@@ -5,12 +5,16 @@ while a running call has them pinned. Segments are found by reference (id) or by
 text appearing verbatim in a message); exact prefixes by the longest common prefix of token ids;
 and any run of token ids shared with any entry, wherever it sits (:meth:`SegmentStore.find_runs`,
 a rolling-hash index kept with the entries).
+
+With a shared tier (:mod:`.shared`, e.g. Redis for a fleet of replicas), every entry computed here
+is also published, and entries other replicas published are found by token runs, exact prefix or
+id like local ones; their KV is fetched on first use and then held here under the same budget.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
+import uuid
 import warnings
 from collections import OrderedDict, deque
 from contextlib import contextmanager
@@ -20,10 +24,11 @@ from typing import Iterator, Union
 import torch
 from pydantic import BaseModel
 
-from ..errors import BudgetWarning
+from ..errors import BudgetWarning, SharedTierWarning
 from .block import KVBlock
 from .run_index import TokenRunIndex, scan
 from .segments import KVSegment
+from .shared import CatalogItem, Publisher, SharedSegments, catalog_item, decode_entry
 
 __all__ = ["SegmentStore", "PrefixEntry", "StoreStats"]
 
@@ -67,10 +72,13 @@ class StoreStats(BaseModel):
     max_bytes: int
     evictions: int
     pinned: int
+    shared_fetched: int = 0
+    shared_misses: int = 0
 
 
 Entry = Union[KVSegment, PrefixEntry]
-_prefix_ids = itertools.count()
+_REMOTE = "shared:"  # run-index keys of entries the shared tier holds and this store does not
+_MAX_REMOTE = 100_000  # catalog items remembered (oldest forgotten first)
 
 
 class SegmentStore:
@@ -79,12 +87,13 @@ class SegmentStore:
     Args:
         max_bytes: budget for all KV held; least recently used entries go first beyond it.
         min_run: shortest shared token run :meth:`find_runs` must find (``min_match_tokens``).
+        shared: a tier shared with other stores (other replicas); None: this process only.
     """
 
     PREFIX_KIND = ("prompt", None)
     """Kind of the segment view of an exact prefix served as a token run (its anchor pool)."""
 
-    def __init__(self, max_bytes: int, *, min_run: int = 8) -> None:
+    def __init__(self, max_bytes: int, *, min_run: int = 8, shared: SharedSegments | None = None) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.RLock()
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
@@ -95,6 +104,13 @@ class SegmentStore:
         self._warned = False
         self._runs = TokenRunIndex(min_run)
         self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
+        self.shared = shared
+        self._publisher = Publisher(shared, self._tier_failed) if shared is not None else None
+        self._remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
+        self._cursor = None  # the tier's catalog cursor (opaque)
+        self._devices: list[torch.device] | None = None  # where fetched KV goes (local entries' groups)
+        self._fetched = self._misses = 0
+        self._tier_warned = False
 
     # ---- segments -------------------------------------------------------------------------
     def put(self, segment: KVSegment) -> bool:
@@ -105,6 +121,10 @@ class SegmentStore:
         """The segment with this id, or None if unknown or evicted. Marks it recently used."""
         with self._lock:
             entry = self._entries.get(segment_id)
+            if entry is None and self.shared is not None:
+                self._sync()
+                item = self._remote.get(segment_id)
+                entry = self._fetch(item) if item is not None and not item.prefix else None
             if not isinstance(entry, KVSegment):
                 return None
             self._entries.move_to_end(segment_id)
@@ -164,7 +184,7 @@ class SegmentStore:
         """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers."""
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
-            hit = self.longest_prefix(ids, fingerprint)
+            hit = self._longest_local_prefix(ids, fingerprint)
             if hit is not None and hit[1] == ids.numel():
                 return True  # already covered
             for key, entry in list(self._entries.items()):
@@ -172,22 +192,51 @@ class SegmentStore:
                     n = entry.token_ids.numel()
                     if n <= ids.numel() and entry.common_prefix(ids) == n:
                         self._remove(key)  # covered; a running call keeps its own tensors
-            entry = PrefixEntry(f"prefix-{next(_prefix_ids)}", ids, kv, fingerprint)
+            entry = PrefixEntry(f"prefix-{uuid.uuid4().hex}", ids, kv, fingerprint)
             return self._insert(entry.id, entry)
 
     def longest_prefix(self, token_ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
-        """The prefix entry sharing the longest common prefix with ``token_ids`` and its length."""
+        """The prefix entry sharing the longest common prefix with ``token_ids`` and its length
+        (a longer one of the shared tier is fetched)."""
         ids = token_ids.detach().to("cpu", torch.long)
-        best: tuple[PrefixEntry, int] | None = None
         with self._lock:
-            for entry in self._entries.values():
-                if isinstance(entry, PrefixEntry) and entry.fingerprint == fingerprint:
-                    n = entry.common_prefix(ids)
-                    if n > 0 and (best is None or n > best[1]):
-                        best = (entry, n)
+            best = self._longest_local_prefix(ids, fingerprint)
+            if self.shared is not None:
+                self._sync()
+                for item in self._remote_by_length(ids, fingerprint, best[1] if best else 0):
+                    entry = self._fetch(item)
+                    if isinstance(entry, PrefixEntry):
+                        best = (entry, entry.common_prefix(ids))
+                        break
             if best is not None:
                 self._entries.move_to_end(best[0].id)
         return best
+
+    def _longest_local_prefix(self, ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
+        best: tuple[PrefixEntry, int] | None = None
+        for entry in self._entries.values():
+            if isinstance(entry, PrefixEntry) and entry.fingerprint == fingerprint:
+                n = entry.common_prefix(ids)
+                if n > 0 and (best is None or n > best[1]):
+                    best = (entry, n)
+        return best
+
+    def _remote_by_length(self, ids: torch.Tensor, fingerprint: str, beat: int) -> list[CatalogItem]:
+        """The tier's prefixes (not held here) sharing more than ``beat`` leading ids with ``ids``,
+        longest common prefix first."""
+        prompt = ids.tolist()
+        scored = []
+        for key, item in self._remote.items():
+            if not item.prefix or item.fingerprint != fingerprint or key in self._entries:
+                continue
+            n = 0
+            for a, b in zip(item.token_ids, prompt):
+                if a != b:
+                    break
+                n += 1
+            if n > beat:
+                scored.append((n, item))
+        return [item for _, item in sorted(scored, key=lambda pair: -pair[0])]
 
     # ---- shared token runs anywhere ---------------------------------------------------------
     def find_runs(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor,
@@ -210,6 +259,19 @@ class SegmentStore:
                 entry = self._entries.get(key)
                 return entry is not None and _fingerprint(entry) == fingerprint
 
+            if self.shared is not None:
+                self._sync()
+
+                def anywhere(key: str) -> bool:
+                    if key.startswith(_REMOTE):
+                        item = self._remote.get(key[len(_REMOTE):])
+                        return item is not None and item.fingerprint == fingerprint
+                    return allowed(key)
+
+                # fetch what the tier holds of this prompt; the scan below then finds it here
+                for key, *_ in list(scan(ids, free, self._runs, anywhere, upper)):
+                    if key.startswith(_REMOTE) and key[len(_REMOTE):] in self._remote:
+                        self._fetch(self._remote[key[len(_REMOTE):]])
             found = []
             for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper):
                 entry = self._entries[key]
@@ -265,7 +327,56 @@ class SegmentStore:
                 max_bytes=self.max_bytes,
                 evictions=self._evictions,
                 pinned=len(self._pins),
+                shared_fetched=self._fetched,
+                shared_misses=self._misses,
             )
+
+    def flush(self) -> None:
+        """Wait until every entry computed so far is published to the shared tier (no-op without)."""
+        if self._publisher is not None:
+            self._publisher.flush()
+
+    # ---- the shared tier ------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Read the catalog items published since the last read (holding the lock)."""
+        try:
+            items, self._cursor = self.shared.catalog(self._cursor)
+        except Exception as error:
+            self._tier_failed(error)
+            return
+        for item in items:
+            if item.key in self._remote or item.key in self._entries:
+                continue
+            self._remote[item.key] = item
+            self._runs.add(_REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
+        while len(self._remote) > _MAX_REMOTE:
+            key, _ = self._remote.popitem(last=False)
+            self._runs.remove(_REMOTE + key)
+
+    def _fetch(self, item: CatalogItem) -> Entry | None:
+        """Fetch and hold an entry of the tier; None (and forgotten) when the tier no longer has
+        it, fails, or returns a blob that is not the announced entry."""
+        try:
+            blob = self.shared.fetch(item.key)
+            decoded = decode_entry(item, blob, self._devices) if blob is not None else None
+        except Exception as error:
+            self._tier_failed(error)
+            decoded = None
+        if decoded is None:
+            self._misses += 1
+            self._remote.pop(item.key, None)
+            self._runs.remove(_REMOTE + item.key)
+            return None
+        entry = decoded if isinstance(decoded, KVSegment) else PrefixEntry(item.key, decoded[0], decoded[1], item.fingerprint)
+        self._fetched += 1
+        self._insert(item.key, entry, publish=False)
+        return self._entries.get(item.key)
+
+    def _tier_failed(self, error: Exception) -> None:
+        if not self._tier_warned:
+            self._tier_warned = True
+            warnings.warn(f"the shared segment tier failed ({type(error).__name__}: {error}); this store "
+                          "serves from memory and computes what it cannot find", SharedTierWarning, stacklevel=3)
 
     def clear(self) -> None:
         """Drop every entry that no running call uses."""
@@ -278,7 +389,7 @@ class SegmentStore:
         with self._lock:
             return len(self._entries)
 
-    def _insert(self, key: str, entry: Entry) -> bool:
+    def _insert(self, key: str, entry: Entry, publish: bool = True) -> bool:
         size = entry.nbytes
         with self._lock:
             if size > self.max_bytes:
@@ -288,8 +399,13 @@ class SegmentStore:
                 self._remove(key)
             self._entries[key] = entry
             self._bytes += size
+            self._runs.remove(_REMOTE + key)
             self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
                            if isinstance(entry, KVSegment) else entry.token_ids)
+            if publish and self._publisher is not None:
+                self._devices = [k.device for k in entry.kv.keys]
+                self._remote[key] = catalog_item(entry)
+                self._publisher.submit(entry)
             self._evict()
             return key in self._entries
 
@@ -316,6 +432,9 @@ class SegmentStore:
         self._bytes -= entry.nbytes
         self._runs.remove(key)
         self._views.pop(key, None)
+        item = self._remote.get(key)
+        if item is not None:  # the tier still holds it: findable again, fetched on use
+            self._runs.add(_REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
 
 
 def _fingerprint(entry: Entry) -> str:

@@ -1,0 +1,157 @@
+"""A segment tier shared by replicas (kvcomm_agents.kv.shared): what one replica computed is
+found, fetched and reused by another, exactly where reuse is exact; a miss, a corrupt blob or a
+tier that is down costs speed, never correctness. Replicas are brokers on transformers
+(PrefixOnlyRuntime, what the vLLM connector drives) and engines, on both tiny families; the tier
+is the in-process one here and a real Redis server in tests/integrations/test_redis_tier.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.errors import SharedTierWarning
+from kvcomm_agents.kv.block import KVBlock
+from kvcomm_agents.kv.segments import KVSegment
+from kvcomm_agents.kv.shared import CatalogItem, MemorySegments, decode_entry, encode_entry
+from kvcomm_agents.kv.store import PrefixEntry, SegmentStore
+from kvcomm_agents.testing import PrefixOnlyRuntime
+
+from ..conftest import QUESTION, tol
+
+SYSTEM_A = "You are agent A. Solve the problem step by step."
+SYSTEM_B = "You are agent B. Check the answer of the other agent."
+
+
+def _segment(tokens: int = 5, fingerprint: str = "fp") -> KVSegment:
+    g = torch.Generator().manual_seed(tokens)
+    kv = KVBlock((torch.randn(2, 2, tokens, 4, generator=g), torch.randn(1, 2, tokens, 4, generator=g)),
+                 (torch.randn(2, 2, tokens, 4, generator=g), torch.randn(1, 2, tokens, 4, generator=g)), (0, 2))
+    return KVSegment.create(kind=("solver", "assistant"), text="x" * tokens, token_ids=list(range(10, 10 + tokens)),
+                            char_spans=[(i, i + 1) for i in range(tokens)], kv=kv, fingerprint=fingerprint,
+                            context_ids=[1, 2, 3])
+
+
+def test_blobs_round_trip_segments_and_prefixes_exactly():
+    segment = _segment()
+    item, blob = encode_entry(segment)
+    back = decode_entry(item, blob)
+    assert back.ref == segment.ref and back.text == segment.text and back.token_ids == segment.token_ids
+    assert back.char_spans == segment.char_spans and back.context_ids == segment.context_ids
+    assert back.kv.starts == (0, 2)
+    for a, b in zip((*back.kv.keys, *back.kv.values), (*segment.kv.keys, *segment.kv.values)):
+        assert torch.equal(a, b)
+    prefix = PrefixEntry("prefix-x", torch.arange(5), KVBlock.stacked(torch.ones(3, 2, 5, 4), torch.zeros(3, 2, 5, 4)), "fp")
+    item, blob = encode_entry(prefix)
+    ids, kv = decode_entry(item, blob)
+    assert item.prefix and torch.equal(ids, torch.arange(5)) and torch.equal(kv.keys[0], prefix.kv.keys[0])
+    assert CatalogItem.from_json(item.to_json()) == item
+
+
+def test_a_blob_that_is_not_the_announced_entry_is_refused():
+    item, blob = encode_entry(_segment())
+    other = CatalogItem(item.key, "another-model", item.token_ids, item.prefix)
+    with pytest.raises(ValueError, match="does not match"):
+        decode_entry(other, blob)
+    with pytest.raises(ValueError, match="not a segment blob"):
+        decode_entry(item, b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!")
+
+
+def test_stores_find_each_others_entries_by_id_and_token_runs():
+    tier = MemorySegments()
+    a, b = SegmentStore(1 << 20, min_run=4, shared=tier), SegmentStore(1 << 20, min_run=4, shared=tier)
+    segment = _segment(12)
+    a.put(segment)
+    a.flush()
+    assert b.get(segment.id).ref == segment.ref  # by reference
+    c = SegmentStore(1 << 20, min_run=4, shared=tier)
+    prompt = torch.tensor([1, 2, 3] + list(range(10, 22)) + [7])
+    runs = c.find_runs(prompt, "fp", torch.ones(len(prompt), dtype=torch.bool), len(prompt) - 1)
+    assert [(s.id, p, o, n) for s, p, o, n in runs] == [(segment.id, 3, 0, 12)]  # by token run, anywhere
+    assert c.find_runs(prompt, "other-model", torch.ones(len(prompt), dtype=torch.bool), len(prompt) - 1) == []
+    assert c.stats().shared_fetched == 1 and b.stats().shared_fetched == 1
+
+
+def test_an_evicted_entry_comes_back_from_the_tier():
+    tier = MemorySegments()
+    first, second = _segment(6), _segment(7)
+    store = SegmentStore(second.nbytes + 8, shared=tier)  # room for one
+    store.put(first)
+    store.put(second)  # evicts the first
+    store.flush()
+    assert store.stats().evictions == 1
+    assert store.get(first.id) is not None and store.stats().shared_fetched == 1
+
+
+def test_a_tier_that_is_down_warns_once_and_the_store_serves_on():
+    class Down:
+        def publish(self, item, blob):
+            raise ConnectionError("tier down")
+
+        catalog = fetch = publish
+
+    store = SegmentStore(1 << 20, shared=Down())
+    segment = _segment()
+    with pytest.warns(SharedTierWarning, match="tier down"):
+        store.put(segment)
+        store.flush()
+        assert store.get(segment.id) is segment
+        assert store.get("unknown") is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_another_replicas_exact_prefix_gives_dense_output(family, llama, qwen2, tokenizer):
+    """Replica B never saw agent A's first turn: it fetches A's exact prefix from the tier and
+    its output equals dense prefill."""
+    model = {"llama": llama, "qwen2": qwen2}[family]
+    tier = MemorySegments()
+    replica_a, replica_b = PrefixOnlyRuntime(model, tokenizer, shared=tier), PrefixOnlyRuntime(model, tokenizer, shared=tier)
+    first = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]
+    _, reply, _, _, _ = replica_a.run(replica_a.ids(first), "a")
+    replica_a.broker.store.flush()
+    follow = replica_b.ids(first + [{"role": "assistant", "content": tokenizer.decode(reply)},
+                                    {"role": "user", "content": "Give the final answer only."}])
+    logits, _, report, claim, _ = replica_b.run(follow, "a")
+    assert claim.length >= len(replica_a.ids(first)) and report["reused_tokens"] == claim.length
+    assert replica_b.broker.store.stats().shared_fetched >= 1
+    torch.testing.assert_close(logits, replica_b.dense_logits(follow), atol=tol(1e-4), rtol=0)
+
+
+@pytest.mark.parametrize("broken", ["expired", "corrupt"])
+def test_a_missing_or_corrupt_blob_costs_speed_not_correctness(broken, llama, tokenizer):
+    tier = MemorySegments()
+    replica_a, replica_b = PrefixOnlyRuntime(llama, tokenizer, shared=tier), PrefixOnlyRuntime(llama, tokenizer, shared=tier)
+    ids = replica_a.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}])
+    replica_a.run(ids, "a")
+    replica_a.broker.store.flush()
+    for item in tier.catalog(None)[0]:
+        if broken == "expired":
+            tier.drop(item.key)
+        else:
+            tier._blobs[item.key] = tier._blobs[item.key][:-16]  # truncated in transit
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits, _, report, claim, _ = replica_b.run(ids, "a")
+    assert claim.length == 0 and report["dense_reason"] == "nothing_to_reuse"
+    assert replica_b.broker.store.stats().shared_misses >= 1
+    assert any(issubclass(w.category, SharedTierWarning) for w in caught) == (broken == "corrupt")
+    torch.testing.assert_close(logits, replica_b.dense_logits(ids), atol=tol(1e-4), rtol=0)
+
+
+def test_engines_share_a_tier(llama, tokenizer):
+    """Two engines (two processes of a fleet) on one tier: the second one's call reuses the
+    first one's exact prefix and gives the dense reply."""
+    tier = MemorySegments()
+    config = KVCommConfig(method="rerotate")
+    one, two = KVCommEngine(llama, tokenizer, config=config, shared=tier), KVCommEngine(llama, tokenizer, config=config, shared=tier)
+    messages = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]
+    first = one.chat(messages, agent="a", max_new_tokens=6)
+    one._store.flush()
+    follow = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    served = two.chat(follow, agent="a", max_new_tokens=6)
+    dense = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")).chat(follow, agent="a", max_new_tokens=6)
+    assert served.stats.prefix_tokens > 0 and served.text == dense.text
+    with pytest.raises(ValueError, match="either store= or shared="):
+        KVCommEngine(llama, tokenizer, store=SegmentStore(1 << 20), shared=tier)
