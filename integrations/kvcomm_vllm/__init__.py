@@ -27,27 +27,38 @@ CONNECTOR = "KVCommConnector"
 MODULE = "kvcomm_vllm.connector"
 
 
-def kv_transfer_config(kvcomm: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for the connector; ``kvcomm``: :class:`~kvcomm_agents.KVCommConfig`
-    fields (e.g. ``{"method": "rerotate"}``)."""
+def kv_transfer_config(kvcomm: Optional[dict[str, Any]] = None, shared_store: Optional[str] = None,
+                       shared_namespace: str = "kvcomm") -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for the connector.
+
+    Args:
+        kvcomm: :class:`~kvcomm_agents.KVCommConfig` fields (e.g. ``{"method": "rerotate"}``).
+        shared_store: a Redis URL (``"redis://host:6379/0"``): the segment tier this replica shares
+            with the others of its fleet (:mod:`kvcomm_agents.kv.redis_tier`); None: its own only.
+        shared_namespace: the fleet's key prefix on that server.
+    """
+    extra: dict[str, Any] = {"kvcomm": dict(kvcomm or {})}
+    if shared_store:
+        extra.update(shared_store=shared_store, shared_namespace=shared_namespace)
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvcomm": dict(kvcomm or {})},
+        "kv_connector_extra_config": extra,
     }
 
 
-def engine_kwargs(kvcomm: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def engine_kwargs(kvcomm: Optional[dict[str, Any]] = None, shared_store: Optional[str] = None,
+                  shared_namespace: str = "kvcomm") -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: the connector, vLLM's prefix cache
     off (approximate KV must never be hashed as exact blocks), the worker in the scheduler's
     process. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (on CPU vLLM otherwise moves the worker to
-    a process of its own)."""
+    a process of its own). ``shared_store``: see :func:`kv_transfer_config`."""
     check_vllm_version()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return {
-        "kv_transfer_config": kv_transfer_config(kvcomm),
+        "kv_transfer_config": kv_transfer_config(kvcomm, shared_store, shared_namespace),
         "enable_prefix_caching": False,
         "distributed_executor_backend": "uni",
     }

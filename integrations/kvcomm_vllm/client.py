@@ -59,6 +59,13 @@ class VLLMEngine:
              reuse: Optional[bool] = None, tools: Optional[list] = None) -> ChatResult:
         """One agent call on the server; see :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`."""
         ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
+        return self.complete(ids, agent=agent, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                             stop=stop, seed=seed, reuse=reuse)
+
+    def complete(self, ids: list[int], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
+                 reuse: Optional[bool] = None) -> ChatResult:
+        """One call on prompt token ids already rendered with the model's chat template."""
         body = {"model": self.model_id, "prompt": ids, "max_tokens": max_new_tokens, "temperature": temperature,
                 "top_p": top_p, "stop": stop or None, "seed": seed, "return_token_ids": True,
                 "kv_transfer_params": {"agent": agent, "reuse": reuse is not False}}

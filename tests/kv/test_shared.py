@@ -64,7 +64,6 @@ def test_stores_find_each_others_entries_by_id_and_token_runs():
     a, b = SegmentStore(1 << 20, min_run=4, shared=tier), SegmentStore(1 << 20, min_run=4, shared=tier)
     segment = _segment(12)
     a.put(segment)
-    a.flush()
     assert b.get(segment.id).ref == segment.ref  # by reference
     c = SegmentStore(1 << 20, min_run=4, shared=tier)
     prompt = torch.tensor([1, 2, 3] + list(range(10, 22)) + [7])
@@ -80,7 +79,6 @@ def test_an_evicted_entry_comes_back_from_the_tier():
     store = SegmentStore(second.nbytes + 8, shared=tier)  # room for one
     store.put(first)
     store.put(second)  # evicts the first
-    store.flush()
     assert store.stats().evictions == 1
     assert store.get(first.id) is not None and store.stats().shared_fetched == 1
 
@@ -96,7 +94,6 @@ def test_a_tier_that_is_down_warns_once_and_the_store_serves_on():
     segment = _segment()
     with pytest.warns(SharedTierWarning, match="tier down"):
         store.put(segment)
-        store.flush()
         assert store.get(segment.id) is segment
         assert store.get("unknown") is None
 
@@ -110,7 +107,6 @@ def test_another_replicas_exact_prefix_gives_dense_output(family, llama, qwen2, 
     replica_a, replica_b = PrefixOnlyRuntime(model, tokenizer, shared=tier), PrefixOnlyRuntime(model, tokenizer, shared=tier)
     first = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]
     _, reply, _, _, _ = replica_a.run(replica_a.ids(first), "a")
-    replica_a.broker.store.flush()
     follow = replica_b.ids(first + [{"role": "assistant", "content": tokenizer.decode(reply)},
                                     {"role": "user", "content": "Give the final answer only."}])
     logits, _, report, claim, _ = replica_b.run(follow, "a")
@@ -125,7 +121,6 @@ def test_a_missing_or_corrupt_blob_costs_speed_not_correctness(broken, llama, to
     replica_a, replica_b = PrefixOnlyRuntime(llama, tokenizer, shared=tier), PrefixOnlyRuntime(llama, tokenizer, shared=tier)
     ids = replica_a.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}])
     replica_a.run(ids, "a")
-    replica_a.broker.store.flush()
     for item in tier.catalog(None)[0]:
         if broken == "expired":
             tier.drop(item.key)
@@ -148,7 +143,6 @@ def test_engines_share_a_tier(llama, tokenizer):
     one, two = KVCommEngine(llama, tokenizer, config=config, shared=tier), KVCommEngine(llama, tokenizer, config=config, shared=tier)
     messages = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]
     first = one.chat(messages, agent="a", max_new_tokens=6)
-    one._store.flush()
     follow = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
     served = two.chat(follow, agent="a", max_new_tokens=6)
     dense = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")).chat(follow, agent="a", max_new_tokens=6)

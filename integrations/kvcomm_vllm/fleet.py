@@ -1,0 +1,156 @@
+"""Several replicas of one model, each a vLLM server with the KVCOMM connector: requests go to the
+replica that already holds most of their text.
+
+An agent's prompt repeats what other agents computed (the question, their replies). Sent to the
+replica where those agents ran, that text is in the replica's memory (an exact prefix or a
+segment to re-rotate); sent elsewhere it must come from the shared tier (one Redis fetch per
+entry, when replicas run with ``--shared-store``) or be computed. :class:`AffinityRouter` scores
+each replica by the prompt tokens its past requests (prompts and replies) cover, as token runs
+found anywhere in the prompt (the matcher the store itself uses). Affinity wins only when it is
+worth it: a replica holding at least ``min_share`` of the prompt gets it unless it has
+``max_imbalance`` more requests in flight than the least busy one (the rule of cache-aware
+routers such as SGLang's); otherwise, and on ties, the least busy replica, in turn. :class:`FleetEngine` is :class:`~.client.VLLMEngine`'s
+interface over several servers, so ``ChatKVComm(engine=FleetEngine([...]))`` serves a graph.
+
+Standard library only, no vLLM import.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from kvcomm_agents.kv.run_index import TokenRunIndex, scan
+from kvcomm_agents.prompt import render_prompt
+from kvcomm_agents.results import ChatResult
+
+from .client import VLLMEngine
+
+__all__ = ["AffinityRouter", "FleetEngine"]
+
+
+class AffinityRouter:
+    """Picks a replica for a prompt by the tokens of it each replica has computed.
+
+    Args:
+        replicas: how many replicas.
+        min_run: the shortest token run that counts (the connector's ``min_match_tokens``).
+        remember: past requests remembered per replica (oldest forgotten first; a replica's own
+            store forgets too).
+        min_share: the share of the prompt a replica must hold for affinity to count.
+        max_imbalance: requests in flight beyond the least busy replica's at which affinity yields.
+    """
+
+    def __init__(self, replicas: int, *, min_run: int = 16, remember: int = 4096, min_share: float = 0.25,
+                 max_imbalance: int = 4):
+        if replicas < 1:
+            raise ValueError("a fleet needs at least one replica")
+        self._held = [TokenRunIndex(min_run) for _ in range(replicas)]
+        self._order: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(replicas)]
+        self._in_flight = [0] * replicas
+        self._remember, self._count, self._turn = remember, 0, 0
+        self.min_share, self.max_imbalance = min_share, max_imbalance
+        self._lock = threading.Lock()
+
+    @property
+    def replicas(self) -> int:
+        return len(self._held)
+
+    def held_tokens(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Per replica, the prompt tokens (all but the last) its past requests cover."""
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        free = torch.ones(ids.numel(), dtype=torch.bool)
+        upper = max(ids.numel() - 1, 0)
+        with self._lock:
+            return [sum(run[3] for run in scan(ids, free, index, lambda key: True, upper)) for index in self._held]
+
+    def pick(self, prompt_ids: Sequence[int]) -> int:
+        """The replica holding most of the prompt if it holds enough of it and is not too busy;
+        else the least busy (ties in turn)."""
+        held = self.held_tokens(prompt_ids)
+        with self._lock:
+            least = min(self._in_flight)
+            best = max(held)
+            candidates = [r for r, n in enumerate(held) if n == best]
+            worth = best > 0 and best >= self.min_share * max(len(prompt_ids) - 1, 1)
+            if not worth or min(self._in_flight[r] for r in candidates) - least >= self.max_imbalance:
+                candidates = list(range(len(held)))
+            fewest = min(self._in_flight[r] for r in candidates)
+            candidates = [r for r in candidates if self._in_flight[r] == fewest]
+            choice = candidates[self._turn % len(candidates)]
+            self._turn += 1
+            return choice
+
+    @contextmanager
+    def serving(self, replica: int) -> Iterator[None]:
+        """Count a request in flight on ``replica`` while the block runs."""
+        with self._lock:
+            self._in_flight[replica] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight[replica] -= 1
+
+    def record(self, replica: int, ids: Sequence[int]) -> None:
+        """``ids`` (a prompt followed by its reply) were computed on ``replica``."""
+        with self._lock:
+            self._count += 1
+            key = f"r{self._count}"
+            self._held[replica].add(key, torch.as_tensor(list(ids), dtype=torch.long))
+            order = self._order[replica]
+            order[key] = None
+            while len(order) > self._remember:
+                old, _ = order.popitem(last=False)
+                self._held[replica].remove(old)
+
+
+class FleetEngine:
+    """The ``chat`` / ``stream`` interface over several replicas (vLLM servers with the connector).
+
+    Args:
+        base_urls: one URL per replica (``python -m kvcomm_vllm.serve --port ...``).
+        tokenizer: as for :class:`~.client.VLLMEngine` (loaded once, shared).
+        model: the served model id (default: the first replica's first).
+        router: default: an :class:`AffinityRouter` over ``base_urls``.
+        timeout: seconds per request.
+    """
+
+    def __init__(self, base_urls: Sequence[str], *, tokenizer: Any = None, model: Optional[str] = None,
+                 router: Optional[AffinityRouter] = None, timeout: float = 600.0):
+        if not base_urls:
+            raise ValueError("a fleet needs at least one replica URL")
+        first = VLLMEngine(base_urls[0], tokenizer=tokenizer, model=model, timeout=timeout)
+        self.replicas = [first] + [VLLMEngine(url, tokenizer=first.tokenizer, model=first.model_id, timeout=timeout)
+                                   for url in base_urls[1:]]
+        self.tokenizer = first.tokenizer
+        self.router = router or AffinityRouter(len(self.replicas))
+        if self.router.replicas != len(self.replicas):
+            raise ValueError(f"the router knows {self.router.replicas} replicas, {len(self.replicas)} URLs given")
+        self.served = [0] * len(self.replicas)  # requests per replica
+
+    @property
+    def model_name(self) -> str:
+        return self.replicas[0].model_name
+
+    def chat(self, messages: Sequence[dict], *, agent: str, tools: Optional[list] = None, **options) -> ChatResult:
+        """One agent call on the replica holding most of its prompt; see
+        :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`."""
+        ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
+        replica = self.router.pick(ids)
+        with self.router.serving(replica):
+            result = self.replicas[replica].complete(ids, agent=agent, **options)
+        self.router.record(replica, ids + list(result.token_ids))
+        self.served[replica] += 1
+        return result
+
+    def stream(self, messages: Sequence[dict], *, agent: str, **options) -> Iterator[Any]:
+        """The reply text in one piece, then the :class:`~kvcomm_agents.ChatResult`."""
+        result = self.chat(messages, agent=agent, **options)
+        if result.text:
+            yield result.text
+        yield result

@@ -1,0 +1,112 @@
+"""The fleet's request router (kvcomm_vllm.fleet), without vLLM: the affinity rule, and
+FleetEngine over stand-in HTTP servers that answer as vLLM's completions API does (the seam);
+tests_vllm/test_fleet.py runs it against real vLLM replicas sharing a Redis tier."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvcomm_vllm.fleet import AffinityRouter, FleetEngine
+
+
+def test_a_prompt_goes_to_the_replica_that_computed_its_text():
+    router = AffinityRouter(3, min_run=4)
+    router.record(2, list(range(100, 160)))  # a sender's prompt and reply, on replica 2
+    router.record(0, list(range(500, 520)))
+    prompt = [1, 2, 3] + list(range(120, 150)) + [7, 8] + list(range(500, 510)) + [9]
+    assert router.held_tokens(prompt) == [10, 0, 30]
+    assert router.pick(prompt) == 2
+
+
+def test_ties_go_to_the_replica_with_fewest_requests_in_flight_then_in_turn():
+    router = AffinityRouter(3, min_run=4)
+    fresh = list(range(1000, 1040))
+    with router.serving(0), router.serving(1):
+        assert router.pick(fresh) == 2
+    assert [router.pick(fresh) for _ in range(3)] == [1, 2, 0]  # in turn once all are idle
+
+
+def test_affinity_yields_to_load_and_to_small_overlaps():
+    router = AffinityRouter(2, min_run=4, min_share=0.5, max_imbalance=2)
+    router.record(1, list(range(100, 140)))
+    prompt = list(range(100, 130)) + [5]
+    assert router.pick(prompt) == 1
+    with router.serving(1):
+        assert router.pick(prompt) == 1  # one more in flight: still worth it
+        with router.serving(1):
+            assert router.pick(prompt) == 0  # two more: the idle replica
+    small = list(range(100, 110)) + list(range(900, 930))  # 10 of 40 held: below min_share
+    assert router.pick(small) == router.pick(small) ^ 1  # in turn, as if nothing were held
+
+
+def test_replicas_forget_their_oldest_requests():
+    router = AffinityRouter(2, min_run=4, remember=2)
+    for start in (0, 100, 200):
+        router.record(1, list(range(start, start + 20)))
+    assert router.held_tokens(list(range(0, 20)) + [5]) == [0, 0]  # forgotten
+    assert router.held_tokens(list(range(200, 220)) + [5]) == [0, 20]
+    with pytest.raises(ValueError):
+        AffinityRouter(0)
+
+
+class _Replica(BaseHTTPRequestHandler):
+    """Answers /v1/models and /v1/completions like vLLM with the connector; the reply's ids are
+    the prompt's last 3 ids, the report says the prompt tokens this replica saw before."""
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({"data": [{"id": "tiny"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        seen = self.server.seen
+        ids = body["prompt"]
+        reused = max((sum(1 for a, b in zip(old, ids) if a == b) for old in seen), default=0)
+        seen.append(ids + ids[-3:])
+        self._send({"choices": [{"text": "ok", "token_ids": ids[-3:], "finish_reason": "stop"}],
+                    "kv_transfer_params": {"kvcomm": {"agent": body["kv_transfer_params"]["agent"],
+                                                      "reused_tokens": reused, "prefix_tokens": reused}}})
+
+
+@pytest.fixture
+def replicas():
+    servers = []
+    for _ in range(2):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _Replica)
+        server.seen = []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    yield servers
+    for server in servers:
+        server.shutdown()
+
+
+def test_a_fleet_serves_an_agents_follow_up_where_its_first_turn_ran(replicas, tokenizer):
+    fleet = FleetEngine([f"http://127.0.0.1:{s.server_address[1]}" for s in replicas], tokenizer=tokenizer)
+    question = "A farmer has 12 cows and buys 7 more. Each cow gives 9 liters of milk. How much milk in total?"
+    first = [{"role": "system", "content": "You are a careful solver."}, {"role": "user", "content": question}]
+    fleet.chat(first, agent="solver", max_new_tokens=3)
+    other = fleet.chat([{"role": "user", "content": "Something unrelated to the farm, entirely."}], agent="x",
+                       max_new_tokens=3)
+    follow = fleet.chat(first + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Final answer?"}],
+                        agent="checker", max_new_tokens=3)
+    hosts = [len(s.seen) for s in replicas]
+    assert sorted(hosts) == [1, 2] and fleet.served == hosts
+    both = replicas[hosts.index(2)].seen  # the follow-up joined its first turn there
+    assert both[1][:20] == both[0][:20] and follow.stats.reused_tokens > 20
+    assert other.stats.agent == "x" and other.stats.reused_tokens == 0
+    assert fleet.model_name == "kvcomm-vllm:tiny"
