@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -94,36 +89,14 @@ def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
     return float(torch.sum(p_log[finite].exp() * (p_log[finite] - q_log[finite])))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @contextmanager
-def serving(*args: str, timeout_s: float = 600):
-    """``python -m kvcomm_vllm.serve`` on a free port with ``args``; yields its URL once it answers."""
-    port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    process = subprocess.Popen([sys.executable, "-m", "kvcomm_vllm.serve", "--port", str(port), *args], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
+def serving(*args: str):
+    """The one-command server on a free port with ``args``; yields its URL once it answers."""
+    from kvcomm_vllm.serve import local_server
+
     try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the server exited ({process.returncode}): {process.stderr.read()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the server did not start within {timeout_s:.0f} s")
-                time.sleep(2)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        with local_server(*args) as url:
+            yield url
+    except RuntimeError as error:
+        pytest.fail(str(error))

@@ -18,12 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
-from typing import Optional, Sequence
+import time
+import urllib.request
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 from . import check_vllm_version, kv_transfer_config
 
-__all__ = ["server_command", "main"]
+__all__ = ["server_command", "local_server", "main"]
 
 
 def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "float32",
@@ -39,6 +44,39 @@ def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dty
     if eager:
         command.append("--enforce-eager")
     return command + list(extra)
+
+
+@contextmanager
+def local_server(*args: str, timeout_s: float = 600, kv_cache_gib: int = 1) -> Iterator[str]:
+    """This module's server in a subprocess on a free local port (tests, benchmarks, a local
+    fleet): ``args`` are this command's options (``"--shared-store", url``). Yields its URL once
+    it answers; stopped on exit. Raises ``RuntimeError`` if it exits or does not answer in time."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+    process = subprocess.Popen([sys.executable, "-m", "kvcomm_vllm.serve", "--port", str(port), *args], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited ({process.returncode}): {process.stderr.read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s") from None
+                time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
