@@ -8,15 +8,17 @@ speed is reported as ratios to plain vLLM measured in the same invocation.
 
 - ``ttft``: the GSM8K debate (4 solvers, each reading the question and every earlier reply), one
   graph at a time: TTFT per agent index (vLLM's own first-token latency; the HF engine's
-  ``stats.ttft_s``), whole-graph wall time (prefill and decode), prompt tokens served from cache.
+  ``stats.ttft_s``), whole-graph wall time (prefill and decode), prompt tokens served from cache
+  (vLLM's prefix-cache hits: ``RequestOutput.num_cached_tokens``).
   Strategies: ``vllm`` (prefix caching off), ``vllm-apc`` (vLLM's exact prefix cache, what vLLM
-  gives today), ``connector`` (KVCOMM, default settings), ``hf`` (this SDK's HF engine, default).
+  gives today), ``connector`` (KVCOMM, default settings: no estimated offsets, as nothing audits
+  them on vLLM), ``connector-unaudited`` (``kl_budget=None``: estimated offsets used unmeasured),
+  ``hf`` (this SDK's HF engine, default).
 - ``batch``: 8 graphs at once (each agent step of all 8 graphs submitted together, so vLLM
   batches them), whole-batch wall time: ``vllm``, ``connector``, and the HF engine serving the
   8 graphs one after the other (it serves one stream at a time).
-- ``fidelity``: per receiver call, the connector's first-token distribution against vLLM dense on
-  the same ids (full vocabulary), and the HF engine's ``audit_kl``-style KL against its own dense
-  prefill on its own run.
+- ``fidelity``: per receiver call, each connector strategy's first-token distribution against vLLM
+  dense on the same ids (full vocabulary).
 
 Writes ``<out>/vllm_serving.json`` and prints the tables. The first ``--warmup`` graphs of every
 strategy are excluded from the figures (anchors, own-text KV and prefixes fill there).
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 AGENTS = 4
-STRATEGIES = ("vllm", "vllm-apc", "connector", "hf")
+STRATEGIES = ("vllm", "vllm-apc", "connector", "connector-unaudited", "hf")
 
 
 # ---- one strategy, in its own process -------------------------------------------------------
@@ -52,10 +54,10 @@ class _VLLM:
 
         kwargs = dict(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, max_logprobs=-1,
                       seed=0, disable_log_stats=False)
-        if strategy == "connector":
+        if strategy.startswith("connector"):
             from kvcomm_vllm import engine_kwargs
 
-            kwargs.update(engine_kwargs())
+            kwargs.update(engine_kwargs({"kl_budget": None} if strategy == "connector-unaudited" else None))
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the same process layout as the connector
             kwargs.update(enable_prefix_caching=strategy == "vllm-apc", distributed_executor_backend="uni")
@@ -93,7 +95,7 @@ def run_vllm(strategy: str, phase: str, args) -> dict:
                 out = engine.generate([ids], [agent], args.reply_tokens)[0]
                 replies.append(out.outputs[0].text)
                 records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": len(ids),
-                                "reused_tokens": _report(out).get("reused_tokens", 0),
+                                "reused_tokens": _report(out).get("reused_tokens", out.num_cached_tokens or 0),
                                 "ttft_s": out.metrics.first_token_latency})
             records.append({"graph": index, "wall_s": time.perf_counter() - started})
     elif phase == "batch":
@@ -219,7 +221,7 @@ def print_tables(table: dict) -> None:
             ttft, speed = row["ttft_s"][k], row.get("speedup_vs_vllm", {}).get(k)
             cells.append(f"{ttft * 1000:8.0f} ms" + (f" {speed:5.2f}x" if speed else " " * 7) if ttft else " " * 17)
         wall, wall_speed = row["graph_wall_s"], row.get("graph_speedup_vs_vllm")
-        share = "n/a" if strategy == "vllm-apc" else f"{row['token_share']:.0%}"  # vLLM reports no hits here
+        share = f"{row['token_share']:.0%}"
         print(f"{strategy:<11} " + " ".join(cells) + f" {wall:7.2f} s {wall_speed or 0:5.2f}x {share:>10}")
     if table["batch"]:
         print("\n8 graphs at once: wall time and throughput against the HF engine (one stream at a time)")
@@ -270,7 +272,7 @@ def main(argv=None) -> None:
         for strategy in strategies:
             if phase == "batch" and strategy == "vllm-apc":
                 continue
-            if phase == "fidelity" and strategy != "connector":
+            if phase == "fidelity" and not strategy.startswith("connector"):
                 continue  # the HF engine's own fidelity is in docs/benchmarks.md (its audits)
             python = args.hf_python if strategy == "hf" else sys.executable
             requests = args_requests if phase == "batch" else args.requests

@@ -47,7 +47,10 @@ __all__ = ["KVCommBroker", "BrokeredRequest", "for_runtime"]
 def for_runtime(config: KVCommConfig) -> KVCommConfig:
     """``config`` adapted to a runtime without holes: no recomputed run heads (each would end the
     claim), the receiver's own text reused from its own-text KV (otherwise the template glue after
-    the first segment ends it), no audits (the runtime does not run the dense shadow pass yet)."""
+    the first segment ends it), no audits (the runtime does not run the dense shadow pass yet).
+    Without audits the KL budget is never measured, so the broker serves no estimated offsets
+    unless ``kl_budget=None`` (exact prefixes, versions and own text only: the HF engine's
+    fidelity before its audits have measured the estimates)."""
     data = config.model_dump()
     data["audit_every"] = 0
     data["experimental"] = {**data["experimental"], "recompute_head": 0, "own_text": "reuse"}
@@ -86,7 +89,7 @@ class KVCommBroker:
         self.store = SegmentStore(c.store_max_bytes if c.store_max_bytes is not None else store_budget,
                                   min_run=c.min_match_tokens, shared=shared)
         freeze = BlockCount()
-        self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze)
+        self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze, can_audit=False)
         self.own_texts = OwnTextStore(c.experimental.own_text_max_bytes, freeze)
         self.capture = CallCapture(self.store, tokenizer, rotator, fingerprint, c, self.own_texts)
         self._requests: dict[str, BrokeredRequest] = {}

@@ -93,3 +93,26 @@ def test_runtime_settings_never_make_holes():
     config = for_runtime(KVCommConfig())
     assert config.experimental.recompute_head == 0 and config.experimental.own_text == "reuse"
     assert config.audit_every == 0 and config.method == "kvcomm"
+
+
+def test_without_audits_estimated_offsets_are_held_back_unless_asked_for(llama, tokenizer):
+    """A runtime cannot audit, so the KL budget is never measured: by default the broker serves
+    exact prefixes and versions only and prefills what would need estimated offsets (reason
+    over_kl_budget); kl_budget=None serves the estimates unmeasured."""
+    def debate(runtime):
+        gates = []
+        for q in range(6):
+            question = f"{QUESTION} Round {q}: what is {q} times {q + 3}?"
+            a_ids = runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": question}])
+            _, reply, _, _, _ = runtime.run(a_ids, "a")
+            b_ids = runtime.ids([{"role": "system", "content": SYSTEM_B},
+                                 {"role": "user", "content": f"{question}\nAgent A said: {tokenizer.decode(reply)}"}])
+            _, _, report, _, _ = runtime.run(b_ids, "b")
+            gates += [(d["reason"], (d.get("gate") or {}).get("offsets")) for d in report["decisions"]]
+        return gates
+
+    held = debate(PrefixOnlyRuntime(llama, tokenizer))
+    unmeasured = debate(PrefixOnlyRuntime(llama, tokenizer, kl_budget=None))
+    assert not any(offsets == "estimated" for _, offsets in held), held
+    assert any(reason == "over_kl_budget" for reason, _ in held), held
+    assert any(offsets == "estimated" for _, offsets in unmeasured), unmeasured

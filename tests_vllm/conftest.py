@@ -38,8 +38,10 @@ def llm(model_dir):
 
     from kvcomm_vllm import engine_kwargs
 
+    # kl_budget=None: estimated offsets served unmeasured, the path with approximate KV to check
+    # (the default holds them back on vLLM, as nothing audits them there: tests/test_broker.py)
     return LLM(model=model_dir, dtype="float32", max_model_len=2048, enforce_eager=True, max_logprobs=-1, seed=0,
-               **engine_kwargs())
+               **engine_kwargs({"kl_budget": None}))
 
 
 @pytest.fixture(scope="session")

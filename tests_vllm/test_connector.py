@@ -42,7 +42,7 @@ def test_kvcomm_claims_match_the_reference_runtime_and_its_fidelity(client, mode
     from kvcomm_agents.testing import PrefixOnlyRuntime
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    reference = PrefixOnlyRuntime(model, client.tokenizer)
+    reference = PrefixOnlyRuntime(model, client.tokenizer, kl_budget=None)  # as the session's engine
     kls_vllm, kls_reference, claims, beyond_prefix = [], [], [], 0
     for question in questions(5):
         a_ids = client.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": question}])

@@ -90,19 +90,27 @@ class KVCommAnchors:
         self.tracker = OffsetTracker()
 
     @classmethod
-    def from_config(cls, config, *, default_max_bytes: int, freeze: Optional[BlockCount] = None) -> "KVCommAnchors":
+    def from_config(cls, config, *, default_max_bytes: int, freeze: Optional[BlockCount] = None,
+                    can_audit: bool = True) -> "KVCommAnchors":
         """The anchors a :class:`~kvcomm_agents.config.KVCommConfig` asks for;
         ``default_max_bytes`` applies when ``config.anchor_max_bytes`` is None. The KL budget is
-        off without audits (``audit_every=0``): nothing would ever measure it."""
+        off without audits (``audit_every=0``): nothing would ever measure it. ``can_audit=False``
+        (a runtime with no dense shadow pass, :mod:`kvcomm_agents.broker`): the budget holds and
+        nothing probes, so estimated offsets are never used (set ``kl_budget=None`` to use
+        them unmeasured)."""
         c, x = config, config.experimental
-        return cls(
+        anchors = cls(
             max_anchors=c.max_anchors, eviction_window=x.eviction_window,
             max_bytes=c.anchor_max_bytes if c.anchor_max_bytes is not None else default_max_bytes,
             estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
             activation_top_p=x.activation_top_p, freeze=freeze,
             length_share={"at_least": 1.0, "most": 0.75, "any": 0.0}[x.anchor_lengths],
-            recorded_versions=x.recorded_versions, kl_budget=c.kl_budget if c.audit_every else None,
+            recorded_versions=x.recorded_versions,
+            kl_budget=c.kl_budget if c.audit_every or not can_audit else None,
         )
+        if not can_audit:
+            anchors.tracker.probe_every = 0
+        return anchors
 
     # ---- inspection -----------------------------------------------------------------------
     def pool(self, kind: Kind) -> Optional[AnchorPool]:

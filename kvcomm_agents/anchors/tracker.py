@@ -68,8 +68,8 @@ class OffsetTracker:
     """
 
     def __init__(self, window: int = 8, min_samples: int = 2, warmup_gap: int = 4, probe_every: int = 4) -> None:
-        if window < 1 or min_samples < 1 or warmup_gap < 1 or probe_every < 1:
-            raise ValueError("window, min_samples, warmup_gap and probe_every must be >= 1")
+        if window < 1 or min_samples < 1 or warmup_gap < 1 or probe_every < 0:
+            raise ValueError("window, min_samples and warmup_gap must be >= 1, probe_every >= 0")
         self.window, self.min_samples, self.warmup_gap = window, min_samples, warmup_gap
         self.probe_every = probe_every
         self._held_back: dict[tuple[str, Kind], int] = {}
@@ -118,7 +118,7 @@ class OffsetTracker:
         KL ``budget`` (None: no budget): only once at least ``min_samples`` audits measured it
         within the budget (faithful until measured). Otherwise every ``probe_every``-th call
         still may (a probe, audited: :meth:`wants_audit`), which is how samples are gathered
-        and follow the anchors."""
+        and follow the anchors; ``probe_every=0`` (a runtime that cannot audit): never."""
         if budget is None:
             return True
         served = self.served_kl(receiver, kind)
@@ -129,7 +129,7 @@ class OffsetTracker:
             return True
         with self._lock:
             count = self._held_back[key] = self._held_back.get(key, 0) + 1
-        return count % self.probe_every == 0
+        return bool(self.probe_every) and count % self.probe_every == 0
 
     def wants_audit(self, receiver: str, kinds: Iterable[Kind]) -> bool:
         """True while one of ``kinds`` has fewer than ``min_samples`` samples for ``receiver``,
