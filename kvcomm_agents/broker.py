@@ -180,5 +180,5 @@ class KVCommBroker:
             "computed_tokens": plan.num_prompt - claim.length,
             "dropped_tokens": claim.dropped_tokens,
             "dense_reason": plan.dense_reason,
-            "decisions": [d.model_dump(mode="json", exclude={"segment"}) for d in plan.decisions],
+            "decisions": [d.model_dump(mode="json") for d in plan.decisions],
         }

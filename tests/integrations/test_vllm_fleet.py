@@ -110,3 +110,20 @@ def test_a_fleet_serves_an_agents_follow_up_where_its_first_turn_ran(replicas, t
     assert both[1][:20] == both[0][:20] and follow.stats.reused_tokens > 20
     assert other.stats.agent == "x" and other.stats.reused_tokens == 0
     assert fleet.model_name == "kvcomm-vllm:tiny"
+
+
+def test_the_clients_stats_read_a_brokers_report_with_decisions(llama, tokenizer):
+    """The report a connector sends back (the broker's, here on transformers) becomes CallStats
+    on the client, shared segments' decisions included."""
+    from kvcomm_agents.testing import PrefixOnlyRuntime
+    from kvcomm_vllm.client import _stats
+
+    runtime = PrefixOnlyRuntime(llama, tokenizer, method="rerotate")
+    question = "Tom has 3 apples and buys 5 more bags of 4 apples each. How many apples does he have now?"
+    runtime.run(runtime.ids([{"role": "system", "content": "You solve."}, {"role": "user", "content": question}]), "a")
+    ids = runtime.ids([{"role": "system", "content": "You check."}, {"role": "user", "content": question}])
+    _, out, report, _, _ = runtime.run(ids, "b")
+    report = json.loads(json.dumps(report))  # as it crosses HTTP
+    stats = _stats("b", len(ids), len(out), 0.5, report, None)
+    assert stats.decisions and [d.model_dump(mode="json") for d in stats.decisions] == report["decisions"]
+    assert stats.decisions[0].reason == "after_hole"  # found, cut by the claim: its reason arrives
