@@ -54,3 +54,23 @@ def test_reuse_off_is_reported_by_the_server(server_url):
     result = engine.chat([{"role": "user", "content": questions(2)[1]}], agent="judge", reuse=False, max_new_tokens=4)
     assert result.stats.reused_tokens == 0 and result.stats.dense_reason == "reuse_off" and result.stats.opted_out
     assert len(result.token_ids) == result.stats.generated_tokens > 0
+
+
+def test_streaming_yields_the_reply_piece_by_piece_with_the_servers_ttft_and_cache_read(server_url):
+    from kvcomm_vllm.client import VLLMEngine
+
+    engine = VLLMEngine(server_url)
+    messages = [{"role": "system", "content": "You are solver 7."}, {"role": "user", "content": questions(3)[2]}]
+    whole = engine.chat(messages, agent="solver-7", max_new_tokens=12)
+    assert 0 < whole.stats.ttft_s < whole.stats.total_s  # the server's first-token time, not the wall time
+    follow = messages + [{"role": "assistant", "content": whole.text}, {"role": "user", "content": "Final answer?"}]
+    items = list(engine.stream(follow, agent="checker-7", max_new_tokens=12))
+    pieces, result = items[:-1], items[-1]
+    assert len(pieces) > 1 and "".join(pieces) == result.text
+    assert len(result.token_ids) == result.stats.generated_tokens > 1
+    assert 0 < result.stats.ttft_s < result.stats.total_s
+    # the follow-up starts with the first call's prompt and reply: the connector's exact-prefix claim,
+    # read from the usage chunk (vLLM streams no kv_transfer_params)
+    assert len(engine.tokenizer(whole.text)["input_ids"]) < result.stats.reused_tokens < result.stats.prompt_tokens
+    # greedy: the streamed reply is the one a non-streamed call gives on the same prompt
+    assert engine.chat(follow, agent="checker-7", max_new_tokens=12).text == result.text

@@ -8,11 +8,16 @@ the agent travels in ``kv_transfer_params``. The server's report (tokens reused,
 segment's decision and reason) becomes the result's :class:`~kvcomm_agents.CallStats`, so
 ``usage_metadata["input_token_details"]["cache_read"]`` is the server's count.
 
+``ttft_s`` is the server's own time to first token (queue wait plus prefill, from vLLM's
+per-request metrics, which ``kvcomm_vllm.serve`` switches on); against a server without them it is
+the client's wall time (``chat``) or the arrival of the first streamed piece (``stream``).
+``stream`` yields text as the server generates it; vLLM's streamed answers carry no
+``kv_transfer_params``, so a streamed result's stats take the tokens read from cache from the
+usage chunk (``prompt_tokens_details.cached_tokens``: the connector's claim) and have no per-segment
+decisions (use ``chat`` where they matter). Replies carry no segment reference (the server finds
+shared text by token runs).
+
 Standard library HTTP only; this module never imports vLLM (a client machine needs none).
-Named limits: ``stream`` yields the reply in one piece (vLLM's streaming answers carry no
-``kv_transfer_params``); ``ttft_s`` is the request's wall time seen by the client (the answer has
-no first-token time); replies carry no segment reference (the server finds shared text by token
-runs).
 """
 
 from __future__ import annotations
@@ -66,37 +71,102 @@ class VLLMEngine:
                  top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
                  reuse: Optional[bool] = None) -> ChatResult:
         """One call on prompt token ids already rendered with the model's chat template."""
-        body = {"model": self.model_id, "prompt": ids, "max_tokens": max_new_tokens, "temperature": temperature,
-                "top_p": top_p, "stop": stop or None, "seed": seed, "return_token_ids": True,
-                "kv_transfer_params": {"agent": agent, "reuse": reuse is not False}}
+        body = _body(self.model_id, ids, agent, max_new_tokens, temperature, top_p, stop, seed, reuse)
         started = time.perf_counter()
         answer = self._post("/v1/completions", body)
         elapsed = time.perf_counter() - started
         choice = answer["choices"][0]
         report = (answer.get("kv_transfer_params") or {}).get("kvcomm", {})
         generated = list(choice.get("token_ids") or [])
+        ttft = _server_ttft(answer.get("metrics"))
         return ChatResult(text=choice["text"], token_ids=generated, segment=None,
-                          finish_reason="stop_string" if choice.get("stop_reason") and isinstance(choice["stop_reason"], str)
-                          else _FINISH.get(choice.get("finish_reason") or "stop", "stop"),
-                          stats=_stats(agent, len(ids), len(generated), elapsed, report, reuse))
+                          finish_reason=_finish(choice),
+                          stats=_stats(agent, len(ids), len(generated), elapsed if ttft is None else ttft, elapsed,
+                                       report, reuse))
 
-    def stream(self, messages: Sequence[dict], *, agent: str, **options) -> Iterator[Any]:
-        """The reply text in one piece, then the :class:`~kvcomm_agents.ChatResult`."""
-        result = self.chat(messages, agent=agent, **options)
-        if result.text:
-            yield result.text
-        yield result
+    def stream(self, messages: Sequence[dict], *, agent: str, tools: Optional[list] = None,
+               **options) -> Iterator[Any]:
+        """Text pieces as the server generates them, then the :class:`~kvcomm_agents.ChatResult`
+        (its stats without per-segment decisions; see the module's docstring)."""
+        ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
+        return self.stream_ids(ids, agent=agent, **options)
+
+    def stream_ids(self, ids: list[int], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
+                   top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
+                   reuse: Optional[bool] = None) -> Iterator[Any]:
+        """:meth:`stream` on prompt token ids already rendered with the model's chat template."""
+        body = _body(self.model_id, ids, agent, max_new_tokens, temperature, top_p, stop, seed, reuse)
+        body.update(stream=True, stream_options={"include_usage": True})
+        started = time.perf_counter()
+        first: Optional[float] = None
+        text, generated, usage, metrics, last = [], [], {}, None, {}
+        for chunk in self._post_stream("/v1/completions", body):
+            for choice in chunk.get("choices") or []:
+                generated.extend(choice.get("token_ids") or [])
+                if choice.get("finish_reason"):
+                    last = choice
+                if choice.get("text"):
+                    first = first if first is not None else time.perf_counter() - started
+                    text.append(choice["text"])
+                    yield choice["text"]
+            usage = chunk.get("usage") or usage
+            metrics = chunk.get("metrics") or metrics
+        elapsed = time.perf_counter() - started
+        ttft = _server_ttft(metrics)
+        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        report = {"reused_tokens": cached} if cached else {"dense_reason": "reuse_off" if reuse is False
+                                                            else "nothing_to_reuse"}
+        yield ChatResult(text="".join(text), token_ids=generated, segment=None, finish_reason=_finish(last),
+                         stats=_stats(agent, len(ids), len(generated),
+                                      ttft if ttft is not None else first if first is not None else elapsed,
+                                      elapsed, report, reuse, streamed=True))
 
     # ---- HTTP -----------------------------------------------------------------------------
     def _get(self, path: str) -> dict:
         with urllib.request.urlopen(self.base_url + path, timeout=self.timeout) as response:
             return json.loads(response.read())
 
+    def _request(self, path: str, body: dict) -> urllib.request.Request:
+        return urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+
     def _post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+        with urllib.request.urlopen(self._request(path, body), timeout=self.timeout) as response:
             return json.loads(response.read())
+
+    def _post_stream(self, path: str, body: dict) -> Iterator[dict]:
+        """The server-sent events of a streamed answer, one JSON chunk each, until ``[DONE]``."""
+        with urllib.request.urlopen(self._request(path, body), timeout=self.timeout) as response:
+            for raw in response:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:"):].strip()
+                if payload == "[DONE]":
+                    return
+                yield json.loads(payload)
+
+
+def _body(model: str, ids: list[int], agent: str, max_new_tokens: int, temperature: float, top_p: float,
+          stop: Optional[list[str]], seed: Optional[int], reuse: Optional[bool]) -> dict:
+    """A completions request on token ids; the agent and the opt-out travel in ``kv_transfer_params``."""
+    return {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": temperature,
+            "top_p": top_p, "stop": stop or None, "seed": seed, "return_token_ids": True,
+            "kv_transfer_params": {"agent": agent, "reuse": reuse is not False}}
+
+
+def _finish(choice: dict) -> str:
+    if choice.get("stop_reason") and isinstance(choice["stop_reason"], str):
+        return "stop_string"
+    return _FINISH.get(choice.get("finish_reason") or "stop", "stop")
+
+
+def _server_ttft(metrics: Optional[dict]) -> Optional[float]:
+    """Seconds from the server receiving the request to its first token (queue wait plus
+    prefill), from vLLM's per-request metrics; ``None`` when the server sent none."""
+    if not metrics or metrics.get("time_to_first_token_ms") is None:
+        return None
+    return (metrics["time_to_first_token_ms"] + (metrics.get("queue_time_ms") or 0.0)) / 1000.0
 
 
 def _load_tokenizer(name: str):
@@ -111,15 +181,17 @@ def _load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def _stats(agent: str, prompt: int, generated: int, elapsed: float, report: dict, reuse: Optional[bool]) -> CallStats:
+def _stats(agent: str, prompt: int, generated: int, ttft: float, elapsed: float, report: dict,
+           reuse: Optional[bool], streamed: bool = False) -> CallStats:
     """The server's report as :class:`CallStats` (an empty report: a server without the
-    connector; nothing was reused)."""
+    connector; nothing was reused). A streamed answer's report has the cached token count only:
+    no exact-prefix share, no decisions; its reused tokens count as ``mode="reuse"``."""
     reused = int(report.get("reused_tokens", 0))
     prefix = int(report.get("prefix_tokens", 0))
     decisions = [SegmentDecision(**{**d, "span": tuple(d["span"])}) for d in report.get("decisions", [])]
-    mode = "dense" if reused == 0 else "prefix" if reused == prefix else "reuse"
+    mode = "dense" if reused == 0 else "reuse" if streamed or reused != prefix else "prefix"
     return CallStats(agent=agent, prompt_tokens=prompt, reused_tokens=reused, computed_tokens=prompt - reused,
-                     prefix_tokens=prefix, generated_tokens=generated, ttft_s=elapsed, align_s=0.0, total_s=elapsed,
+                     prefix_tokens=prefix, generated_tokens=generated, ttft_s=ttft, align_s=0.0, total_s=elapsed,
                      mode=mode, dense_reason=report.get("dense_reason") if report else "not_served_by_kvcomm",
                      decisions=decisions, opted_out=reuse is False,
                      own_text_tokens=int(report.get("own_text_tokens", 0)))

@@ -148,9 +148,15 @@ class FleetEngine:
         self.served[replica] += 1
         return result
 
-    def stream(self, messages: Sequence[dict], *, agent: str, **options) -> Iterator[Any]:
-        """The reply text in one piece, then the :class:`~kvcomm_agents.ChatResult`."""
-        result = self.chat(messages, agent=agent, **options)
-        if result.text:
-            yield result.text
-        yield result
+    def stream(self, messages: Sequence[dict], *, agent: str, tools: Optional[list] = None,
+               **options) -> Iterator[Any]:
+        """Text pieces from the replica holding most of the prompt, then the
+        :class:`~kvcomm_agents.ChatResult`; see :meth:`.client.VLLMEngine.stream`."""
+        ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
+        replica = self.router.pick(ids)
+        with self.router.serving(replica):
+            for item in self.replicas[replica].stream_ids(ids, agent=agent, **options):
+                if isinstance(item, ChatResult):
+                    self.router.record(replica, ids + list(item.token_ids))
+                    self.served[replica] += 1
+                yield item

@@ -40,7 +40,9 @@ def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dty
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
                "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm, shared_store)),
-               "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--max-logprobs", "-1"]
+               "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--max-logprobs", "-1",
+               # the client's ttft_s and a streamed answer's cache_read come from these
+               "--enable-per-request-metrics", "--enable-prompt-tokens-details"]
     if eager:
         command.append("--enforce-eager")
     return command + list(extra)

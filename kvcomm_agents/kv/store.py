@@ -350,15 +350,21 @@ class SegmentStore:
 
     def _publish(self, key: str, entry: Entry) -> None:
         """Put an entry computed here into the tier, before the call that computed it returns (an
-        agent reading it next, on any replica, must find it)."""
-        self._devices = [k.device for k in entry.kv.keys]
+        agent reading it next, on any replica, must find it). Runs without the store's lock (the
+        entry's tensors are never written after insertion), so other calls' lookups do not wait
+        for the tier's round trip."""
         try:
             item, blob = encode_entry(entry)
             self.shared.publish(item, blob)
         except Exception as error:  # a tier that is down must not stop the engine
-            self._tier_failed(error)
+            with self._lock:
+                self._tier_failed(error)
             return
-        self._remote[key] = item
+        with self._lock:
+            self._devices = [k.device for k in entry.kv.keys]
+            self._remote[key] = item
+            if key not in self._entries:  # evicted meanwhile: findable again, fetched on use
+                self._runs.add(_REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
 
     def _fetch(self, item: CatalogItem) -> Entry | None:
         """Fetch and hold an entry of the tier; None (and forgotten) when the tier no longer has
@@ -409,10 +415,11 @@ class SegmentStore:
             self._runs.remove(_REMOTE + key)
             self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
                            if isinstance(entry, KVSegment) else entry.token_ids)
-            if publish and self.shared is not None:
-                self._publish(key, entry)
             self._evict()
-            return key in self._entries
+            kept = key in self._entries
+        if publish and self.shared is not None:  # even when evicted at once: other replicas may use it
+            self._publish(key, entry)
+        return kept
 
     def _too_small(self, size: int) -> None:
         if not self._warned:

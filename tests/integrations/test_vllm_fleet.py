@@ -77,9 +77,26 @@ class _Replica(BaseHTTPRequestHandler):
         ids = body["prompt"]
         reused = max((sum(1 for a, b in zip(old, ids) if a == b) for old in seen), default=0)
         seen.append(ids + ids[-3:])
-        self._send({"choices": [{"text": "ok", "token_ids": ids[-3:], "finish_reason": "stop"}],
+        metrics = {"time_to_first_token_ms": 40.0, "queue_time_ms": 2.0}
+        if body.get("stream"):  # one event per reply token, then usage (+ metrics), as vLLM streams
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for k, token in enumerate(ids[-3:]):
+                self._event({"choices": [{"text": f"w{k} ", "token_ids": [token],
+                                          "finish_reason": "stop" if k == 2 else None}]})
+            self._event({"choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": 3,
+                                                  "prompt_tokens_details": {"cached_tokens": reused}},
+                         "metrics": metrics})
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        self._send({"choices": [{"text": "ok", "token_ids": ids[-3:], "finish_reason": "stop"}], "metrics": metrics,
                     "kv_transfer_params": {"kvcomm": {"agent": body["kv_transfer_params"]["agent"],
                                                       "reused_tokens": reused, "prefix_tokens": reused}}})
+
+    def _event(self, chunk: dict) -> None:
+        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.flush()
 
 
 @pytest.fixture
@@ -124,6 +141,21 @@ def test_the_clients_stats_read_a_brokers_report_with_decisions(llama, tokenizer
     ids = runtime.ids([{"role": "system", "content": "You check."}, {"role": "user", "content": question}])
     _, out, report, _, _ = runtime.run(ids, "b")
     report = json.loads(json.dumps(report))  # as it crosses HTTP
-    stats = _stats("b", len(ids), len(out), 0.5, report, None)
+    stats = _stats("b", len(ids), len(out), 0.5, 0.5, report, None)
     assert stats.decisions and [d.model_dump(mode="json") for d in stats.decisions] == report["decisions"]
     assert stats.decisions[0].reason == "after_hole"  # found, cut by the claim: its reason arrives
+
+
+def test_streamed_answers_arrive_piece_by_piece_with_the_servers_ttft_and_cache_read(replicas, tokenizer):
+    fleet = FleetEngine([f"http://127.0.0.1:{s.server_address[1]}" for s in replicas], tokenizer=tokenizer)
+    question = [{"role": "user", "content": "A farmer has 12 cows and buys 7 more. How many cows now?"}]
+    first = fleet.chat(question, agent="solver", max_new_tokens=3)
+    assert first.stats.ttft_s == pytest.approx(0.042)  # the server's queue wait + first token, not wall time
+    items = list(fleet.stream(question + [{"role": "assistant", "content": "ok"}], agent="checker",
+                              max_new_tokens=3))
+    pieces, result = items[:-1], items[-1]
+    assert pieces == ["w0 ", "w1 ", "w2 "] and result.text == "w0 w1 w2 " and len(result.token_ids) == 3
+    assert result.stats.ttft_s == pytest.approx(0.042) and result.finish_reason == "stop"
+    # cache_read from the usage chunk: the follow-up went where its first turn ran and read it
+    assert result.stats.reused_tokens > 10 and result.stats.mode == "reuse" and not result.stats.decisions
+    assert sorted(fleet.served) == [0, 2]
