@@ -292,7 +292,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--strategies", default=",".join(DEFAULT_NAMES),
                         help=f"comma-separated, of: {', '.join(NAMES)}; an engine strategy + '-head-N' recomputes the "
-                             "first N tokens of each reused run")
+                             "first N tokens of each reused run, + '-spread-P' the P%% of estimated tokens whose "
+                             "anchors disagree most")
     parser.add_argument("--gamma", type=float, default=0.3, help="entropy-gate threshold of the KVCOMM strategies")
     parser.add_argument("--recompute-share", type=float, default=0.15, help="CacheBlend-style share recomputed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -311,7 +312,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.strategies = [s for s in args.strategies.split(",") if s]
     for name in args.strategies:
         if not known(name):
-            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N'")
+            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N' / '-spread-P'")
     if "dense" not in args.strategies:
         parser.error("the dense strategy is the reference and must be included")
     return args

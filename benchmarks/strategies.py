@@ -34,6 +34,9 @@ method's end-to-end time. The re-rotation baselines also run without the default
 - ``<engine strategy>-head-N`` (e.g. ``kvcomm-mean-head-8``, ``rerotate-head-8``): the first N
   tokens of every reused run computed in context (``experimental.recompute_head=N``), the
   cheap-fidelity idea.
+- ``<engine strategy>-spread-P`` (e.g. ``kvcomm-no-budget-spread-20``, after ``-head-N`` if both):
+  P% of the tokens reused with estimated offsets computed in context, those whose anchors
+  disagree most (``experimental.recompute_spread=P/100``).
 - ``kvcomm-own-text``: ``kvcomm-mean`` that also reuses the receiver's own text (role headers
   between messages) with the anchors' own-text offsets, as the paper does with its prefixes.
 - ``lower-bound``: one forward of only the last prompt token over a ready exact cache (built
@@ -221,10 +224,28 @@ class LowerBound(Strategy):
 PURE = ExperimentalSettings(recompute_head=0)
 
 
+#: suffixes an engine strategy's name may take (each at most once, in this order), and the
+#: experimental setting each sets: ``-head-N`` recomputes the first N tokens of each reused run,
+#: ``-spread-P`` the P% of estimated tokens whose anchors disagree most
+_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-spread-(?P<spread>\d+))?")
+
+
+def _split(name: str) -> tuple[str, dict]:
+    """A strategy name as its base name and the experimental settings its suffixes set."""
+    match = _SUFFIXES.fullmatch(name)
+    update = {}
+    if match["head"] is not None:
+        update["recompute_head"] = int(match["head"])
+    if match["spread"] is not None:
+        update["recompute_spread"] = int(match["spread"]) / 100
+    return match["base"], update
+
+
 def known(name: str) -> bool:
-    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``."""
-    head = re.fullmatch(r"(.+)-head-(\d+)", name)
-    return name in NAMES or bool(head and head.group(1) in NAMES and head.group(1) != "lower-bound")
+    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``
+    and/or ``-spread-P``."""
+    base, update = _split(name)
+    return name in NAMES or bool(update and base in NAMES and base != "lower-bound")
 
 
 def settings_of(name: str, *, gamma: float = 0.3) -> dict:
@@ -252,15 +273,15 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-most-length": {"method": "kvcomm", "gamma": gamma,
                                "experimental": ExperimentalSettings(anchor_lengths="most")},
     }
-    head = re.fullmatch(r"(.+)-head-(\d+)", name)
-    if head and head.group(1) in table:  # any engine strategy with recompute_head=N
-        settings = dict(table[head.group(1)])
+    base, update = _split(name)
+    if update and base in table:  # any engine strategy with recompute_head=N / recompute_spread=P%
+        settings = dict(table[base])
         experimental = settings.get("experimental", ExperimentalSettings())
-        settings["experimental"] = experimental.model_copy(update={"recompute_head": int(head.group(2))})
+        settings["experimental"] = experimental.model_copy(update=update)
         return settings
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy "
-                         "followed by -head-N")
+                         "followed by -head-N and/or -spread-P")
     return table[name]
 
 

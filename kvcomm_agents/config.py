@@ -84,6 +84,14 @@ class ExperimentalSettings(BaseModel):
             "still go through the gate."
         ),
     )
+    recompute_spread: float = Field(
+        default=0.0, ge=0.0, le=0.5,
+        description=(
+            "Share of the tokens reused with estimated offsets that are computed in context "
+            "instead: those where the consulted anchors' offsets disagree most (their variance "
+            "across anchors, the estimate's own uncertainty). 0: off."
+        ),
+    )
     recompute_head: int = Field(
         default=4, ge=0,
         description=(

@@ -97,6 +97,7 @@ class ReusedRun:
     verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
     offsets_on: bool = True  # apply key_offsets/value_offsets (False: kept only for an audit's flipped pass)
     head: int = 0  # segment tokens right before the run computed in context (experimental.recompute_head)
+    spread: Optional[torch.Tensor] = None  # [length]: the anchors' disagreement per token (experimental.recompute_spread)
 
     @property
     def prompt_end(self) -> int:

@@ -19,8 +19,11 @@ The plan is built here once and frozen; nothing changes it afterwards.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 from typing import Optional
+
+import torch
 
 from .anchors import KVCommAnchors
 from .config import KVCommConfig
@@ -97,10 +100,24 @@ def plan_call(
             runs, pieces = decider.anchors.attach_offsets(agent, runs, pieces)
     plan = CallPlan(layout.ids, prefix, tuple(runs), tuple(decisions), refuse_reason,
                     tuple(decider.observations), tuple(pieces),
-                    observe_after_reuse=config.experimental.new_segment == "only_itself")
+                    observe_after_reuse=config.experimental.new_segment == "only_itself",
+                    recompute=_least_sure(runs, config.experimental.recompute_spread))
     if refuse_reason is None and plan.reused_tokens == 0:
         plan = replace(plan, dense_reason="nothing_to_reuse")
     return plan
+
+
+def _least_sure(runs: list[ReusedRun], share: float) -> Optional[torch.Tensor]:
+    """Prompt positions (``[r]`` int64, sorted) of the ``share`` of tokens reused with estimated
+    offsets whose anchors disagree most (``experimental.recompute_spread``), to be computed in
+    context; None when there are none."""
+    scored = [run for run in runs if run.spread is not None and run.offsets_on and run.length > 0]
+    if share <= 0 or not scored:
+        return None
+    positions = torch.cat([torch.arange(run.prompt_start, run.prompt_end) for run in scored])
+    spread = torch.cat([run.spread.float().cpu() for run in scored])
+    count = math.ceil(share * positions.numel())
+    return positions[spread.topk(count).indices].sort().values
 
 
 def _own_text(

@@ -26,12 +26,16 @@ class OffsetEstimate:
     """Estimated canonical-frame offsets, ``[L-1, kv_heads, tokens, head_dim]`` float32.
 
     ``own_text_keys``/``own_text_values`` (``[L-1, kv_heads, P, head_dim]``) are for the own-text
-    piece after the segment (None when the anchors hold none for it)."""
+    piece after the segment (None when the anchors hold none for it). ``spread`` (``[tokens]``,
+    asked for with ``spread=True``): per token, the variance of the consulted anchors' offsets
+    across anchors, averaged over layers, heads and channels, keys plus values: where the
+    anchors disagree, the estimate is least sure."""
 
     keys: torch.Tensor
     values: torch.Tensor
     own_text_keys: Optional[torch.Tensor] = None
     own_text_values: Optional[torch.Tensor] = None
+    spread: Optional[torch.Tensor] = None
 
 
 def estimate_offsets(
@@ -44,12 +48,14 @@ def estimate_offsets(
     temperature: float,
     piece: Optional[str] = None,
     source: Optional[str] = None,
+    spread: bool = False,
 ) -> OffsetEstimate:
     """Offsets of a segment with canonical base ``keys``/``values`` ``[L-1, H, T, D]`` for
     ``receiver``, from the anchors in ``slots`` (``[N]``, all holding this receiver's offsets and
     at least ``T`` tokens long); with ``piece``, also the own-text offsets of that piece.
     ``source``: whose placeholder offsets the anchors are read from (default ``receiver``; a
-    recorded version of the segment, :mod:`.versions`)."""
+    recorded version of the segment, :mod:`.versions`). ``spread``: also the anchors'
+    disagreement per token (anchors covering the whole segment only)."""
     t = keys.shape[2]
     stack = pool.placeholder[source or receiver]
     device = stack.keys.device
@@ -68,8 +74,10 @@ def estimate_offsets(
         est_v = torch.einsum("nt,nlhtd->lhtd", w_v, v_off)
     else:
         est_k, est_v = k_off.mean(dim=0), v_off.mean(dim=0)
-    return _with_own_text(OffsetEstimate(est_k, est_v), pool, receiver, slots, keys, query_k, query_v,
-                          estimator, temperature, piece)
+    result = OffsetEstimate(est_k, est_v)
+    if spread and k_off.shape[0] > 1:
+        result.spread = k_off.var(dim=0).mean(dim=(0, 1, 3)) + v_off.var(dim=0).mean(dim=(0, 1, 3))  # [T]
+    return _with_own_text(result, pool, receiver, slots, keys, query_k, query_v, estimator, temperature, piece)
 
 
 def _mean_any_length(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,

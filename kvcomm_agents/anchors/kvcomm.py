@@ -88,6 +88,7 @@ class KVCommAnchors:
         self._freeze = freeze or BlockCount()
         self._warned = False
         self.tracker = OffsetTracker()
+        self.spread = False  # estimates carry the anchors' disagreement (experimental.recompute_spread)
 
     @classmethod
     def from_config(cls, config, *, default_max_bytes: int, freeze: Optional[BlockCount] = None,
@@ -110,6 +111,7 @@ class KVCommAnchors:
         )
         if not can_audit:
             anchors.tracker.probe_every = 0
+        anchors.spread = x.recompute_spread > 0
         return anchors
 
     # ---- inspection -----------------------------------------------------------------------
@@ -225,7 +227,8 @@ class KVCommAnchors:
                     estimates[(run.segment.id, id(run.verdict))] = est
                 window = slice(run.segment_start, run.segment_start + run.length)
                 kept.append(replace(run, key_offsets=est.keys[:, :, window], value_offsets=est.values[:, :, window],
-                                    offsets_on=run.verdict.offsets_on))
+                                    offsets_on=run.verdict.offsets_on,
+                                    spread=None if est.spread is None else est.spread[window]))
             else:
                 piece = reused_pieces[run.prompt_start]
                 est = estimates.get((piece.after.id, id(run.verdict)))  # the segment run's verdict
@@ -244,7 +247,8 @@ class KVCommAnchors:
             self._pools.move_to_end(kind)
             keys, values = segment.kv.upper_layers()
             return estimate_offsets(pool, receiver, keys, values, verdict.candidates, self.estimator,
-                                    self.temperature, piece, source=verdict.source)
+                                    self.temperature, piece, source=verdict.source,
+                                    spread=self.spread and verdict.source is None)
 
     # ---- 3. observe -------------------------------------------------------------------------
     @torch.inference_mode()
