@@ -263,7 +263,8 @@ class CallPlan:
 
 
 def _estimated(run: ReusedRun) -> bool:
-    """A shared run whose offsets were estimated from other anchors (not a recorded version of
-    its segment, its receiver's own or another's)."""
+    """A shared run whose offsets are an estimate: from other anchors, or the receiver's own
+    offsets of the segment recorded after other text than here (anything but a recorded version
+    whose context matched, :mod:`~kvcomm_agents.anchors.versions`)."""
     return (not run.own_text and run.key_offsets is not None and run.verdict is not None
-            and getattr(run.verdict, "source", None) is None)
+            and not getattr(run.verdict, "context_matched", False))

@@ -172,12 +172,15 @@ class KVCommAnchors:
                     return recorded
             verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors,
                             length_share=self.length_share)
-            if verdict.reuse and verdict.source is None:
+            # the receiver's own offsets of this very segment, found by the gate but recorded
+            # after other text than here (no version matched this context), are an estimate
+            # like any other: the KL budget and the offset check apply to them too
+            if verdict.reuse and not verdict.context_matched:
                 if not self.tracker.within_budget(receiver, segment.ref.kind, self.kl_budget):
                     verdict.reuse, verdict.over_budget = False, True
                     return verdict
                 verdict.offsets_on = self.tracker.offsets_on(receiver, segment.ref.kind)
-                if not self.frozen:
+                if not self.frozen and not verdict.own_offsets:
                     pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
             return verdict
 
@@ -248,7 +251,7 @@ class KVCommAnchors:
             keys, values = segment.kv.upper_layers()
             return estimate_offsets(pool, receiver, keys, values, verdict.candidates, self.estimator,
                                     self.temperature, piece, source=verdict.source,
-                                    spread=self.spread and verdict.source is None)
+                                    spread=self.spread and not verdict.context_matched)
 
     # ---- 3. observe -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -154,3 +154,24 @@ def test_probes_are_always_audited_and_the_budget_needs_audits(model, tokenizer)
     off = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
     assert off.anchors.kl_budget is None
     assert KVCommEngine(model, tokenizer).anchors.kl_budget == KVCommConfig().kl_budget == 0.015
+
+
+def test_own_offsets_recorded_after_other_text_wait_for_the_budget_like_any_estimate(model, tokenizer):
+    """A receiver's own offsets of a segment are exact only where they were recorded: after the
+    same text, they are a version and always reused; after other text (no version fits) they are
+    an estimate, held back by the KL budget until audits measure them (here nothing probes)."""
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False))
+    engine.anchors.tracker.probe_every = 0
+    question = "How many apples are left if Sam has very many apples and eats three of them?"
+    engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)  # the sender
+
+    def read(system: str):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        (decision,) = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]).result.stats.shared_decisions
+        return decision
+
+    assert read("You are solver two.").reason == "new_anchor"  # s2 records its own offsets
+    again = read("You are solver two.")  # the same text before it: a version
+    assert again.status == "reused" and again.gate.offsets == "own"
+    elsewhere = read("Check the arithmetic of every step with great care, then answer.")
+    assert elsewhere.status == "prefilled" and elsewhere.reason == "over_kl_budget"
