@@ -71,7 +71,6 @@ def main(argv=None) -> None:
 
     from kvcomm_agents import KVCommEngine
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     loaded = KVCommEngine.from_pretrained(dtype=torch.float32)
     started = time.perf_counter()
     records = []
