@@ -144,7 +144,12 @@ class VLLMEngine:
                 payload = line[len("data:"):].strip()
                 if payload == "[DONE]":
                     return
-                yield json.loads(payload)
+                chunk = json.loads(payload)
+                if chunk.get("error"):  # vLLM reports a failure inside the stream, after the 200
+                    error = chunk["error"]
+                    raise RuntimeError(f"the server failed the request: "
+                                       f"{error.get('message', error) if isinstance(error, dict) else error}")
+                yield chunk
 
 
 def _body(model: str, ids: list[int], agent: str, max_new_tokens: int, temperature: float, top_p: float,

@@ -191,8 +191,8 @@ class SegmentStore:
                     n = entry.token_ids.numel()
                     if n <= ids.numel() and entry.common_prefix(ids) == n:
                         self._remove(key)  # covered; a running call keeps its own tensors
-            entry = PrefixEntry(f"prefix-{uuid.uuid4().hex}", ids, kv, fingerprint)
-            return self._insert(entry.id, entry)
+        entry = PrefixEntry(f"prefix-{uuid.uuid4().hex}", ids, kv, fingerprint)
+        return self._insert(entry.id, entry)  # outside the lock: publishing to a shared tier waits on it
 
     def longest_prefix(self, token_ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
         """The prefix entry sharing the longest common prefix with ``token_ids`` and its length

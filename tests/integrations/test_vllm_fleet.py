@@ -82,6 +82,9 @@ class _Replica(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
+            if body["kv_transfer_params"]["agent"] == "broken":  # a failure reported inside the stream
+                self._event({"error": {"message": "engine dead", "type": "InternalServerError", "code": 500}})
+                return
             for k, token in enumerate(ids[-3:]):
                 self._event({"choices": [{"text": f"w{k} ", "token_ids": [token],
                                           "finish_reason": "stop" if k == 2 else None}]})
@@ -159,3 +162,6 @@ def test_streamed_answers_arrive_piece_by_piece_with_the_servers_ttft_and_cache_
     # cache_read from the usage chunk: the follow-up went where its first turn ran and read it
     assert result.stats.reused_tokens > 10 and result.stats.mode == "reuse" and not result.stats.decisions
     assert sorted(fleet.served) == [0, 2]
+
+    with pytest.raises(RuntimeError, match="engine dead"):  # a failure inside the stream is an error, not a reply
+        list(fleet.stream(question, agent="broken", max_new_tokens=3))
