@@ -9,6 +9,8 @@ a rolling-hash index kept with the entries).
 With a shared tier (:mod:`.shared`, e.g. Redis for a fleet of replicas), every entry computed here
 is also published, and entries other replicas published are found by token runs, exact prefix or
 id like local ones; their KV is fetched on first use and then held here under the same budget.
+The tier's round trips (publishing, reading its catalog, fetching a blob) run outside the store's
+lock, so a slow tier delays only the lookups that need it, never another call's local lookups.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class SegmentStore:
 
     def __init__(self, max_bytes: int, *, min_run: int = 8, shared: SharedSegments | None = None) -> None:
         self.max_bytes = max_bytes
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the store's memory; never held during a round trip to the tier
+        self._tier_lock = threading.Lock()  # one catalog read at a time (the cursor)
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
         self._bytes = 0
         self._pins: dict[str, int] = {}
@@ -120,14 +123,17 @@ class SegmentStore:
         """The segment with this id, or None if unknown or evicted. Marks it recently used."""
         with self._lock:
             entry = self._entries.get(segment_id)
-            if entry is None and self.shared is not None:
-                self._sync()
+        if entry is None and self.shared is not None:
+            self._sync()
+            with self._lock:
                 item = self._remote.get(segment_id)
-                entry = self._fetch(item) if item is not None and not item.prefix else None
-            if not isinstance(entry, KVSegment):
-                return None
-            self._entries.move_to_end(segment_id)
-            return entry
+            entry = self._fetch(item) if item is not None and not item.prefix else None
+        if not isinstance(entry, KVSegment):
+            return None
+        with self._lock:
+            if segment_id in self._entries:
+                self._entries.move_to_end(segment_id)
+        return entry
 
     def was_evicted(self, segment_id: str) -> bool:
         """True if this id was evicted recently (distinguishes 'evicted' from 'not_found')."""
@@ -200,15 +206,19 @@ class SegmentStore:
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
             best = self._longest_local_prefix(ids, fingerprint)
-            if self.shared is not None:
-                self._sync()
-                for item in self._remote_by_length(ids, fingerprint, best[1] if best else 0):
-                    entry = self._fetch(item)
-                    if isinstance(entry, PrefixEntry):
-                        best = (entry, entry.common_prefix(ids))
-                        break
-            if best is not None:
-                self._entries.move_to_end(best[0].id)
+        if self.shared is not None:
+            self._sync()
+            with self._lock:
+                longer = self._remote_by_length(ids, fingerprint, best[1] if best else 0)
+            for item in longer:
+                entry = self._fetch(item)
+                if isinstance(entry, PrefixEntry):
+                    best = (entry, entry.common_prefix(ids))
+                    break
+        if best is not None:
+            with self._lock:
+                if best[0].id in self._entries:
+                    self._entries.move_to_end(best[0].id)
         return best
 
     def _longest_local_prefix(self, ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
@@ -253,24 +263,27 @@ class SegmentStore:
             of kind :attr:`PREFIX_KIND` (its keys are already in the canonical frame).
         """
         ids = token_ids.detach().to("cpu", torch.long)
+
+        def allowed(key: str) -> bool:
+            entry = self._entries.get(key)
+            return entry is not None and _fingerprint(entry) == fingerprint
+
+        if self.shared is not None:
+            self._sync()
+
+            def anywhere(key: str) -> bool:
+                if key.startswith(_REMOTE):
+                    item = self._remote.get(key[len(_REMOTE):])
+                    return item is not None and item.fingerprint == fingerprint
+                return allowed(key)
+
+            # fetch what the tier holds of this prompt (outside the lock); the scan below then finds it here
+            with self._lock:
+                wanted = [self._remote[key[len(_REMOTE):]] for key, *_ in scan(ids, free, self._runs, anywhere, upper)
+                          if key.startswith(_REMOTE) and key[len(_REMOTE):] in self._remote]
+            for item in wanted:
+                self._fetch(item)
         with self._lock:
-            def allowed(key: str) -> bool:
-                entry = self._entries.get(key)
-                return entry is not None and _fingerprint(entry) == fingerprint
-
-            if self.shared is not None:
-                self._sync()
-
-                def anywhere(key: str) -> bool:
-                    if key.startswith(_REMOTE):
-                        item = self._remote.get(key[len(_REMOTE):])
-                        return item is not None and item.fingerprint == fingerprint
-                    return allowed(key)
-
-                # fetch what the tier holds of this prompt; the scan below then finds it here
-                for key, *_ in list(scan(ids, free, self._runs, anywhere, upper)):
-                    if key.startswith(_REMOTE) and key[len(_REMOTE):] in self._remote:
-                        self._fetch(self._remote[key[len(_REMOTE):]])
             found = []
             for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper):
                 entry = self._entries[key]
@@ -333,20 +346,24 @@ class SegmentStore:
 
     # ---- the shared tier ------------------------------------------------------------------
     def _sync(self) -> None:
-        """Read the catalog items published since the last read (holding the lock)."""
-        try:
-            items, self._cursor = self.shared.catalog(self._cursor)
-        except Exception as error:
-            self._tier_failed(error)
-            return
-        for item in items:
-            if item.key in self._remote or item.key in self._entries:
-                continue
-            self._remote[item.key] = item
-            self._runs.add(_REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
-        while len(self._remote) > _MAX_REMOTE:
-            key, _ = self._remote.popitem(last=False)
-            self._runs.remove(_REMOTE + key)
+        """Read the catalog items published since the last read: the round trip without the
+        store's lock (one reader at a time, for the cursor), then the items merged under it."""
+        with self._tier_lock:
+            try:
+                items, self._cursor = self.shared.catalog(self._cursor)
+            except Exception as error:
+                with self._lock:
+                    self._tier_failed(error)
+                return
+        with self._lock:
+            for item in items:
+                if item.key in self._remote or item.key in self._entries:
+                    continue
+                self._remote[item.key] = item
+                self._runs.add(_REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
+            while len(self._remote) > _MAX_REMOTE:
+                key, _ = self._remote.popitem(last=False)
+                self._runs.remove(_REMOTE + key)
 
     def _publish(self, key: str, entry: Entry) -> None:
         """Put an entry computed here into the tier, before the call that computed it returns (an
@@ -367,23 +384,35 @@ class SegmentStore:
                 self._runs.add(_REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
 
     def _fetch(self, item: CatalogItem) -> Entry | None:
-        """Fetch and hold an entry of the tier; None (and forgotten) when the tier no longer has
-        it, fails, or returns a blob that is not the announced entry."""
+        """Fetch and hold an entry of the tier (the round trip and decoding without the store's
+        lock); None (and forgotten) when the tier no longer has it, fails, or returns a blob that
+        is not the announced entry. Two calls fetching the same entry at once both get it."""
+        with self._lock:
+            held = self._entries.get(item.key)
+            devices = self._devices
+        if held is not None:  # another call fetched it meanwhile
+            return held
         try:
             blob = self.shared.fetch(item.key)
-            decoded = decode_entry(item, blob, self._devices) if blob is not None else None
+            decoded = decode_entry(item, blob, devices) if blob is not None else None
         except Exception as error:
-            self._tier_failed(error)
+            with self._lock:
+                self._tier_failed(error)
             decoded = None
-        if decoded is None:
-            self._misses += 1
-            self._remote.pop(item.key, None)
-            self._runs.remove(_REMOTE + item.key)
-            return None
-        entry = decoded if isinstance(decoded, KVSegment) else PrefixEntry(item.key, decoded[0], decoded[1], item.fingerprint)
-        self._fetched += 1
-        self._insert(item.key, entry, publish=False)
-        return self._entries.get(item.key)
+        with self._lock:
+            if decoded is None:
+                self._misses += 1
+                if item.key not in self._entries:
+                    self._remote.pop(item.key, None)
+                    self._runs.remove(_REMOTE + item.key)
+                return self._entries.get(item.key)
+            held = self._entries.get(item.key)
+            if held is not None:
+                return held
+            entry = decoded if isinstance(decoded, KVSegment) else PrefixEntry(item.key, decoded[0], decoded[1], item.fingerprint)
+            self._fetched += 1
+            self._insert(item.key, entry, publish=False)
+            return self._entries.get(item.key)
 
     def _tier_failed(self, error: Exception) -> None:
         if not self._tier_warned:

@@ -149,3 +149,40 @@ def test_engines_share_a_tier(llama, tokenizer):
     assert served.stats.prefix_tokens > 0 and served.text == dense.text
     with pytest.raises(ValueError, match="either store= or shared="):
         KVCommEngine(llama, tokenizer, store=SegmentStore(1 << 20), shared=tier)
+
+
+def test_a_slow_tier_never_blocks_local_lookups():
+    """A fetch waiting on the tier holds no store lock: another call's lookups of what this
+    store holds return meanwhile, and the fetch completes once the tier answers."""
+    import threading
+
+    class Slow(MemorySegments):
+        def __init__(self):
+            super().__init__()
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def fetch(self, key):
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the tier"
+            return super().fetch(key)
+
+    tier = Slow()
+    remote, local = _segment(9), _segment(11)
+    SegmentStore(1 << 20, min_run=4, shared=tier).put(remote)  # another replica's
+    store = SegmentStore(1 << 20, min_run=4, shared=tier)
+    store.put(local)
+    fetched = {}
+    worker = threading.Thread(target=lambda: fetched.setdefault("segment", store.get(remote.id)))
+    worker.start()
+    try:
+        assert tier.entered.wait(30)
+        # the fetch is in flight and blocked: local lookups answer anyway
+        assert store.get(local.id) is local
+        prompt = torch.tensor([1] + list(local.token_ids) + [2])
+        runs = store.find_runs(prompt, "fp", torch.ones(len(prompt), dtype=torch.bool), len(prompt) - 1)
+        assert [(s.id, p, n) for s, p, _, n in runs] == [(local.id, 1, 11)]
+        assert len(store) == 1
+    finally:
+        tier.release.set()
+        worker.join(30)
+    assert fetched["segment"].ref == remote.ref and store.stats().shared_fetched == 1
