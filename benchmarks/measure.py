@@ -189,14 +189,51 @@ def pipeline_wall_times(records: list[dict]) -> dict[str, dict]:
     return out
 
 
+def shared_text_positions(tokenizer, messages: list[dict], texts: list[str], prompt_tokens: int) -> Optional[set[int]]:
+    """Prompt positions of ``texts`` (the task and earlier agents' replies) in the rendered prompt
+    of ``messages``: the tokens whose first character lies inside an occurrence of one of them.
+    None when this tokenizer's rendering cannot be mapped (no offsets, or another token count
+    than the engine's prompt)."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):
+        return None
+    offsets = encoded["offset_mapping"]
+    if len(offsets) != prompt_tokens:
+        return None
+    spans = []
+    for text in texts:
+        text = text.strip()
+        start = rendered.find(text) if text else -1
+        while start >= 0:
+            spans.append((start, start + len(text)))
+            start = rendered.find(text, start + len(text))
+    return {i for i, (a, _) in enumerate(offsets) for lo, hi in spans if lo <= a < hi}
+
+
+def reused_positions(stats) -> set[int]:
+    """Prompt positions a call served from cache: its exact prefix and the reused end of every
+    shared segment's span (a recomputed head is computed)."""
+    if stats is None:
+        return set()
+    out = set(range(stats.prefix_tokens))
+    for d in stats.decisions:
+        if d.status == "reused" and d.reused_tokens:
+            out.update(range(d.span[1] - d.reused_tokens, d.span[1]))
+    return out
+
+
 def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,
                eos_ids, phase: str, progress: Callable[[int], None] = lambda n: None,
-               checkpoint: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:
+               checkpoint: Callable[[list[dict]], None] = lambda records: None, tokenizer=None) -> list[dict]:
     """The forced protocol over every request, for the strategies taking part in it
     (``Strategy.takes_part``; dense takes part in all); the first ``warmup`` requests are marked
     warm-up (they fill stores and anchor pools and are left out of the summaries). ``checkpoint``
     gets the records so far after each request. ``forced_tokens``: the reply length the strategy
-    was forced; ``greedy_prefix``: how many of them its greedy run gives too."""
+    was forced; ``greedy_prefix``: how many of them its greedy run gives too. With ``tokenizer``,
+    ``shared_text_tokens`` / ``shared_text_reused``: the prompt tokens of the task and the earlier
+    agents' replies, and how many of them came from cache (:func:`shared_text_positions`)."""
     names = [s.name for s in strategies]
     if "dense" not in names:
         raise ValueError("the forced protocol needs the dense strategy (the reference)")
@@ -222,6 +259,9 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
             dense = outcomes["dense"]
             window = min(agreement_window(forced, eos_ids), dense.greedy_prefix or 0)
             lower = outcomes.get("lower-bound")
+            texts = ([request.task] if request.task else []) + [c["text"] for c in replies[:k]]
+            shared = (shared_text_positions(tokenizer, messages, texts, dense.prompt_tokens)
+                      if tokenizer is not None and texts else None)
             for strategy in taking_part:
                 out = outcomes[strategy.name]
                 records.append({
@@ -231,6 +271,9 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
                     # None when nothing can be compared (dense itself left the forced reply at once)
                     "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
                     "agree_window": window, "greedy_prefix": out.greedy_prefix, "forced_tokens": len(mine_of[strategy.name]),
+                    "shared_text_tokens": None if shared is None else len(shared),
+                    "shared_text_reused": None if shared is None else len(shared & (
+                        set(range(out.prompt_tokens)) if out.stats is None else reused_positions(out.stats))),
                 })
             progress(1)
         checkpoint(records)

@@ -24,6 +24,13 @@ def _mean(values: list[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+def _shared_text_share(records: list[dict]) -> Optional[float]:
+    """Of the prompt tokens of the task and earlier agents' replies, the share served from cache."""
+    mapped = [r for r in records if r.get("shared_text_tokens")]
+    total = sum(r["shared_text_tokens"] for r in mapped)
+    return sum(r["shared_text_reused"] for r in mapped) / total if total else None
+
+
 def summarize_calls(records: list[dict]) -> dict:
     """Metrics of a group of calls (warm-up calls must already be left out)."""
     ttft = [r["ttft_s"] for r in records]
@@ -47,6 +54,7 @@ def summarize_calls(records: list[dict]) -> dict:
         "before_prefill_share_of_ttft": _median([r["before_prefill_s"] / r["ttft_s"] for r in records]),
         "reuse_rate": sum(r["fully_reused"] for r in eligible) / len(eligible) if eligible else None,
         "token_share": sum(r["reused_tokens"] for r in records) / prompt if prompt else None,
+        "shared_text_share": _shared_text_share(records),
         "recomputed_tokens_mean": _mean([r["recomputed_tokens"] for r in records]),
         "kl_mean": _mean(kls),
         "kl_median": _median(kls),
@@ -151,8 +159,8 @@ COLUMNS = [
     ("TTFT ms", "ttft_median_ms", "ms", 8), ("p90 ms", "ttft_p90_ms", "ms", 8),
     ("x dense", "speedup_vs_dense", "x", 8), ("of LB", "share_of_lower_bound", "pct", 6),
     ("align ms", "before_prefill_median_ms", "ms", 8), ("align/TTFT", "before_prefill_share_of_ttft", "pct", 10),
-    ("reuse", "reuse_rate", "pct", 6), ("tokens", "token_share", "pct", 6), ("KL", "kl_mean", "kl", 7),
-    ("32-agree", "agree_32", "pct", 8), ("anchors MiB", "anchor_mib", "mib", 11), ("KV MiB", "kv_mib", "mib", 7),
+    ("reuse", "reuse_rate", "pct", 6), ("tokens", "token_share", "pct", 6), ("shared", "shared_text_share", "pct", 6),
+    ("KL", "kl_mean", "kl", 7), ("32-agree", "agree_32", "pct", 8), ("anchors MiB", "anchor_mib", "mib", 11), ("KV MiB", "kv_mib", "mib", 7),
 ]
 
 
@@ -168,7 +176,8 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
 
 
 #: what stays meaningful when strategies ran concurrently (times shared the machine)
-UNTIMED = ("strategy", "calls", "prompt_tokens_mean", "reuse_rate", "token_share", "anchor_mib", "kv_mib")
+UNTIMED = ("strategy", "calls", "prompt_tokens_mean", "reuse_rate", "token_share", "shared_text_share", "anchor_mib",
+           "kv_mib")
 
 
 def print_phase(phase: str, title: str, rows: list[dict], *, per_agent: bool = False, timed: bool = True) -> None:
@@ -188,7 +197,8 @@ LEGEND = ("TTFT: median time to first token; x dense: median over calls of dense
           "same slot; of LB: median of lower bound's TTFT / the strategy's (100% = as fast as any reuse can be); "
           "align: everything before the prefill forward (render, plan, anchors, offsets, recompute selection, "
           "cache assembly); reuse: agent-level reuse rate (calls with no shared segment prefilled); tokens: "
-          "reused share of prompt tokens; KL: mean first-token KL(dense || strategy), nats; 32-agree: greedy "
+          "reused share of prompt tokens; shared: reused share of the prompt tokens of the task and the earlier agents' "
+          "replies; KL: mean first-token KL(dense || strategy), nats; 32-agree: greedy "
           "replies equal to dense's over min(32, until end-of-sequence, as far as dense's own greedy run follows the "
           "forced reply) tokens, by teacher forcing (results.json: agree_window_mean).")
 
@@ -202,7 +212,8 @@ LABELS = {"dense": "dense", "prefix": "prefix (exact)", "rerotate": "re-rotation
 MD_COLUMNS = [("calls", "calls", "int"), ("prompt", "prompt_tokens_mean", "int"), ("TTFT median", "ttft_median_ms", "ms"),
               ("p90", "ttft_p90_ms", "ms"), ("× dense", "speedup_vs_dense", "x"), ("share of LB", "share_of_lower_bound", "pct"),
               ("align", "before_prefill_median_ms", "ms"), ("align / TTFT", "before_prefill_share_of_ttft", "pct"),
-              ("reuse rate", "reuse_rate", "pct"), ("token share", "token_share", "pct"), ("KL", "kl_mean", "kl"),
+              ("reuse rate", "reuse_rate", "pct"), ("token share", "token_share", "pct"),
+              ("task + replies from cache", "shared_text_share", "pct"), ("KL", "kl_mean", "kl"),
               ("32-agree", "agree_32", "pct"), ("anchors MiB", "anchor_mib", "mib"), ("KV MiB", "kv_mib", "mib")]
 
 

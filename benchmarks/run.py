@@ -234,6 +234,7 @@ def run_phase(ctx: Context, phase: str) -> dict:
         records = measure.run_forced(
             workload, strategies, refs, warmup=warmup, eos_ids=ctx.eos_ids, phase=phase, progress=bar.update,
             checkpoint=lambda so_far: measure.write_json({"signature": signature, "records": so_far}, partial),
+            tokenizer=ctx.loaded.tokenizer,
         )
         partial.unlink(missing_ok=True)
     bar.close()

@@ -39,6 +39,7 @@ class Request:
     messages: Callable[[int, list[str]], list[dict]]
     gold: Optional[str] = None
     meta: dict = field(default_factory=dict)
+    task: Optional[str] = None  # the task's text, which every agent's prompt embeds (shared text)
 
 
 @dataclass
@@ -110,7 +111,7 @@ def _solver_requests(requests: int, offset: int, agents: int, prompt) -> list[Re
         def messages(k: int, replies: list[str], question=row["question"]) -> list[dict]:
             return prompt(k + 1, agents, question, replies)
 
-        built.append(Request(f"q{offset + i}", names, messages, gold=gold_answer(row)))
+        built.append(Request(f"q{offset + i}", names, messages, gold=gold_answer(row), task=row["question"]))
     return built
 
 

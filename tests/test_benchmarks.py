@@ -100,6 +100,20 @@ def test_one_message_prompts_reuse_the_task_by_token_runs(smoke):
     assert reused["rerotate"] > reused["rerotate-messages"]
 
 
+def test_the_task_and_replies_share_is_measured_per_call(smoke):
+    """(e): every downstream call maps the task and the earlier replies to prompt tokens; dense
+    serves none of them from cache, the lower bound all, token runs more than whole messages."""
+    _, records, _, _, saved = smoke
+    downstream = [r for r in records if r["phase"] == "e" and r["agent_index"] > 1]
+    assert downstream and all(r["shared_text_tokens"] and 0 <= r["shared_text_reused"] <= r["shared_text_tokens"]
+                              for r in downstream)
+    share = {name: sum(r["shared_text_reused"] for r in downstream if r["strategy"] == name)
+             for name in ("dense", "lower-bound", "rerotate", "rerotate-messages")}
+    assert share["dense"] == 0
+    assert share["lower-bound"] == sum(r["shared_text_tokens"] for r in downstream if r["strategy"] == "lower-bound")
+    assert share["rerotate"] > share["rerotate-messages"]
+
+
 def test_a_finished_phase_is_loaded_not_rerun(smoke, capsys):
     _, _, folder, out, _ = smoke
     before = (folder / "phase_b.json").stat().st_mtime_ns
@@ -198,3 +212,18 @@ def test_offset_sources_scores_each_receivers_recorded_offsets(tmp_path):
     assert all(any(k.startswith("from ") for k in r["error"]) for r in replies)
     assert all(v >= 0 for r in rows for v in r["error"].values())
     assert json.loads(out.read_text()) == results
+
+
+def test_offset_sources_scores_the_learned_predictors(tmp_path):
+    """``--regression`` adds the ridge and probe predictors wherever a receiver holds three or
+    more anchors of a kind; their errors are relative (>= 0) and finite."""
+    import math
+
+    from benchmarks import offset_sources
+
+    results = offset_sources.main(["--model", "random:tiny", "--workloads", "b", "--requests", "4", "--regression",
+                                   "--out", str(tmp_path / "sources.json")])
+    learned = [r["error"] for r in results["b"] if r["anchors"] >= 3]
+    assert learned and all({f"{s}|{p}" for s in ("ridge", "ridge@2", "probe1") for p in ("keys", "values")} <= e.keys()
+                           for e in learned)
+    assert all(v >= 0 and math.isfinite(v) for e in learned for v in e.values())
