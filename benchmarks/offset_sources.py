@@ -9,15 +9,24 @@ offsets for each receiver are predicted in turn:
 - ``from <receiver>``: the offsets another receiver recorded for the very same segment;
 - ``mean``: the mean of the receiver's other anchors at least as long (KVCOMM's ``mean``
   estimate, the paper's length rule);
+- with ``--regression``, two learned predictors (is a smarter estimate than the mean worth
+  building?), each fitted per layer and KV head by ridge regression on the receiver's other
+  anchors of the kind, every token of them a sample:
+  - ``ridge``: a linear map from the segment's own base KV (key, un-rotated, and value) to its
+    offsets;
+  - ``probe1``: the same plus the exact offsets of layer 1 (every head) of the very token, as
+    if a probe had computed the first layers in context; scored on layers 2..L-1 only (beside
+    ``ridge`` on the same layers, ``ridge@2``).
 
 scored as relative squared error over layers 1..L-1, tokens and channels (0: exact, 1: as far
 off as no offsets, i.e. re-rotation only), keys and values apart. Offsets are the model's own,
 on the same token ids; no timing is involved.
 
     python -m benchmarks.offset_sources [--workloads b,e,c,d] [--requests 16,6,4,4]
-                                        [--out benchmarks/out/offset_sources.json]
+                                        [--regression] [--out benchmarks/out/offset_sources.json]
 
-About 7 minutes per workload at the default sizes on 2 CPU cores.
+About 7 minutes per workload at the default sizes on 2 CPU cores (``--regression``: about 15
+on (b)).
 """
 
 from __future__ import annotations
@@ -58,7 +67,60 @@ def _relative(estimate: torch.Tensor, exact: torch.Tensor) -> tuple[float, float
     return float((estimate - exact).square().sum()), float(exact.square().sum())
 
 
-def score_pools(engine: KVCommEngine) -> list[dict]:
+#: Ridge strength, relative to the mean diagonal of each fit's Gram matrix (the best of 0.0001-3
+#: on (b)'s pools; the figures move by a few hundredths across 0.03-0.3).
+RIDGE = 0.1
+
+
+def _ridge(features: torch.Tensor, targets: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Fit ``targets [..., n, F_out] ~ [features, 1] @ W`` per leading index (ridge, float64)
+    and return ``[query, 1] @ W`` (``query [..., m, F_in]``)."""
+    def bias(x):
+        return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1).double()
+
+    x, q = bias(features), bias(query)
+    gram = x.transpose(-1, -2) @ x
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)[..., None, None]
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
+    weights = torch.cholesky_solve(x.transpose(-1, -2) @ targets.double(), torch.linalg.cholesky(gram + RIDGE * scale * eye))
+    return (q @ weights).float()
+
+
+def _regression_sources(pool, stack, slots: list[int], slot: int, rotator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``ridge``, ``ridge@2`` and ``probe1`` estimates of ``slot``'s offsets from the other
+    ``slots``: name -> (keys, values), ``[L', H, T, D]`` in the canonical frame (``ridge@2`` and
+    ``probe1`` cover layers 2..L-1, i.e. pool layers 1..)."""
+    others = [o for o in slots if o != slot]
+    lengths = {o: int(pool.lengths[o]) for o in slots}
+
+    def unrotated(keys: torch.Tensor, n: int) -> torch.Tensor:  # [L, H, n, D] canonical -> position 0
+        return rotator.shift(keys[:, :, :n].float(), -torch.arange(n))
+
+    def rows(o: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = lengths[o]
+        base = torch.cat([unrotated(pool.base_keys[o], n), pool.base_values[o, :, :, :n].float()], -1)
+        offset = torch.cat([unrotated(stack.keys[o], n), stack.values[o, :, :, :n].float()], -1)
+        layers, heads = offset.shape[:2]
+        shallow = offset[:1].permute(2, 0, 1, 3).reshape(1, 1, n, -1).expand(layers - 1, heads, n, -1)
+        return base, offset, torch.cat([base[1:], shallow], -1)  # [L,H,n,2D], [L,H,n,2D], [L-1,H,n,2D+H*2D]
+
+    train = [rows(o) for o in others]
+    base, _, probe = rows(slot)
+    n, d = lengths[slot], base.shape[-1] // 2
+    offsets = torch.cat([t[1] for t in train], 2)
+    found = {
+        "ridge": _ridge(torch.cat([t[0] for t in train], 2), offsets, base),
+        "probe1": _ridge(torch.cat([t[2] for t in train], 2), offsets[1:], probe),
+    }
+    found["ridge@2"] = found["ridge"][1:]
+    out = {}
+    for name, estimate in found.items():
+        keys = rotator.shift(estimate[..., :d].contiguous(), torch.arange(n))
+        out[name] = (keys, estimate[..., d:])
+    return out
+
+
+def score_pools(engine: KVCommEngine, regression: bool = False) -> list[dict]:
     """Per segment kind and receiver: relative squared error of each offset source."""
     rows = []
     for kind in [tuple(k) for k in engine.anchors._pools]:
@@ -82,6 +144,14 @@ def score_pools(engine: KVCommEngine) -> list[dict]:
                         num, den = _relative(estimate, exact)
                         acc = sums.setdefault(f"{source}|{part}", [0.0, 0.0])
                         acc[0], acc[1] = acc[0] + num, acc[1] + den
+                if regression and len(slots) >= 3:
+                    learned = _regression_sources(pool, stack, slots, slot, engine.info.rotator)
+                    for source, (keys, values) in learned.items():
+                        for part, estimate in (("keys", keys), ("values", values)):
+                            exact = getattr(stack, part)[slot, :, :, :length].float()[-estimate.shape[0]:]
+                            num, den = _relative(estimate, exact)
+                            acc = sums.setdefault(f"{source}|{part}", [0.0, 0.0])
+                            acc[0], acc[1] = acc[0] + num, acc[1] + den
             rows.append({"kind": list(kind), "receiver": receiver, "anchors": len(slots),
                          "error": {key: num / den for key, (num, den) in sums.items() if den > 0}})
     return rows
@@ -93,6 +163,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--requests", default="16,6,4,4", help="requests per workload, in order")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/offset_sources.json"))
     parser.add_argument("--model", default="embedded", help="embedded | random:<shape> | a local model folder")
+    parser.add_argument("--regression", action="store_true", help="also score the learned predictors (ridge, probe1)")
     args = parser.parse_args(argv)
     loaded = load(args.model, device="cpu", dtype=torch.float32)
     results = {}
@@ -100,7 +171,7 @@ def main(argv=None) -> dict:
         workload = BUILDERS[name](n)
         refs = measure.references(workload, loaded.model, loaded.tokenizer,
                                   args.out.parent / "refs" / "float32-cpu" / f"{workload.name}.pt")
-        rows = score_pools(record_all(workload, refs, loaded.model, loaded.tokenizer))
+        rows = score_pools(record_all(workload, refs, loaded.model, loaded.tokenizer), args.regression)
         results[name] = rows
         print(f"== ({name}) {workload.title}")
         for row in rows:
