@@ -3,7 +3,8 @@
 One call: render the prompt -> plan (exact prefix, re-rotated shared segments, the rest
 computed; :mod:`.planner`) -> align the reused KV (:mod:`.alignment`) -> one prefill forward and
 the decode loop (:mod:`.engines.hf`) -> keep the reply's KV and any new user/tool message as
-segments, and the anchors' observations (:mod:`.capture`, :mod:`.anchors`).
+segments, and the anchors' observations (:mod:`.capture`, :mod:`.anchors`) -> now and then, a
+dense audit of the call (:mod:`.audit`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 
 from .alignment import assemble
+from .audit import CallAuditor
 from .budgets import default_budgets
 from .anchors import KVCommAnchors
 from .capture import CallCapture
@@ -27,7 +29,6 @@ from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
-from .fidelity import first_token_kl
 from .identity import WeightsWatch
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
@@ -104,7 +105,7 @@ class KVCommEngine:
         self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
         self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
-        self._reused_calls = 0
+        self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -346,7 +347,7 @@ class KVCommEngine:
             raise InvalidRequestError("the chat template altered the text (e.g. trimmed its whitespace); pass it stripped")
         with self._lock, torch.inference_mode():
             pre = hf.prefill(self.model, layout.ids, torch.arange(layout.ids.numel()))
-            ref = self._capture.capture_message(layout, 0, kind, _kv_reader(pre.cache, pre.slot_positions))
+            ref = self._capture.capture_message(layout, 0, kind, hf.kv_reader(pre.cache, pre.slot_positions))
         if ref is None:
             raise InvalidRequestError(
                 f"the text is shorter than min_match_tokens ({self.config.min_match_tokens} tokens) "
@@ -439,7 +440,7 @@ class KVCommEngine:
         """After the reply: keep its KV and what else the call computed, then the audit."""
         with self._lock, torch.inference_mode():
             segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
-            return segment, self._audit(call.plan, call.pre.logits, agent)
+            return segment, self._auditor.audit(call.plan, call.pre.logits, agent)
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
         plan, cache = call.plan, call.pre.cache
@@ -450,46 +451,12 @@ class KVCommEngine:
             logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
             return None
         roles = [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]
-        return self._capture.keep_call(plan, agent, generated, reply, _kv_reader(cache, slots), self._kvcomm_anchors(),
+        return self._capture.keep_call(plan, agent, generated, reply, hf.kv_reader(cache, slots), self._kvcomm_anchors(),
                                        call.layout, roles)
 
     def _kvcomm_anchors(self) -> Optional[KVCommAnchors]:
         """The anchors to feed observations to (``method="kvcomm"`` only)."""
         return self._anchors if self.config.method == "kvcomm" else None
-
-    def _audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
-        """Audit a reused call against dense prefill; returns KL(dense || served), or None.
-
-        Audited: every ``audit_every``-th reused call, and (``method="kvcomm"``) a reused call
-        carrying estimated offsets of a kind the tracker has too few samples of for this
-        receiver, at most one in ``tracker.warmup_gap`` of the receiver's calls. The dense pass
-        is exact everywhere, so the reused segments' real offsets are observed too. With
-        estimated offsets, one more reuse prefill flips one kind's offsets, which gives the
-        tracker a paired sample (:mod:`.anchors.tracker`)."""
-        if not self.config.audit_every or not plan.runs:
-            return None
-        self._reused_calls += 1
-        tracker = self._anchors.tracker
-        kinds = plan.estimated_kinds() if self.config.method == "kvcomm" and not self._anchors.frozen else []
-        warmup = bool(kinds) and tracker.warmup_audit_due(agent, kinds)
-        if self._reused_calls % self.config.audit_every and not warmup:
-            return None
-        tracker.audited(agent)
-        kind = tracker.kind_to_flip(agent, kinds)
-        flipped_logits = None
-        if kind is not None:
-            flipped = plan.with_offsets_flipped(kind)
-            flipped_logits = hf.prefill(self.model, flipped.prompt_ids, flipped.computed_positions(),
-                                        assemble(flipped, self.info.rotator), flipped.reused_positions(),
-                                        masked=True).logits
-        dense = hf.prefill(self.model, plan.prompt_ids, torch.arange(plan.num_prompt))
-        kl = first_token_kl(dense.logits, logits)
-        if flipped_logits is not None:
-            kl_flipped = first_token_kl(dense.logits, flipped_logits)
-            on, off = (kl, kl_flipped) if plan.offsets_applied(kind) else (kl_flipped, kl)
-            tracker.record(agent, kind, on, off)
-        self._capture.observe(plan.as_observed(), agent, _kv_reader(dense.cache, dense.slot_positions), self._kvcomm_anchors())
-        return kl
 
     def _result(self, call: _Prepared, agent: str, reuse: Optional[bool], text: TextAccumulator, finish: str,
                 segment: Optional[SegmentRef], ttft: float, audit_kl: Optional[float]) -> ChatResult:
@@ -537,11 +504,6 @@ class KVCommEngine:
 def _pins(plan: CallPlan) -> list:
     """Store entries a call uses (kept from eviction while it runs)."""
     return [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
-
-
-def _kv_reader(cache, slots: torch.Tensor):
-    """``positions -> KVBlock`` over a filled cache whose slot ``i`` holds position ``slots[i]``."""
-    return lambda positions: hf.kv_at_positions(cache, slots, positions)
 
 
 def _check_agent(agent) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "Prefill",
     "prefill",
     "kv_at_positions",
+    "kv_reader",
 ]
 
 
@@ -322,3 +323,9 @@ def kv_at_positions(cache: DynamicCache, slot_positions: torch.Tensor, positions
         values.append(v_out)
         starts.append(i)
     return KVBlock(tuple(keys), tuple(values), tuple(starts))
+
+
+def kv_reader(cache: DynamicCache, slot_positions: torch.Tensor):
+    """``positions -> KVBlock`` (:func:`kv_at_positions`) over a filled cache whose slot ``i``
+    holds position ``slot_positions[i]``."""
+    return lambda positions: kv_at_positions(cache, slot_positions, positions)

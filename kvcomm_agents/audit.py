@@ -1,0 +1,87 @@
+"""Dense audits of live reused calls: how far a call's first token is from dense prefill.
+
+An audit runs after a reused call has answered (outside its time to first token): a dense
+prefill of the same prompt ids gives ``KL(dense || served)`` on the first token, which the call
+reports (``CallStats.audit_kl``). For ``method="kvcomm"`` the same pass also:
+
+- observes the reused segments' real offsets (the dense pass is exact everywhere), so anchors
+  are recorded from audited calls too;
+- runs one more reuse prefill with one segment kind's estimated offsets flipped (on where they
+  were on, off where they were off), which gives :class:`~.anchors.tracker.OffsetTracker` a
+  paired sample for ``(receiver, kind)``: the offset check and the KL budget read those.
+
+When: every ``audit_every``-th reused call, and a reused call carrying estimated offsets of a
+kind the tracker has too few samples of for this receiver (or holds back under the budget, a
+probe), at most one in ``tracker.warmup_gap`` of the receiver's calls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .alignment import assemble
+from .anchors import KVCommAnchors
+from .capture import CallCapture
+from .config import KVCommConfig
+from .engines import hf
+from .fidelity import first_token_kl
+from .kv.rope import RopeRotator
+from .plan import CallPlan
+
+__all__ = ["CallAuditor"]
+
+
+class CallAuditor:
+    """Decides which reused calls are audited and audits them (one per engine; the engine's
+    lock is held around :meth:`audit`).
+
+    Args:
+        model: the engine's model.
+        rotator: its re-rotation.
+        config: the engine's settings (``audit_every``, ``method``).
+        anchors: the engine's anchors (their tracker gets the paired samples).
+        capture: where the dense pass's observations go.
+    """
+
+    def __init__(self, model, rotator: RopeRotator, config: KVCommConfig, anchors: KVCommAnchors,
+                 capture: CallCapture) -> None:
+        self.model, self.rotator, self.config = model, rotator, config
+        self.anchors, self.capture = anchors, capture
+        self.reused_calls = 0
+
+    def audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
+        """Audit a reused call if it is due; returns ``KL(dense || served)`` in nats, or None.
+
+        Args:
+            plan: the call's plan as it was prefilled.
+            logits: ``[vocab]`` the call's first-token logits.
+            agent: the receiving agent.
+        """
+        if not self.config.audit_every or not plan.runs:
+            return None
+        self.reused_calls += 1
+        kvcomm = self.config.method == "kvcomm"
+        tracker = self.anchors.tracker
+        kinds = plan.estimated_kinds() if kvcomm and not self.anchors.frozen else []
+        warmup = bool(kinds) and tracker.warmup_audit_due(agent, kinds)
+        if self.reused_calls % self.config.audit_every and not warmup:
+            return None
+        tracker.audited(agent)
+        kind = tracker.kind_to_flip(agent, kinds)
+        flipped_logits = None
+        if kind is not None:
+            flipped = plan.with_offsets_flipped(kind)
+            flipped_logits = hf.prefill(self.model, flipped.prompt_ids, flipped.computed_positions(),
+                                        assemble(flipped, self.rotator), flipped.reused_positions(),
+                                        masked=True).logits
+        dense = hf.prefill(self.model, plan.prompt_ids, torch.arange(plan.num_prompt))
+        kl = first_token_kl(dense.logits, logits)
+        if flipped_logits is not None:
+            kl_flipped = first_token_kl(dense.logits, flipped_logits)
+            on, off = (kl, kl_flipped) if plan.offsets_applied(kind) else (kl_flipped, kl)
+            tracker.record(agent, kind, on, off)
+        self.capture.observe(plan.as_observed(), agent, hf.kv_reader(dense.cache, dense.slot_positions),
+                             self.anchors if kvcomm else None)
+        return kl
