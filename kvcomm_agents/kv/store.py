@@ -347,7 +347,8 @@ class SegmentStore:
     # ---- the shared tier ------------------------------------------------------------------
     def _sync(self) -> None:
         """Read the catalog items published since the last read: the round trip without the
-        store's lock (one reader at a time, for the cursor), then the items merged under it."""
+        store's lock, the items merged under it. One reader at a time, read and merge together
+        (another call's sync returns only once what was read before it is findable here)."""
         with self._tier_lock:
             try:
                 items, self._cursor = self.shared.catalog(self._cursor)
@@ -355,15 +356,15 @@ class SegmentStore:
                 with self._lock:
                     self._tier_failed(error)
                 return
-        with self._lock:
-            for item in items:
-                if item.key in self._remote or item.key in self._entries:
-                    continue
-                self._remote[item.key] = item
-                self._runs.add(_REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
-            while len(self._remote) > _MAX_REMOTE:
-                key, _ = self._remote.popitem(last=False)
-                self._runs.remove(_REMOTE + key)
+            with self._lock:
+                for item in items:
+                    if item.key in self._remote or item.key in self._entries:
+                        continue
+                    self._remote[item.key] = item
+                    self._runs.add(_REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
+                while len(self._remote) > _MAX_REMOTE:
+                    key, _ = self._remote.popitem(last=False)
+                    self._runs.remove(_REMOTE + key)
 
     def _publish(self, key: str, entry: Entry) -> None:
         """Put an entry computed here into the tier, before the call that computed it returns (an

@@ -186,3 +186,40 @@ def test_a_slow_tier_never_blocks_local_lookups():
         tier.release.set()
         worker.join(30)
     assert fetched["segment"].ref == remote.ref and store.stats().shared_fetched == 1
+
+
+def test_what_one_sync_read_is_findable_before_another_sync_returns():
+    """Two lookups on one replica: the first reads the tier's catalog; a second lookup of an entry
+    that catalog announced must find it, even while the first lookup is still busy (a read
+    catalog is merged before the tier is free for the next reader)."""
+    import threading
+
+    tier = MemorySegments()
+    segment = _segment(8)
+    SegmentStore(1 << 20, shared=tier).put(segment)  # another replica's, published
+    store = SegmentStore(1 << 20, shared=tier)
+    released, resume = threading.Event(), threading.Event()
+
+    class PausingAfterRelease:  # the first lookup pauses right after letting the tier go
+        def __init__(self):
+            self.inner = threading.Lock()
+
+        def __enter__(self):
+            self.inner.acquire()
+
+        def __exit__(self, *exc):
+            self.inner.release()
+            if threading.current_thread().name == "first":
+                released.set()
+                assert resume.wait(30)
+
+    store._tier_lock = PausingAfterRelease()
+    first = threading.Thread(target=store.get, args=("unknown",), name="first")
+    first.start()
+    try:
+        assert released.wait(30)
+        found = store.get(segment.id)
+    finally:
+        resume.set()
+        first.join(30)
+    assert found is not None and found.ref == segment.ref
