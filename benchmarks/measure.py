@@ -189,11 +189,17 @@ def pipeline_wall_times(records: list[dict]) -> dict[str, dict]:
     return out
 
 
+#: Shortest task or reply text :func:`shared_text_positions` looks for (a named heuristic: about
+#: the 8 tokens of ``min_match_tokens`` in English text).
+MIN_SHARED_CHARS = 24
+
+
 def shared_text_positions(tokenizer, messages: list[dict], texts: list[str], prompt_tokens: int) -> Optional[set[int]]:
     """Prompt positions of ``texts`` (the task and earlier agents' replies) in the rendered prompt
     of ``messages``: the tokens whose first character lies inside an occurrence of one of them.
-    None when this tokenizer's rendering cannot be mapped (no offsets, or another token count
-    than the engine's prompt)."""
+    Texts shorter than ``MIN_SHARED_CHARS`` are left out (a two-character reply would match
+    everywhere, and no reuse policy finds runs that short). None when this tokenizer's rendering
+    cannot be mapped (no offsets, or another token count than the engine's prompt)."""
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     try:
         encoded = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
@@ -205,7 +211,7 @@ def shared_text_positions(tokenizer, messages: list[dict], texts: list[str], pro
     spans = []
     for text in texts:
         text = text.strip()
-        start = rendered.find(text) if text else -1
+        start = rendered.find(text) if len(text) >= MIN_SHARED_CHARS else -1
         while start >= 0:
             spans.append((start, start + len(text)))
             start = rendered.find(text, start + len(text))
