@@ -219,15 +219,9 @@ def shared_text_positions(tokenizer, messages: list[dict], texts: list[str], pro
 
 
 def reused_positions(stats) -> set[int]:
-    """Prompt positions a call served from cache: its exact prefix and the reused end of every
-    shared segment's span (a recomputed head is computed)."""
-    if stats is None:
-        return set()
-    out = set(range(stats.prefix_tokens))
-    for d in stats.decisions:
-        if d.status == "reused" and d.reused_tokens:
-            out.update(range(d.span[1] - d.reused_tokens, d.span[1]))
-    return out
+    """Prompt positions a call served from cache (``CallStats.reused_spans``: exact prefix,
+    reused runs and own text, recomputed positions left out)."""
+    return set() if stats is None else {p for start, end in stats.reused_spans for p in range(start, end)}
 
 
 def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,

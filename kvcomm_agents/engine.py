@@ -481,6 +481,7 @@ class KVCommEngine:
             decisions=list(plan.decisions),
             opted_out=self.config.reuse and (reuse is False or agent in self.config.dense_agents),
             own_text_tokens=plan.own_text_tokens,
+            reused_spans=plan.reused_spans(),
             anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
             anchor_bytes=self._anchors.nbytes() if self.config.method == "kvcomm" else 0,
             audit_kl=audit_kl,

@@ -217,6 +217,17 @@ class CallPlan:
             positions = positions[~torch.isin(positions, self.recompute)]
         return positions
 
+    def reused_spans(self) -> list[tuple[int, int]]:
+        """The reused prompt positions (:meth:`reused_positions`) as ascending, disjoint
+        ``[start, end)`` spans."""
+        spans: list[tuple[int, int]] = []
+        for p in sorted(int(x) for x in self.reused_positions()):
+            if spans and spans[-1][1] == p:
+                spans[-1] = (spans[-1][0], p + 1)
+            else:
+                spans.append((p, p + 1))
+        return spans
+
     def exact_until(self) -> int:
         """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""
         return self.runs[0].prompt_start if self.runs else self.num_prompt

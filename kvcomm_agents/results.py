@@ -39,6 +39,10 @@ class CallStats(BaseModel):
     decisions: list[SegmentDecision] = Field(default_factory=list)
     opted_out: bool = Field(default=False, description="Reuse switched off for this call or agent.")
     own_text_tokens: int = Field(default=0, description="Of the reused tokens, the agent's own text (own-text reuse).")
+    reused_spans: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="Where the reused tokens sit: ascending [start, end) prompt spans (exact prefix, reused runs, "
+                    "own text; recomputed positions left out). Empty where the runtime does not report it.")
     anchors_consulted: int = Field(default=0, description="Anchors the gate consulted, over all segments.")
     anchor_bytes: int = Field(default=0, description="Bytes held by all anchor pools after the call.")
     audit_kl: Optional[float] = Field(

@@ -137,6 +137,9 @@ def test_stats_add_up_over_a_three_agent_chain(model, tokenizer, make_engine):
         result = engine.chat(solver_messages(f"You are solver {k + 1}.", *replies), agent=f"s{k}", max_new_tokens=10)
         s = result.stats
         assert s.reused_tokens + s.computed_tokens == s.prompt_tokens
+        assert sum(end - start for start, end in s.reused_spans) == s.reused_tokens
+        assert all(a[1] < b[0] for a, b in zip(s.reused_spans, s.reused_spans[1:]))  # ascending, disjoint, merged
+        assert all(0 <= start < end <= s.prompt_tokens for start, end in s.reused_spans)
         assert s.ttft_s > 0 and 0 <= s.align_s <= s.ttft_s
         if k:
             assert s.reused_tokens > 0
@@ -354,6 +357,9 @@ def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, toke
     headed, _ = second_call(4)
     runs = [d for d in plain.result.stats.shared_decisions if d.status == "reused"]
     assert runs and headed.result.stats.reused_tokens == plain.result.stats.reused_tokens - 4 * len(runs)
+    covered = lambda stats: {p for a, b in stats.reused_spans for p in range(a, b)}  # noqa: E731
+    heads = covered(plain.result.stats) - covered(headed.result.stats)
+    assert len(heads) == 4 * len(runs) and covered(headed.result.stats) <= covered(plain.result.stats)
     whole, _ = second_call(10_000)
     assert whole.result.stats.reused_tokens == 0
     dense = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages, agent="s2")
