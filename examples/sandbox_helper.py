@@ -82,7 +82,7 @@ class _Setup:
 
 
 def _helper(config: dict) -> int:
-    """Runs as ``python -I sandbox.py CONFIG`` in the new session, as the caller's user: sets up
+    """Runs as ``python -I sandbox_helper.py CONFIG`` in the new session, as the caller's user: sets up
     namespaces, limits and the uid, then executes ``python -I candidate.py``."""
     setup = _Setup(config["status_fd"])
     os.set_inheritable(setup.status_fd, False)  # closed by exec
