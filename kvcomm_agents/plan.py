@@ -220,13 +220,13 @@ class CallPlan:
     def reused_spans(self) -> list[tuple[int, int]]:
         """The reused prompt positions (:meth:`reused_positions`) as ascending, disjoint
         ``[start, end)`` spans."""
-        spans: list[tuple[int, int]] = []
-        for p in sorted(int(x) for x in self.reused_positions()):
-            if spans and spans[-1][1] == p:
-                spans[-1] = (spans[-1][0], p + 1)
-            else:
-                spans.append((p, p + 1))
-        return spans
+        positions = torch.sort(self.reused_positions()).values
+        if positions.numel() == 0:
+            return []
+        breaks = (torch.diff(positions) != 1).nonzero().flatten()  # a span ends after each break
+        starts = torch.cat([positions[:1], positions[breaks + 1]]).tolist()
+        ends = torch.cat([positions[breaks] + 1, positions[-1:] + 1]).tolist()
+        return list(zip(starts, ends))
 
     def exact_until(self) -> int:
         """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""
