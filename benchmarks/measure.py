@@ -152,7 +152,7 @@ def _stats_fields(out: CallOutcome) -> dict:
         "gate": [[d.gate.decision, d.gate.anchors, d.gate.score, d.gate.offsets] for d in shared if d.gate is not None],
         "audit_kl": s.audit_kl,
         "plan_s": s.plan_s, "align_s": s.align_s, "hook_s": s.hook_s, "prefill_s": s.prefill_s,
-        "total_s": s.total_s,
+        "total_s": s.total_s, "framed_s": s.framed_s, "framed_versions": s.framed_versions,
     }
 
 
@@ -242,6 +242,7 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
     records = []
     for r, request in enumerate(workload.requests):
         replies = refs[request.key]
+        sender_framed: dict[str, float] = {}  # per strategy: what the previous agent's call spent after its reply
         for k, agent in enumerate(request.agents):
             messages = request.messages(k, [c["text"] for c in replies[:k]])
             forced = replies[k]["ids"]
@@ -267,6 +268,9 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
                 records.append({
                     **_record(phase, workload, r, request.key, r < warmup, k, agent, strategy, out, dense),
                     "lower_bound_ttft_s": lower.ttft_s if lower else None,
+                    # the hand-off in a sequential graph: the previous agent's work after its last
+                    # token (its reply's framed versions) plus this agent's time to first token
+                    "handoff_s": out.ttft_s + sender_framed.get(strategy.name, 0.0),
                     "kl": first_token_kl(dense.logits, out.logits),
                     # None when nothing can be compared (dense itself left the forced reply at once)
                     "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
@@ -275,6 +279,7 @@ def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, l
                     "shared_text_reused": None if shared is None else len(shared & (
                         set(range(out.prompt_tokens)) if out.stats is None else reused_positions(out.stats))),
                 })
+                sender_framed[strategy.name] = out.stats.framed_s if out.stats is not None else 0.0
             progress(1)
         checkpoint(records)
     return records

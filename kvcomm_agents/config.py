@@ -111,6 +111,20 @@ class ExperimentalSettings(BaseModel):
             "receiver's own recorded offsets and the gate's estimates (kept for comparison)."
         ),
     )
+    framed_replies: bool = Field(
+        default=False,
+        description=(
+            "After each reply, compute it once more after the text its readers put before it "
+            "(learned from earlier calls: the sender's prompt without its generation header, then "
+            "the readers' lead-in such as 'Solver 2 answered:') and record that as a version "
+            "(method='kvcomm' with recorded_versions): the first reader reuses the reply instead of "
+            "computing it. The prefill moves from the reader's time to first token to the end "
+            "of the sender's call (CallStats.framed_s), plus one forward's fixed cost: readers' "
+            "TTFT and reuse rate rise (quick benchmark (b): 2.1x to 3.1x, 11% to 89%), the "
+            "hand-off from the sender's last token to the reader's first gets longer on a CPU "
+            "(2.1x to 1.3x dense), so it is off by default; kvcomm_agents.framing."
+        ),
+    )
     shared_runs: Literal["anywhere", "messages"] = Field(
         default="anywhere",
         description=(

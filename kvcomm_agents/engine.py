@@ -29,6 +29,7 @@ from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
+from .framing import ReaderFraming, compute_framed_versions
 from .identity import WeightsWatch
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
@@ -63,6 +64,7 @@ class _Prepared:
     hook_s: float
     align_s: float
     prefill_s: float
+    framed: tuple[int, float] = (0, 0.0)  # reply versions in readers' framing computed after the reply, seconds
 
 
 class KVCommEngine:
@@ -106,6 +108,7 @@ class KVCommEngine:
         self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
+        self._framing = ReaderFraming()
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -188,6 +191,7 @@ class KVCommEngine:
                 self._capture.fingerprint = fingerprint
                 self._anchors.clear()
                 self._own_texts.clear()
+                self._framing.clear()
             return fingerprint
 
     @contextmanager
@@ -437,10 +441,29 @@ class KVCommEngine:
         return torch.cat([r.to(rows[0].device) for r in rows])
 
     def _keep(self, call: _Prepared, messages: Messages, agent: str, text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
-        """After the reply: keep its KV and what else the call computed, then the audit."""
+        """After the reply: keep its KV and what else the call computed, the audit, then the
+        reply's versions in its readers' framing (:mod:`.framing`)."""
         with self._lock, torch.inference_mode():
             segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
-            return segment, self._auditor.audit(call.plan, call.pre.logits, agent)
+            audit_kl = self._auditor.audit(call.plan, call.pre.logits, agent)
+            call.framed = self._frame_reply(call, agent, segment)
+            return segment, audit_kl
+
+    def _frame_reply(self, call: _Prepared, agent: str, ref: Optional[SegmentRef]) -> tuple[int, float]:
+        """Learn the framings this call gave others' replies; compute this call's reply in the
+        framings its own readers gave earlier replies. Returns (versions recorded, seconds)."""
+        c = self.config
+        if c.method != "kvcomm" or not c.experimental.recorded_versions or not c.experimental.framed_replies:
+            return 0, 0.0
+        self._framing.learn(call.plan)
+        rules = self._framing.rules(agent)
+        segment = self._store.get(ref.id) if ref is not None and rules else None
+        if segment is None or not segment.context_ids or self._anchors.frozen:
+            return 0, 0.0  # no reply kept, or its prompt KV was estimated (its framed KV would be too)
+        n = call.plan.num_prompt
+        slots = torch.cat([call.pre.slot_positions, torch.arange(n, n + hf.num_cached(call.pre.cache) - n)])
+        return compute_framed_versions(self.model, call.plan, segment, hf.kv_reader(call.pre.cache, slots), rules,
+                                       self._anchors, self.info.rotator, self.info.max_positions)
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
         plan, cache = call.plan, call.pre.cache
@@ -481,6 +504,8 @@ class KVCommEngine:
             decisions=list(plan.decisions),
             opted_out=self.config.reuse and (reuse is False or agent in self.config.dense_agents),
             own_text_tokens=plan.own_text_tokens,
+            framed_versions=call.framed[0],
+            framed_s=call.framed[1],
             reused_spans=plan.reused_spans(),
             anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
             anchor_bytes=self._anchors.nbytes() if self.config.method == "kvcomm" else 0,

@@ -53,11 +53,12 @@ class GateRecord(BaseModel):
     anchors: int = Field(description="Length-compatible anchors holding this receiver's offsets (consulted).")
     score: Optional[float] = Field(default=None, description="The score the gate compared with its threshold.")
     entropy: Optional[float] = Field(default=None, description="The paper's H / log2 N over the consulted anchors.")
-    offsets: Optional[Literal["estimated", "own", "recorded", "base", "off"]] = Field(
+    offsets: Optional[Literal["estimated", "own", "recorded", "framed", "base", "off"]] = Field(
         default=None,
         description="With decision 'reuse': 'estimated' from the anchors, 'own' (the receiver recorded this very "
         "segment), 'recorded' (another receiver recorded this very segment after the same text as this "
-        "prompt has before it), 'base' (the segment's own KV was computed after the same text: no "
+        "prompt has before it), 'framed' (the sender recorded this reply after the text its readers put "
+        "before it: kvcomm_agents.framing), 'base' (the segment's own KV was computed after the same text: no "
         "offsets), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
 
 

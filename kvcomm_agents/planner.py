@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .anchors import KVCommAnchors
+from .anchors.versions import is_framed
 from .config import KVCommConfig
 from .kv.own_text import OwnTextStore, piece_key
 from .kv.segments import CONTEXT_TOKENS
@@ -237,7 +238,8 @@ def _gate_record(verdict) -> GateRecord:
     """What the stats say about one gate verdict."""
     offsets = None
     if verdict.reuse:
-        offsets = ("own" if verdict.own_offsets else "recorded" if verdict.source is not None
+        offsets = ("own" if verdict.own_offsets else "framed" if is_framed(verdict.source)
+                   else "recorded" if verdict.source is not None
                    else "base" if verdict.base_fits else "estimated" if verdict.offsets_on else "off")
     return GateRecord(decision="reuse" if verdict.reuse else "new_anchor", anchors=verdict.anchors,
                       score=verdict.score, entropy=verdict.entropy, offsets=offsets)

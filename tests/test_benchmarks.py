@@ -227,3 +227,19 @@ def test_offset_sources_scores_the_learned_predictors(tmp_path):
     assert learned and all({f"{s}|{p}" for s in ("ridge", "ridge@2", "probe1") for p in ("keys", "values")} <= e.keys()
                            for e in learned)
     assert all(v >= 0 and math.isfinite(v) for e in learned for v in e.values())
+
+
+def test_the_hand_off_charges_the_senders_framing_work_to_the_next_agent(smoke):
+    """``handoff_s``: a call's TTFT plus what the previous agent's call (same request, same
+    strategy) spent after its reply computing framed versions; only ``kvcomm-framed`` spends any
+    (whether the smoke profile's few requests teach it a framing is tests/test_framing.py's concern)."""
+    _, records, _, _, _ = smoke
+    forced = [r for r in records if "handoff_s" in r]
+    assert forced
+    by_slot = {(r["phase"], r["request"], r["strategy"], r["agent_index"]): r for r in forced}
+    for r in forced:
+        before = by_slot.get((r["phase"], r["request"], r["strategy"], r["agent_index"] - 1))
+        spent = before["framed_s"] if before is not None and before.get("framed_s") else 0.0
+        assert r["handoff_s"] == pytest.approx(r["ttft_s"] + spent)
+        if r["strategy"] != "kvcomm-framed":
+            assert not r.get("framed_versions")

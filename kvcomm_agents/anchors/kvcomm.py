@@ -291,6 +291,30 @@ class KVCommAnchors:
             keys, values = offsets(exact_kv(piece.start, piece.end - piece.start), base.kv, piece.start, 0, rotator)
             self._record_own_text(receiver, piece.after, piece.key, keys, values)
 
+    @torch.inference_mode()
+    def record_version(self, receiver: str, segment: KVSegment, real: KVBlock, prompt_start: int,
+                       context: tuple[int, ...], rotator: RopeRotator) -> None:
+        """Record ``real`` (all ``T`` tokens of ``segment``, keys at prompt positions
+        ``prompt_start..+T``, computed after the ids ``context``) as ``receiver``'s version of the
+        segment (:mod:`kvcomm_agents.framing`)."""
+        if self.frozen:
+            return
+        keys, values = offsets(real, segment.kv, prompt_start, 0, rotator)
+        self._record(receiver, segment, 0, keys, values, context)
+
+    def has_version(self, receiver: str, segment: KVSegment, context: Sequence[int]) -> bool:
+        """Whether ``receiver`` recorded all of ``segment`` after the last ids of ``context``."""
+        with self._lock:
+            pool = self.pool(segment.ref.kind)
+            slot = pool.slot_of(segment.id) if pool is not None else None
+            stack = pool.placeholder.get(receiver) if slot is not None else None
+            recorded = stack.contexts.get(slot) if stack is not None else None
+            if recorded is None or slot >= stack.has.numel() or not bool(stack.has[slot]):
+                return False
+            wanted = tuple(context)[-CONTEXT_TOKENS:]
+            return (recorded.start == 0 and recorded.end >= segment.num_tokens
+                    and tuple(recorded.ids)[-len(wanted):] == wanted)
+
     def _record(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor,
                 context: Optional[tuple[int, ...]] = None) -> None:
         """Offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``, observed after the ids

@@ -28,12 +28,28 @@ from typing import Optional, Sequence
 from ..kv.segments import CONTEXT_TOKENS, KVSegment
 from .pool import AnchorPool
 
-__all__ = ["RecordedVersion", "common_suffix", "best_recorded_version", "MIN_CONTEXT_MATCH"]
+__all__ = ["RecordedVersion", "common_suffix", "best_recorded_version", "MIN_CONTEXT_MATCH", "READERS",
+           "framed_receiver", "is_framed"]
 
 #: Ids of context a version must share with the new prompt (right before the segment) to be
 #: reused without the gate: twice the default ``min_match_tokens``, so that a shared role header
 #: alone never qualifies (a named heuristic, not tuned).
 MIN_CONTEXT_MATCH = 16
+
+#: Prefix of the pseudo-receivers whose recorded offsets are a reply's versions in its readers'
+#: framing, computed by the sender (:mod:`kvcomm_agents.framing`). Never an agent's name in
+#: practice: it opens with a parenthesis and holds spaces.
+READERS = "(readers' framing"
+
+
+def framed_receiver(index: int) -> str:
+    """The pseudo-receiver recording framing rule ``index``'s versions."""
+    return f"{READERS} {index})"
+
+
+def is_framed(receiver: Optional[str]) -> bool:
+    """Whether recorded offsets of ``receiver`` are a framed version."""
+    return receiver is not None and receiver.startswith(READERS)
 
 
 @dataclass(frozen=True)

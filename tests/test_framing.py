@@ -1,0 +1,108 @@
+"""Replies computed by their sender in their readers' framing (kvcomm_agents.framing): the rule
+learned from ids, the version recorded after the sender's reply, and the first reader reusing it
+exactly where its text before the reply is the sender's, on both tiny model families."""
+
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.config import ExperimentalSettings
+from kvcomm_agents.fidelity import first_token_kl
+from kvcomm_agents.framing import ALIGN_IDS, FramingRule, learn_rule
+
+from .conftest import first_logits, tol
+
+SENDER = tuple(range(100, 140))  # 40 ids of the sender's prompt
+HEADER = (7, 8, 9)  # its generation header, at the end
+
+
+def test_a_debate_framing_drops_the_generation_header_and_keeps_the_lead_in():
+    """The reader repeats the sender's prompt without its header, then adds its own lead-in."""
+    lead_in = (50, 51, 52, 53)
+    reader = (1, 2) + SENDER + lead_in
+    assert learn_rule(reader, SENDER + HEADER) == FramingRule(drop=3, lead_in=lead_in)
+
+
+def test_a_framing_inside_one_message_drops_the_closing_ids_too():
+    """(e)'s shape: the reader pastes the reply after the last text the sender read, inside the
+    same user message, so the sender's message end and header are both dropped."""
+    closing = (5, 6)  # end of message
+    reader = SENDER[:30] + (60, 61)  # '\n\nSolver 2: '
+    assert learn_rule(reader, SENDER[:30] + closing + HEADER) == FramingRule(drop=5, lead_in=(60, 61))
+
+
+def test_no_rule_where_the_base_fits_or_the_reader_does_not_repeat_the_sender():
+    assert learn_rule((1,) + SENDER + HEADER, SENDER + HEADER) is None  # the base version already fits
+    assert learn_rule(tuple(range(500, 560)), SENDER + HEADER) is None  # other text before the reply
+    far = (1,) + SENDER + tuple(range(300, 380))  # 80 ids between: not a framing
+    assert learn_rule(far, SENDER + HEADER) is None
+    assert learn_rule(SENDER, SENDER[: ALIGN_IDS - 1]) is None  # too little known of the sender
+
+
+FRAMED = KVCommConfig(audit_every=0, experimental=ExperimentalSettings(framed_replies=True))
+QUESTION = "Sam has twelve apples and eats three of them. How many apples are left now, after lunch?"
+REPLIES = ["Twelve minus three is nine, so Sam has nine apples left. The final number is 9.",
+           "Three eaten of twelve leaves nine apples on the table. The final number is nine."]
+
+
+def _reader(system: str, question: str, reply: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question},
+            {"role": "user", "content": f"Solver one said:\n{reply}"}]
+
+
+def _debate(engine, tokenizer, reader_system: str, rounds: int = 2):
+    """``rounds`` requests of a sender (s1) and a reader (s2); returns the last of each."""
+    for r in range(rounds):
+        # the questions differ at their end, so that no run after them has a version that fits
+        question = f"{QUESTION} Say it for basket {'XYZ'[r]}."
+        reply_ids = tokenizer(REPLIES[r % 2], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sent = engine.replay([{"role": "system", "content": "You are a solver."}, {"role": "user", "content": question}],
+                             agent="s1", reply_ids=reply_ids).result
+        messages = _reader(reader_system, question, REPLIES[r % 2])
+        read = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id])
+    return sent, read, messages
+
+
+def test_the_first_reader_reuses_the_reply_its_sender_computed_in_its_framing_exactly(model, tokenizer):
+    """Request 1 teaches the framing (the reader computes the reply); in request 2 the sender
+    computes its reply after that framing once, and the reader reuses it instead of computing it.
+    The reader's text before the reply is the sender's here, so the reuse is exact: its first
+    token's logits are dense's."""
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    unframed = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    sent, read, messages = _debate(engine, tokenizer, "You are a solver.")
+    assert sent.stats.framed_versions == 1 and sent.stats.framed_s > 0
+    gates = {d.segment.kind: d.gate for d in read.result.stats.shared_decisions}
+    assert gates[("s1", "assistant")].offsets == "framed", read.result.stats.shared_decisions
+    _, read_unframed, _ = _debate(unframed, tokenizer, "You are a solver.")
+    assert read.result.stats.reused_tokens > read_unframed.result.stats.reused_tokens
+    torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="s2"),
+                               atol=tol(1e-4), rtol=0)
+
+
+def test_a_reader_with_another_system_text_still_gains_on_re_rotation(model, tokenizer):
+    """Where the reader's system text differs from the sender's, the framed version is the
+    nearest one there is (same lead-in, same question): it is reused, and the reader's first
+    token drifts from dense less than under re-rotation only."""
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate", audit_every=0))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    _, read, messages = _debate(engine, tokenizer, "You are the second solver of the team.")
+    gates = {d.segment.kind: d.gate for d in read.result.stats.shared_decisions}
+    assert gates[("s1", "assistant")].offsets == "framed"
+    _, _, _ = _debate(rerotate, tokenizer, "You are the second solver of the team.")
+    reference = first_logits(dense, messages, agent="s2")
+    assert first_token_kl(reference, read.first_token_logits) < first_token_kl(
+        reference, first_logits(rerotate, messages, agent="s2"))
+
+
+def test_nothing_is_framed_by_default_or_inside_frozen_anchors(model, tokenizer):
+    off = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))  # the default: off
+    sent, read, _ = _debate(off, tokenizer, "You are a solver.")
+    assert sent.stats.framed_versions == 0
+    assert "framed" not in [d.gate.offsets for d in read.result.stats.shared_decisions if d.gate]
+    frozen = KVCommEngine(model, tokenizer, config=FRAMED)
+    _debate(frozen, tokenizer, "You are a solver.", rounds=1)
+    with frozen.freeze_anchors():
+        sent, _, _ = _debate(frozen, tokenizer, "You are a solver.", rounds=1)
+    assert sent.stats.framed_versions == 0
