@@ -29,7 +29,7 @@ from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
-from .framing import ReaderFraming, compute_framed_versions
+from .framing import FramedDecode, ReaderFraming, record_framed_versions
 from .identity import WeightsWatch
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
@@ -64,7 +64,8 @@ class _Prepared:
     hook_s: float
     align_s: float
     prefill_s: float
-    framed: tuple[int, float] = (0, 0.0)  # reply versions in readers' framing computed after the reply, seconds
+    framing: Optional[FramedDecode] = None  # the reply's framed copies, fed with the sender's forwards
+    framed: tuple[int, float] = (0, 0.0)  # framed versions recorded after the reply, seconds
 
 
 class KVCommEngine:
@@ -392,7 +393,7 @@ class KVCommEngine:
                 done = time.perf_counter()
             align_s = (assembled - hooked) + pre.align_s
             yield _Prepared(layout, plan, pre, started, planned - started, hooked - planned, align_s,
-                            done - hooked - align_s)
+                            done - hooked - align_s, self._framing_for(plan, agent, pre, new_tokens))
 
     def _plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         if not self.config.reuse:
@@ -419,10 +420,13 @@ class KVCommEngine:
             if finish is not None:
                 return finish
             with self._lock, torch.inference_mode():
-                logits = hf.run_forward(
-                    self.model, torch.tensor([[next_id]], device=self._device), call.pre.cache,
-                    position_ids=torch.tensor([[position]], device=self._device),
-                )[0, -1].float()
+                if call.framing is not None:
+                    logits = call.framing.forward(self.model, call.pre.cache, [next_id])[0, -1].float()
+                else:
+                    logits = hf.run_forward(
+                        self.model, torch.tensor([[next_id]], device=self._device), call.pre.cache,
+                        position_ids=torch.tensor([[position]], device=self._device),
+                    )[0, -1].float()
             position += 1
             next_id = sampler(logits)
 
@@ -433,11 +437,14 @@ class KVCommEngine:
         if len(ids) > 1:
             n = call.plan.num_prompt
             with self._lock, torch.inference_mode():
-                rows.append(hf.run_forward(
-                    self.model, torch.tensor([ids[:-1]], device=self._device), call.pre.cache,
-                    position_ids=torch.arange(n, n + len(ids) - 1, device=self._device)[None],
-                    last_logits_only=False,
-                )[0].float())
+                if call.framing is not None:
+                    rows.append(call.framing.forward(self.model, call.pre.cache, ids[:-1], last_logits_only=False)[0].float())
+                else:
+                    rows.append(hf.run_forward(
+                        self.model, torch.tensor([ids[:-1]], device=self._device), call.pre.cache,
+                        position_ids=torch.arange(n, n + len(ids) - 1, device=self._device)[None],
+                        last_logits_only=False,
+                    )[0].float())
         return torch.cat([r.to(rows[0].device) for r in rows])
 
     def _keep(self, call: _Prepared, messages: Messages, agent: str, text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
@@ -449,27 +456,40 @@ class KVCommEngine:
             call.framed = self._frame_reply(call, agent, segment)
             return segment, audit_kl
 
-    def _frame_reply(self, call: _Prepared, agent: str, ref: Optional[SegmentRef]) -> tuple[int, float]:
-        """Learn the framings this call gave others' replies; compute this call's reply in the
-        framings its own readers gave earlier replies. Returns (versions recorded, seconds)."""
+    def _framing_on(self) -> bool:
         c = self.config
-        if c.method != "kvcomm" or not c.experimental.recorded_versions or not c.experimental.framed_replies:
+        return c.method == "kvcomm" and c.experimental.recorded_versions and c.experimental.framed_replies
+
+    def _framing_for(self, plan: CallPlan, agent: str, pre: hf.Prefill, new_tokens: int) -> Optional[FramedDecode]:
+        """The framed copies this call's reply will be fed in (:mod:`.framing`), or None: framing
+        off, no framing learned for ``agent``, anchors frozen, a sliding window, or prompt KV
+        that was estimated (the copies would carry the estimate)."""
+        if not self._framing_on() or self._anchors.frozen or self.info.sliding_window is not None:
+            return None
+        n, limit = plan.num_prompt, self.info.max_positions
+        rules = [r for r in self._framing.rules(agent)
+                 if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens <= limit)]
+        if not rules or plan.observable_until() < n:
+            return None
+        return FramedDecode(rules, pre.slot_positions, n)
+
+    def _frame_reply(self, call: _Prepared, agent: str, ref: Optional[SegmentRef]) -> tuple[int, float]:
+        """Learn the framings this call gave others' replies; record this call's reply's framed
+        copies as versions. Returns (versions recorded, seconds)."""
+        if not self._framing_on():
             return 0, 0.0
         self._framing.learn(call.plan)
-        rules = self._framing.rules(agent)
-        segment = self._store.get(ref.id) if ref is not None and rules else None
-        if segment is None or not segment.context_ids or self._anchors.frozen:
-            return 0, 0.0  # no reply kept, or its prompt KV was estimated (its framed KV would be too)
-        n = call.plan.num_prompt
-        slots = torch.cat([call.pre.slot_positions, torch.arange(n, n + hf.num_cached(call.pre.cache) - n)])
-        return compute_framed_versions(self.model, call.plan, segment, hf.kv_reader(call.pre.cache, slots), rules,
-                                       self._anchors, self.info.rotator, self.info.max_positions)
+        segment = self._store.get(ref.id) if ref is not None and call.framing is not None else None
+        if segment is None or not segment.context_ids:
+            return 0, 0.0
+        return record_framed_versions(call.framing, call.pre.cache, call.plan, segment, self._anchors, self.info.rotator)
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
         plan, cache = call.plan, call.pre.cache
         n = plan.num_prompt
         generated = ids[:-1]  # the last generated id was never fed: it has no KV
-        slots = torch.cat([call.pre.slot_positions, torch.arange(n, n + len(generated))])
+        slots = (call.framing.slot_positions(0) if call.framing is not None  # the framed copies' slots: -1
+                 else torch.cat([call.pre.slot_positions, torch.arange(n, n + len(generated))]))
         if hf.num_cached(cache) != slots.numel():  # a sliding window dropped early KV
             logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
             return None

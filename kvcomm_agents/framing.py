@@ -9,23 +9,27 @@ the newest reply, every time. Yet the text before the lead-in is, in most graphs
 sender itself read: the reader's prompt repeats the sender's.
 
 **Learned** (ids only, :func:`learn_rule`): when a reader's prompt holds a sender's reply from
-its first token (a reused run or tokens computed as an observation) and the reply's base context
-is known (and the prompt holds at least :data:`COVERED` of the reply from there), the reader's ids right before the reply are aligned with the sender's prompt tail: the
-shortest lead-in after which the reader's last :data:`ALIGN_IDS` ids occur in the sender's
-prompt. A rule ``(drop, lead_in)``: drop the sender prompt's last ``drop`` ids (its generation
-header), then append ``lead_in``. The last :data:`MAX_RULES` distinct rules per sender are kept.
+its first token (a reused run, its recomputed head included, or tokens computed as an
+observation), at least :data:`COVERED` of it, and the reply's base context is known, the
+reader's ids right before the reply are aligned with the sender's prompt tail: the shortest
+lead-in after which the reader's last :data:`ALIGN_IDS` ids occur in the sender's prompt. A
+rule ``(drop, lead_in)``: drop the sender prompt's last ``drop`` ids (its generation header),
+then append ``lead_in``. The last :data:`MAX_RULES` distinct rules per sender are kept.
 
-**Applied** (:func:`compute_framed_versions`, after each later reply of that sender): one
-prefill of ``lead_in + reply`` over the sender's own KV of ``prompt[:N - drop]`` (exact: only
-for calls whose prompt KV had no estimated offsets); the reply's ``real - base`` offsets are
-recorded under a :data:`~.anchors.versions.READERS` pseudo-receiver (one per rule) with the ids before it as their context. The reader's planner
-finds that version like any recorded one (its context matches for ``ALIGN_IDS + len(lead_in)``
-ids or more) and reuses it (``GateRecord.offsets == "framed"``).
+**Applied** to each later reply of that sender (:class:`FramedDecode`): the sender's own
+forwards after its prefill (decode steps, or a replay's teacher-forced pass) also feed the
+reply's tokens after ``prompt[:N - drop] + lead_in``, in the same cache, kept apart by a mask;
+only for calls whose prompt KV had no estimated offsets. After the reply,
+:func:`record_framed_versions` records each framed copy's ``real - base`` offsets under a
+pseudo-receiver (:func:`~.anchors.versions.framed_receiver`) with the ids before it as
+context. The reader's planner finds that version like any recorded one (its context matches
+for ``ALIGN_IDS + len(lead_in)`` ids or more) and reuses it (``GateRecord.offsets ==
+"framed"``).
 
-What it costs, and where: one prefill of ``len(lead_in) + len(reply)`` tokens per rule at the end
-of the sender's call (``CallStats.framed_s``), about what the first reader would otherwise
-compute in its own time to first token. It moves that work off the reader's critical path
-(and does it once for every reader that frames the reply the same way); it does not remove it.
+What it costs, and where: the sender's forwards carry ``R`` more query tokens per reply token
+(``R`` framings, at most :data:`MAX_RULES`), plus the lead-in once; no forward of its own, and
+nothing between the sender's last token and the reader's first but reading the copies out
+(``CallStats.framed_s``).
 """
 
 from __future__ import annotations
@@ -34,18 +38,17 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .engines import hf
-from .kv.block import KVBlock
-from .anchors.versions import READERS, framed_receiver
+from .anchors.versions import framed_receiver
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .plan import CallPlan
 
-__all__ = ["FramingRule", "ReaderFraming", "learn_rule", "compute_framed_versions", "READERS", "ALIGN_IDS",
-           "MAX_LEAD_IN", "MAX_RULES"]
+__all__ = ["FramingRule", "ReaderFraming", "FramedDecode", "learn_rule", "record_framed_versions", "ALIGN_IDS",
+           "MAX_LEAD_IN", "MAX_RULES", "COVERED"]
 
 #: Ids of the sender's prompt the reader's text must repeat right before the lead-in (as
 #: :data:`~kvcomm_agents.anchors.versions.MIN_CONTEXT_MATCH`: a shared role header alone never
@@ -59,9 +62,6 @@ MAX_LEAD_IN = 40
 COVERED = 0.9
 #: Distinct framings kept per sender (each costs one prefill after each of its replies).
 MAX_RULES = 2
-
-KVAt = Callable[[torch.Tensor], KVBlock]
-
 
 @dataclass(frozen=True)
 class FramingRule:
@@ -139,40 +139,102 @@ class ReaderFraming:
             self._rules.clear()
 
 
-def compute_framed_versions(model, plan: CallPlan, segment: KVSegment, kv_at: KVAt, rules: Sequence[FramingRule],
-                            anchors, rotator, max_positions: Optional[int] = None) -> tuple[int, float]:
-    """Compute ``segment`` (the reply of the call ``plan`` prefilled) once per framing in
-    ``rules`` and record each as a version (:data:`READERS`'s offsets). Returns how many were
-    recorded and the seconds spent.
+class FramedDecode:
+    """A reply's framed copies, computed inside the sender's own forwards (none of their own).
+
+    Every forward the sender runs after its prefill (each decode step; a replay's teacher-forced
+    pass) also feeds the same reply tokens in each framing: the framing's lead-in (first forward
+    only), then the tokens, at the framing's positions. One cache holds all contexts; a mask keeps
+    them apart: a query of context ``c`` at position ``p`` sees a key of context ``s`` at position
+    ``q`` iff ``q <= p`` and either ``s == c``, or ``s`` is the sender's (0) and ``q < keep_c``
+    (the sender's prompt without the ``drop`` ids). The sender's queries come last, so its logits
+    are the forward's last rows. A decode step then feeds ``1 + R`` tokens instead of 1 (``R``
+    framings): on a device where a step costs its weights' read, nearly free.
 
     Args:
-        model: the causal LM.
-        plan: the sender's call (``prompt_ids [N]``); its KV up to ``N - drop`` is reused as is.
-        segment: the reply's stored segment (``T`` tokens; base KV ``[L, H, T, D]``).
-        kv_at: the sender's KV at given prompt positions (exact where the plan was exact).
-        rules: the framings to compute.
-        anchors: the engine's :class:`~kvcomm_agents.anchors.KVCommAnchors`.
-        rotator: the model's RoPE rotator.
-        max_positions: the model's position limit (a framing that would exceed it is skipped).
+        rules: the framings (context ``i + 1`` is ``rules[i]``).
+        prompt_slot_positions: ``[S]`` prompt position of each cache slot after the prefill.
+        num_prompt: ``N``, the sender's prompt length.
     """
+
+    def __init__(self, rules: Sequence[FramingRule], prompt_slot_positions: torch.Tensor, num_prompt: int) -> None:
+        self.rules = list(rules)
+        self.keep = [num_prompt - rule.drop for rule in self.rules]
+        self.slot_ctx = torch.zeros(prompt_slot_positions.numel(), dtype=torch.long)
+        self.slot_pos = prompt_slot_positions.detach().cpu().clone()
+        self.fed = 0  # reply tokens fed (the same in every context)
+        self.num_prompt = num_prompt
+
+    def _queries(self, tokens: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """Ids, positions and contexts of one forward feeding ``tokens`` (the sender's last)."""
+        ids, pos, ctx = [], [], []
+        for c, (rule, keep) in enumerate(zip(self.rules, self.keep), start=1):
+            lead = list(rule.lead_in) if self.fed == 0 else []
+            first = keep + (0 if self.fed == 0 else len(rule.lead_in) + self.fed)
+            ids += lead + list(tokens)
+            pos += list(range(first, first + len(lead) + len(tokens)))
+            ctx += [c] * (len(lead) + len(tokens))
+        first = self.num_prompt + self.fed
+        ids += list(tokens)
+        pos += list(range(first, first + len(tokens)))
+        ctx += [0] * len(tokens)
+        return ids, pos, ctx
+
+    def mask(self, q_pos: torch.Tensor, q_ctx: torch.Tensor, *, dtype: torch.dtype, device) -> torch.Tensor:
+        """``[1, 1, Q, S + Q]`` additive mask of queries at ``q_pos`` in contexts ``q_ctx`` over
+        the cached slots then the queries themselves."""
+        key_pos = torch.cat([self.slot_pos, q_pos])
+        key_ctx = torch.cat([self.slot_ctx, q_ctx])
+        limit = torch.tensor([torch.iinfo(torch.long).max] + self.keep, dtype=torch.long)[q_ctx]
+        visible = (key_pos[None, :] <= q_pos[:, None]) & (
+            (key_ctx[None, :] == q_ctx[:, None]) | ((key_ctx[None, :] == 0) & (key_pos[None, :] < limit[:, None])))
+        mask = torch.zeros(visible.shape, dtype=dtype)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[None, None].to(device)
+
+    def forward(self, model, cache, tokens: Sequence[int], *, last_logits_only: bool = True) -> torch.Tensor:
+        """Feed ``tokens`` to the sender and to every framing in one forward (``cache`` grows);
+        returns the sender's logits ``[1, len(tokens) or 1, vocab]``."""
+        ids, pos, ctx = self._queries(tokens)
+        q_pos, q_ctx = torch.tensor(pos, dtype=torch.long), torch.tensor(ctx, dtype=torch.long)
+        device = hf.input_device(model)
+        logits = hf.run_forward(model, torch.tensor([ids], device=device), cache, position_ids=q_pos[None].to(device),
+                                attention_mask=self.mask(q_pos, q_ctx, dtype=model.dtype, device=device),
+                                last_logits_only=last_logits_only)
+        self.slot_pos = torch.cat([self.slot_pos, q_pos])
+        self.slot_ctx = torch.cat([self.slot_ctx, q_ctx])
+        self.fed += len(tokens)
+        return logits if last_logits_only else logits[:, -len(tokens):]
+
+    def slot_positions(self, context: int = 0) -> torch.Tensor:
+        """``[slots]`` position of each cache slot in ``context`` (-1 for the other contexts')."""
+        return torch.where(self.slot_ctx == context, self.slot_pos, torch.full_like(self.slot_pos, -1))
+
+    def reply_start(self, index: int) -> int:
+        """Position of the reply's first token in framing ``index``."""
+        return self.keep[index] + len(self.rules[index].lead_in)
+
+    def context_ids(self, prompt_ids: torch.Tensor, index: int) -> tuple[int, ...]:
+        """The last ids before the reply in framing ``index``."""
+        keep, rule = self.keep[index], self.rules[index]
+        ids = tuple(prompt_ids[max(0, keep - CONTEXT_TOKENS):keep].tolist()) + tuple(rule.lead_in)
+        return ids[-CONTEXT_TOKENS:]
+
+
+def record_framed_versions(framed: FramedDecode, cache, plan: CallPlan, segment: KVSegment, anchors,
+                           rotator) -> tuple[int, float]:
+    """Record the framed copies of ``segment`` (the reply of the call ``plan`` prefilled; its
+    ``T`` ids are the first reply tokens every context was fed) as versions: framing ``i`` as
+    pseudo-receiver ``framed_receiver(i)``'s offsets. Returns (versions recorded, seconds)."""
     started = time.perf_counter()
-    n, done = plan.num_prompt, 0
-    reply = torch.tensor(segment.token_ids, dtype=torch.long)
-    for index, rule in enumerate(rules):
-        name = framed_receiver(index)
-        keep = n - rule.drop
-        if keep <= 0:
-            continue
-        ids = torch.cat([plan.prompt_ids[:keep], torch.tensor(rule.lead_in, dtype=torch.long), reply])
-        start = keep + len(rule.lead_in)
-        if max_positions is not None and ids.numel() > max_positions:
-            continue
-        context = tuple(ids[max(0, start - CONTEXT_TOKENS):start].tolist())
-        if anchors.has_version(name, segment, context):
-            continue
-        prefix = torch.arange(keep)
-        pre = hf.prefill(model, ids, torch.arange(keep, ids.numel()), kv_at(prefix), prefix)
-        real = hf.kv_at_positions(pre.cache, pre.slot_positions, torch.arange(start, ids.numel()))
-        anchors.record_version(name, segment, real, start, context, rotator)
+    done = 0
+    n = segment.num_tokens
+    if n > framed.fed:
+        return 0, time.perf_counter() - started
+    for index in range(len(framed.rules)):
+        start = framed.reply_start(index)
+        real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(start, start + n))
+        anchors.record_version(framed_receiver(index), segment, real, start, framed.context_ids(plan.prompt_ids, index),
+                               rotator)
         done += 1
     return done, time.perf_counter() - started

@@ -5,9 +5,13 @@ exactly where its text before the reply is the sender's, on both tiny model fami
 import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.anchors.kvcomm import offsets
+from kvcomm_agents.anchors.versions import framed_receiver
 from kvcomm_agents.config import ExperimentalSettings
+from kvcomm_agents.engines import hf
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.framing import ALIGN_IDS, FramingRule, learn_rule
+from kvcomm_agents.prompt import render_prompt
 
 from .conftest import first_logits, tol
 
@@ -106,3 +110,44 @@ def test_nothing_is_framed_by_default_or_inside_frozen_anchors(model, tokenizer)
     with frozen.freeze_anchors():
         sent, _, _ = _debate(frozen, tokenizer, "You are a solver.", rounds=1)
     assert sent.stats.framed_versions == 0
+
+
+def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_exactly(model, tokenizer):
+    """The framed copies share the sender's forwards and cache, masked apart: the sender's
+    replayed logits and its greedy decode are those of an engine without framing, and the copy
+    of a reply decoded with ``chat`` (one copy token per decode step) holds the offsets a dense
+    pass over its framing gives."""
+    framed = KVCommEngine(model, tokenizer, config=FRAMED)
+    plain = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    for engine in (framed, plain):
+        _debate(engine, tokenizer, "You are a solver.", rounds=1)
+    question = f"{QUESTION} Say it for basket Q."
+    sender = [{"role": "system", "content": "You are a solver."}, {"role": "user", "content": question}]
+    reply_ids = tokenizer(REPLIES[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    with_copies = framed.replay(sender, agent="s1", reply_ids=reply_ids)
+    assert with_copies.result.stats.framed_versions == 1
+    torch.testing.assert_close(with_copies.logits, plain.replay(sender, agent="s1", reply_ids=reply_ids).logits,
+                               atol=tol(1e-4), rtol=0)
+    decoded = framed.chat(sender + [{"role": "user", "content": "Again, in other words."}], agent="s1",
+                          max_new_tokens=24)
+    reference = plain.chat(sender + [{"role": "user", "content": "Again, in other words."}], agent="s1",
+                           max_new_tokens=24)
+    assert decoded.token_ids == reference.token_ids and decoded.stats.framed_versions == 1
+    # the decoded reply's framed copy is what a dense pass over its framing computes
+    segment = framed.store.get(decoded.segment.id)
+    (rule,) = framed._framing.rules("s1")
+    prompt = render_prompt(tokenizer, sender + [{"role": "user", "content": "Again, in other words."}]).ids
+    keep = prompt.numel() - rule.drop
+    ids = torch.cat([prompt[:keep], torch.tensor(rule.lead_in), torch.tensor(segment.token_ids)])
+    start = keep + len(rule.lead_in)
+    with torch.inference_mode():
+        pre = hf.prefill(model, ids, torch.arange(ids.numel()))
+        real = hf.kv_at_positions(pre.cache, pre.slot_positions, torch.arange(start, ids.numel()))
+        keys, values = offsets(real, segment.kv, start, 0, framed.info.rotator)
+    pool = framed.anchors.pool(("s1", "assistant"))
+    slot = pool.slot_of(segment.id)
+    stack = pool.placeholder[framed_receiver(0)]
+    n = segment.num_tokens
+    torch.testing.assert_close(stack.keys[slot, :, :, :n].float(), keys, atol=tol(2e-4), rtol=0)
+    torch.testing.assert_close(stack.values[slot, :, :, :n].float(), values, atol=tol(2e-4), rtol=0)

@@ -289,8 +289,11 @@ def _windowed(model, prompt_ids, computed, reused, reused_positions, windows, po
 
 
 def _slots_of(slot_positions: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Cache slots of ``positions``; slots marked with a negative position are never returned
+    (another context's tokens sharing the cache, :mod:`kvcomm_agents.framing`)."""
+    held = slot_positions >= 0
     lookup = torch.full((int(slot_positions.max()) + 1,), -1, dtype=torch.long)
-    lookup[slot_positions] = torch.arange(slot_positions.numel())
+    lookup[slot_positions[held]] = torch.arange(slot_positions.numel())[held]
     slots = lookup[positions]
     if bool((slots < 0).any()):
         raise ValueError("asked for positions the cache does not hold")
@@ -302,7 +305,7 @@ def kv_at_positions(cache: DynamicCache, slot_positions: torch.Tensor, positions
 
     Args:
         cache: a cache whose slot ``i`` holds position ``slot_positions[i]``.
-        slot_positions: ``[C]`` int64 (every position at most once).
+        slot_positions: ``[C]`` int64 (every position at most once; negative: a slot to ignore).
         positions: ``[n]`` int64 positions wanted, each present in ``slot_positions``.
 
     Returns:
