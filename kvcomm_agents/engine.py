@@ -29,7 +29,7 @@ from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
-from .framing import FramedDecode, ReaderFraming, record_framed_versions
+from .framing import FramedDecode, ReaderFraming, copy_chunk, record_framed_versions
 from .identity import WeightsWatch
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
@@ -471,7 +471,7 @@ class KVCommEngine:
                  if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens <= limit)]
         if not rules or plan.observable_until() < n:
             return None
-        return FramedDecode(rules, pre.slot_positions, n)
+        return FramedDecode(rules, pre.slot_positions, n, chunk=copy_chunk(self._device))
 
     def _frame_reply(self, call: _Prepared, agent: str, ref: Optional[SegmentRef]) -> tuple[int, float]:
         """Learn the framings this call gave others' replies; record this call's reply's framed
@@ -482,7 +482,8 @@ class KVCommEngine:
         segment = self._store.get(ref.id) if ref is not None and call.framing is not None else None
         if segment is None or not segment.context_ids:
             return 0, 0.0
-        return record_framed_versions(call.framing, call.pre.cache, call.plan, segment, self._anchors, self.info.rotator)
+        return record_framed_versions(self.model, call.framing, call.pre.cache, call.plan, segment, self._anchors,
+                                      self.info.rotator)
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
         plan, cache = call.plan, call.pre.cache

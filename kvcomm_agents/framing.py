@@ -48,7 +48,7 @@ from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .plan import CallPlan
 
 __all__ = ["FramingRule", "ReaderFraming", "FramedDecode", "learn_rule", "record_framed_versions", "ALIGN_IDS",
-           "MAX_LEAD_IN", "MAX_RULES", "COVERED"]
+           "MAX_LEAD_IN", "MAX_RULES", "COVERED", "copy_chunk", "CPU_CHUNK"]
 
 #: Ids of the sender's prompt the reader's text must repeat right before the lead-in (as
 #: :data:`~kvcomm_agents.anchors.versions.MIN_CONTEXT_MATCH`: a shared role header alone never
@@ -139,42 +139,63 @@ class ReaderFraming:
             self._rules.clear()
 
 
+def copy_chunk(device: torch.device) -> int:
+    """Reply tokens fed to the copies at once. On CUDA every decode step carries its token's
+    copies (a step costs the read of the weights; one more query is nearly free: assumed, not
+    measured yet). On a CPU a 2-token forward of the embedded model costs 1.5x a 1-token one
+    (63 against 43 ms; 17 tokens: 73 ms), so the copies wait for 16 tokens and ride on one
+    step: about 2 ms more per generated token, and at most 15 tokens fed after the reply
+    (:meth:`FramedDecode.flush`). A named heuristic from that one measurement."""
+    return 1 if torch.device(device).type == "cuda" else CPU_CHUNK
+
+
+#: Reply tokens per copy chunk on a CPU (:func:`copy_chunk`).
+CPU_CHUNK = 16
+
+
 class FramedDecode:
     """A reply's framed copies, computed inside the sender's own forwards (none of their own).
 
-    Every forward the sender runs after its prefill (each decode step; a replay's teacher-forced
-    pass) also feeds the same reply tokens in each framing: the framing's lead-in (first forward
-    only), then the tokens, at the framing's positions. One cache holds all contexts; a mask keeps
+    The forwards the sender runs after its prefill (decode steps; a replay's teacher-forced
+    pass) also feed the same reply tokens in each framing, ``chunk`` tokens at a time: the
+    framing's lead-in (with the first chunk), then the tokens, at the framing's positions; what
+    is left after the reply is fed by :meth:`flush`. One cache holds all contexts; a mask keeps
     them apart: a query of context ``c`` at position ``p`` sees a key of context ``s`` at position
     ``q`` iff ``q <= p`` and either ``s == c``, or ``s`` is the sender's (0) and ``q < keep_c``
     (the sender's prompt without the ``drop`` ids). The sender's queries come last, so its logits
-    are the forward's last rows. A decode step then feeds ``1 + R`` tokens instead of 1 (``R``
-    framings): on a device where a step costs its weights' read, nearly free.
+    are the forward's last rows.
 
     Args:
         rules: the framings (context ``i + 1`` is ``rules[i]``).
         prompt_slot_positions: ``[S]`` prompt position of each cache slot after the prefill.
         num_prompt: ``N``, the sender's prompt length.
+        chunk: reply tokens fed to the copies at once (:func:`copy_chunk`).
     """
 
-    def __init__(self, rules: Sequence[FramingRule], prompt_slot_positions: torch.Tensor, num_prompt: int) -> None:
+    def __init__(self, rules: Sequence[FramingRule], prompt_slot_positions: torch.Tensor, num_prompt: int,
+                 chunk: int = 1) -> None:
         self.rules = list(rules)
         self.keep = [num_prompt - rule.drop for rule in self.rules]
         self.slot_ctx = torch.zeros(prompt_slot_positions.numel(), dtype=torch.long)
         self.slot_pos = prompt_slot_positions.detach().cpu().clone()
-        self.fed = 0  # reply tokens fed (the same in every context)
-        self.num_prompt = num_prompt
+        self.num_prompt, self.chunk = num_prompt, max(1, chunk)
+        self.sent = 0  # reply tokens fed to the sender
+        self.fed = 0  # reply tokens fed to the copies (the same in every framing)
+        self.pending: list[int] = []  # reply tokens the copies have not been fed yet
 
-    def _queries(self, tokens: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-        """Ids, positions and contexts of one forward feeding ``tokens`` (the sender's last)."""
+    def _queries(self, copies: Sequence[int], tokens: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """Ids, positions and contexts of one forward feeding ``copies`` to every framing and
+        ``tokens`` to the sender (last)."""
         ids, pos, ctx = [], [], []
         for c, (rule, keep) in enumerate(zip(self.rules, self.keep), start=1):
+            if not copies:
+                break
             lead = list(rule.lead_in) if self.fed == 0 else []
             first = keep + (0 if self.fed == 0 else len(rule.lead_in) + self.fed)
-            ids += lead + list(tokens)
-            pos += list(range(first, first + len(lead) + len(tokens)))
-            ctx += [c] * (len(lead) + len(tokens))
-        first = self.num_prompt + self.fed
+            ids += lead + list(copies)
+            pos += list(range(first, first + len(lead) + len(copies)))
+            ctx += [c] * (len(lead) + len(copies))
+        first = self.num_prompt + self.sent
         ids += list(tokens)
         pos += list(range(first, first + len(tokens)))
         ctx += [0] * len(tokens)
@@ -193,9 +214,20 @@ class FramedDecode:
         return mask[None, None].to(device)
 
     def forward(self, model, cache, tokens: Sequence[int], *, last_logits_only: bool = True) -> torch.Tensor:
-        """Feed ``tokens`` to the sender and to every framing in one forward (``cache`` grows);
-        returns the sender's logits ``[1, len(tokens) or 1, vocab]``."""
-        ids, pos, ctx = self._queries(tokens)
+        """Feed ``tokens`` to the sender, and the copies their due chunk, in one forward
+        (``cache`` grows); returns the sender's logits ``[1, len(tokens) or 1, vocab]``."""
+        self.pending += list(tokens)
+        copies = self.pending if len(self.pending) >= self.chunk else []
+        logits = self._run(model, cache, copies, tokens, last_logits_only)
+        return logits if last_logits_only else logits[:, -len(tokens):]
+
+    def flush(self, model, cache) -> None:
+        """Feed the copies what they have not been fed yet (after the reply)."""
+        if self.pending:
+            self._run(model, cache, self.pending, [], True)
+
+    def _run(self, model, cache, copies: list[int], tokens: Sequence[int], last_logits_only: bool) -> torch.Tensor:
+        ids, pos, ctx = self._queries(copies, tokens)
         q_pos, q_ctx = torch.tensor(pos, dtype=torch.long), torch.tensor(ctx, dtype=torch.long)
         device = hf.input_device(model)
         logits = hf.run_forward(model, torch.tensor([ids], device=device), cache, position_ids=q_pos[None].to(device),
@@ -203,8 +235,11 @@ class FramedDecode:
                                 last_logits_only=last_logits_only)
         self.slot_pos = torch.cat([self.slot_pos, q_pos])
         self.slot_ctx = torch.cat([self.slot_ctx, q_ctx])
-        self.fed += len(tokens)
-        return logits if last_logits_only else logits[:, -len(tokens):]
+        self.sent += len(tokens)
+        if copies:
+            self.fed += len(copies)
+            self.pending = []
+        return logits
 
     def slot_positions(self, context: int = 0) -> torch.Tensor:
         """``[slots]`` position of each cache slot in ``context`` (-1 for the other contexts')."""
@@ -221,14 +256,19 @@ class FramedDecode:
         return ids[-CONTEXT_TOKENS:]
 
 
-def record_framed_versions(framed: FramedDecode, cache, plan: CallPlan, segment: KVSegment, anchors,
+def record_framed_versions(model, framed: FramedDecode, cache, plan: CallPlan, segment: KVSegment, anchors,
                            rotator) -> tuple[int, float]:
     """Record the framed copies of ``segment`` (the reply of the call ``plan`` prefilled; its
-    ``T`` ids are the first reply tokens every context was fed) as versions: framing ``i`` as
-    pseudo-receiver ``framed_receiver(i)``'s offsets. Returns (versions recorded, seconds)."""
+    ``T`` ids are the first reply tokens the sender was fed; the copies get what they still
+    lack first, :meth:`FramedDecode.flush`) as versions: framing ``i`` as pseudo-receiver
+    ``framed_receiver(i)``'s offsets. Returns (versions recorded, seconds, the flush included)."""
     started = time.perf_counter()
     done = 0
     n = segment.num_tokens
+    if n > framed.fed + len(framed.pending):
+        return 0, time.perf_counter() - started
+    if n > framed.fed:
+        framed.flush(model, cache)
     if n > framed.fed:
         return 0, time.perf_counter() - started
     for index in range(len(framed.rules)):

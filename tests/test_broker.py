@@ -9,6 +9,7 @@ import torch
 
 from kvcomm_agents import KVCommConfig
 from kvcomm_agents.broker import for_runtime
+from kvcomm_agents.config import ExperimentalSettings
 from kvcomm_agents.engines import hf
 from kvcomm_agents.testing import PrefixOnlyRuntime
 
@@ -90,8 +91,9 @@ def test_requests_are_planned_once_and_forgotten_when_finished(llama, tokenizer)
 
 
 def test_runtime_settings_never_make_holes():
-    config = for_runtime(KVCommConfig())
+    config = for_runtime(KVCommConfig(experimental=ExperimentalSettings(framed_replies=True)))
     assert config.experimental.recompute_head == 0 and config.experimental.own_text == "reuse"
+    assert not config.experimental.framed_replies  # copies ride on the HF engine's decode steps
     assert config.audit_every == 0 and config.method == "kvcomm"
 
 

@@ -2,6 +2,7 @@
 learned from ids, the version recorded after the sender's reply, and the first reader reusing it
 exactly where its text before the reply is the sender's, on both tiny model families."""
 
+import pytest
 import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
@@ -112,11 +113,15 @@ def test_nothing_is_framed_by_default_or_inside_frozen_anchors(model, tokenizer)
     assert sent.stats.framed_versions == 0
 
 
-def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_exactly(model, tokenizer):
+@pytest.mark.parametrize("chunk", [1, 16], ids=["every-step", "chunks"])
+def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_exactly(model, tokenizer, chunk,
+                                                                                     monkeypatch):
     """The framed copies share the sender's forwards and cache, masked apart: the sender's
     replayed logits and its greedy decode are those of an engine without framing, and the copy
     of a reply decoded with ``chat`` (one copy token per decode step) holds the offsets a dense
-    pass over its framing gives."""
+    pass over its framing gives. Copies fed with every decode step (CUDA) or 16 tokens at a
+    time, the rest after the reply (CPU): the 24-token decode takes both paths."""
+    monkeypatch.setattr("kvcomm_agents.engine.copy_chunk", lambda device: chunk)
     framed = KVCommEngine(model, tokenizer, config=FRAMED)
     plain = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
