@@ -7,7 +7,7 @@ free; on a CPU it is not. This script measures it on GSM8K debates (4 solvers, g
 same messages for both engines, strategies alternating first): per call, decode seconds per
 generated token (``total_s - ttft_s - framed_s`` over the tokens after the first), paired by
 call, for the calls whose sender fed copies; the readers' TTFT speed-up is the forced
-benchmark's business (``python -m benchmarks --strategies ...,kvcomm-framed``).
+benchmark's business (``python -m benchmarks --strategies ...,kvcomm-mean,kvcomm-unframed``).
 
     .venv/bin/python -m benchmarks.framed_decode                       # embedded model, CPU
     .venv/bin/python -m benchmarks.framed_decode --model random:llama-3.2-1b --device cuda --dtype bfloat16

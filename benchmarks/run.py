@@ -98,7 +98,7 @@ PHASES = ("a", "b", "b-gamma", "c", "d", "e", "f", "b-e2e")
 #: spend 23 minutes regenerating them (regenerated, they are identical: see
 #: docs/benchmarks.md); ``--no-seed-replies`` ignores them
 SEED_REPLIES = Path(__file__).parent / "replies"
-E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean", "kvcomm-framed")
+E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean", "kvcomm-unframed")
 
 
 @dataclass

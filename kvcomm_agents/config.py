@@ -112,16 +112,18 @@ class ExperimentalSettings(BaseModel):
         ),
     )
     framed_replies: bool = Field(
-        default=False,
+        default=True,
         description=(
             "Compute each reply a second time, as its readers will see it: after the text they "
             "put before it (learned from earlier calls: the sender's prompt without its generation "
             "header, then a lead-in such as 'Solver 2 answered:'), fed with the sender's own "
             "decode steps in the same cache, and recorded as a version the first reader reuses "
-            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing). Quick benchmark "
-            "(b), CPU: readers 2.0x -> 3.2x dense to the first token, reuse rate 11% -> 89%, KL "
-            "0.0032 -> 0.0004; but each decode step feeds 2 tokens instead of 1, which costs "
-            "the sender about 1.5x per generated token on a CPU, so it is off by default."
+            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing). Measured on CPU: "
+            "GSM8K debates end to end keep dense's final answer in 19 of 20 questions (14 "
+            "without), readers 2.0x -> 3.2x dense to the first token at 0.0004 first-token KL "
+            "(0.0032 without); the sender decodes about 1.07x slower per token (copies fed 16 "
+            "tokens at a time on a CPU, with every step on CUDA). False: the first reader of "
+            "each reply computes it."
         ),
     )
     shared_runs: Literal["anywhere", "messages"] = Field(

@@ -3,6 +3,7 @@
 import pytest
 
 from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
+from kvcomm_agents.config import ExperimentalSettings
 
 pytestmark = pytest.mark.embedded
 
@@ -47,14 +48,8 @@ QUESTIONS = [
 ]
 
 
-def test_default_kvcomm_records_anchors_then_reuses(engine):
-    """The default engine (KVCOMM, mean offsets, entropy gate, recorded versions, KL budget): on
-    the first question solver two reuses the question as it is (its KV was computed after the
-    same system-prompt ending) and computes solver one's reply in context (a new anchor,
-    recorded); solver three reuses that reply with solver two's recorded offsets (the same text
-    precedes it)."""
-    kvcomm = KVCommEngine(engine.model, engine.tokenizer)
-    assert (kvcomm.config.method, kvcomm.config.experimental.estimator) == ("kvcomm", "mean")
+def _debates(kvcomm) -> list[list]:
+    """Each question's three solver calls' stats."""
     per_question = []
     for question in QUESTIONS:
         replies, calls = [], []
@@ -63,20 +58,43 @@ def test_default_kvcomm_records_anchors_then_reuses(engine):
             replies.append(result.text)
             calls.append(result.stats)
         per_question.append(calls)
-    first, last = per_question[0], per_question[-1]
+    return per_question
 
-    def by_kind(stats):
-        return {d.segment.kind: d for d in stats.decisions}
 
-    second = by_kind(first[1])
+def _by_kind(stats):
+    return {d.segment.kind: d for d in stats.decisions}
+
+
+def test_default_kvcomm_records_anchors_then_reuses(engine):
+    """The default engine (KVCOMM, mean offsets, entropy gate, recorded versions, KL budget,
+    framed replies): on the first question solver two reuses the question as it is (its KV was
+    computed after the same system-prompt ending) and computes solver one's reply in context (a
+    new anchor, recorded; and it teaches solver one how readers frame its replies); solver three
+    reuses that reply with solver two's recorded offsets (the same text precedes it). On the
+    last question solver one's reply was computed in its readers' framing while it was decoded,
+    and both readers reuse it."""
+    kvcomm = KVCommEngine(engine.model, engine.tokenizer)
+    assert (kvcomm.config.method, kvcomm.config.experimental.estimator) == ("kvcomm", "mean")
+    first, last = (per_question := _debates(kvcomm))[0], per_question[-1]
+    second = _by_kind(first[1])
     assert second[("user", None)].gate.offsets == "base"
     assert second[("solver-1", "assistant")].reason == "new_anchor"
-    assert by_kind(first[2])[("solver-1", "assistant")].gate.offsets == "recorded"
-    # the third question: the gate consults two anchors for solver one's reply, but no audit has
-    # measured estimated offsets within kl_budget yet, so solver two computes it (and records
-    # it), and solver three reuses solver two's record
-    held = by_kind(last[1])[("solver-1", "assistant")]
-    assert (held.reason, held.gate.anchors) == ("over_kl_budget", 2)
-    assert by_kind(last[2])[("solver-1", "assistant")].gate.offsets == "recorded"
-    assert ReuseSummary.of(s for s in last[1:]).token_share > 0.3
+    assert _by_kind(first[2])[("solver-1", "assistant")].gate.offsets == "recorded"
+    assert last[0].framed_versions >= 1
+    assert _by_kind(last[1])[("solver-1", "assistant")].gate.offsets == "framed"
+    assert _by_kind(last[2])[("solver-1", "assistant")].gate.offsets in ("framed", "recorded")
+    assert ReuseSummary.of(s for s in last[1:]).token_share > 0.5
     assert kvcomm.anchors.anchors(("solver-1", "assistant")) >= 2 and kvcomm.anchors.nbytes() > 0
+
+
+def test_without_framed_replies_estimates_wait_for_the_kl_budget(engine):
+    """Without framed replies, on the third question the gate consults two anchors for solver
+    one's reply, but no audit has measured estimated offsets within kl_budget yet, so solver two
+    computes it (and records it), and solver three reuses solver two's record."""
+    kvcomm = KVCommEngine(engine.model, engine.tokenizer,
+                          config=KVCommConfig(experimental=ExperimentalSettings(framed_replies=False)))
+    last = _debates(kvcomm)[-1]
+    held = _by_kind(last[1])[("solver-1", "assistant")]
+    assert (held.reason, held.gate.anchors) == ("over_kl_budget", 2)
+    assert _by_kind(last[2])[("solver-1", "assistant")].gate.offsets == "recorded"
+    assert ReuseSummary.of(s for s in last[1:]).token_share > 0.3

@@ -43,7 +43,7 @@ def test_no_rule_where_the_base_fits_or_the_reader_does_not_repeat_the_sender():
     assert learn_rule(SENDER, SENDER[: ALIGN_IDS - 1]) is None  # too little known of the sender
 
 
-FRAMED = KVCommConfig(audit_every=0, experimental=ExperimentalSettings(framed_replies=True))
+FRAMED = KVCommConfig(audit_every=0)  # framed_replies is on by default
 QUESTION = "Sam has twelve apples and eats three of them. How many apples are left now, after lunch?"
 REPLIES = ["Twelve minus three is nine, so Sam has nine apples left. The final number is 9.",
            "Three eaten of twelve leaves nine apples on the table. The final number is nine."]
@@ -73,7 +73,8 @@ def test_the_first_reader_reuses_the_reply_its_sender_computed_in_its_framing_ex
     The reader's text before the reply is the sender's here, so the reuse is exact: its first
     token's logits are dense's."""
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
-    unframed = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
+    unframed = KVCommEngine(model, tokenizer, config=KVCommConfig(
+        audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     sent, read, messages = _debate(engine, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 1 and sent.stats.framed_s > 0
@@ -101,8 +102,9 @@ def test_a_reader_with_another_system_text_still_gains_on_re_rotation(model, tok
         reference, first_logits(rerotate, messages, agent="s2"))
 
 
-def test_nothing_is_framed_by_default_or_inside_frozen_anchors(model, tokenizer):
-    off = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))  # the default: off
+def test_nothing_is_framed_when_switched_off_or_inside_frozen_anchors(model, tokenizer):
+    off = KVCommEngine(model, tokenizer, config=KVCommConfig(
+        audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))
     sent, read, _ = _debate(off, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 0
     assert "framed" not in [d.gate.offsets for d in read.result.stats.shared_decisions if d.gate]
@@ -123,7 +125,8 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     time, the rest after the reply (CPU): the 24-token decode takes both paths."""
     monkeypatch.setattr("kvcomm_agents.engine.copy_chunk", lambda device: chunk)
     framed = KVCommEngine(model, tokenizer, config=FRAMED)
-    plain = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
+    plain = KVCommEngine(model, tokenizer, config=KVCommConfig(
+        audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     for engine in (framed, plain):
         _debate(engine, tokenizer, "You are a solver.", rounds=1)
