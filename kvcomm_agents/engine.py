@@ -462,9 +462,11 @@ class KVCommEngine:
 
     def _framing_for(self, plan: CallPlan, agent: str, pre: hf.Prefill, new_tokens: int) -> Optional[FramedDecode]:
         """The framed copies this call's reply will be fed in (:mod:`.framing`), or None: framing
-        off, no framing learned for ``agent``, anchors frozen, a sliding window, or prompt KV
-        that was estimated (the copies would carry the estimate)."""
-        if not self._framing_on() or self._anchors.frozen or self.info.sliding_window is not None:
+        off, no framing learned for ``agent``, anchors frozen, a sliding window, a call opted out
+        of reuse or calibrating (its forwards stay exactly dense's), or prompt KV that was
+        estimated (the copies would carry the estimate)."""
+        if (not self._framing_on() or self._anchors.frozen or self.info.sliding_window is not None
+                or plan.dense_reason == "reuse_off" or self._calibrating.active):
             return None
         n, limit = plan.num_prompt, self.info.max_positions
         rules = [r for r in self._framing.rules(agent)
@@ -476,7 +478,7 @@ class KVCommEngine:
     def _frame_reply(self, call: _Prepared, agent: str, ref: Optional[SegmentRef]) -> tuple[int, float]:
         """Learn the framings this call gave others' replies; record this call's reply's framed
         copies as versions. Returns (versions recorded, seconds)."""
-        if not self._framing_on():
+        if not self._framing_on() or self._anchors.frozen:
             return 0, 0.0
         self._framing.learn(call.plan)
         segment = self._store.get(ref.id) if ref is not None and call.framing is not None else None

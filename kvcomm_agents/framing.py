@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 import torch
 
 from .engines import hf
-from .anchors.versions import framed_receiver
+from .anchors.versions import MIN_CONTEXT_MATCH, framed_receiver
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .plan import CallPlan
 
@@ -214,25 +214,40 @@ class FramedDecode:
         return mask[None, None].to(device)
 
     def forward(self, model, cache, tokens: Sequence[int], *, last_logits_only: bool = True) -> torch.Tensor:
-        """Feed ``tokens`` to the sender, and the copies their due chunk, in one forward
-        (``cache`` grows); returns the sender's logits ``[1, len(tokens) or 1, vocab]``."""
-        self.pending += list(tokens)
-        copies = self.pending if len(self.pending) >= self.chunk else []
-        logits = self._run(model, cache, copies, tokens, last_logits_only)
-        return logits if last_logits_only else logits[:, -len(tokens):]
+        """Feed ``tokens`` to the sender, and the copies their due chunk (``cache`` grows);
+        returns the sender's logits ``[1, len(tokens) or 1, vocab]``. Many tokens at once (a
+        replay) go in windows whose mask stays within :data:`~kvcomm_agents.engines.hf.MASK_BUDGET`
+        elements, as a long prefill does."""
+        tokens = list(tokens)
+        rows = []
+        for window in self._windows(len(tokens)):
+            part = tokens[window]
+            self.pending += part
+            copies = self.pending if len(self.pending) >= self.chunk else []
+            rows.append(self._run(model, cache, copies, part, 1 if last_logits_only else len(part)))
+        return rows[-1] if last_logits_only else torch.cat(rows, dim=1)
+
+    def _windows(self, n: int) -> list[slice]:
+        """Slices of ``n`` tokens fed at once: each forward's ``(R+1) w`` queries times its keys
+        within the mask budget (at least :data:`CPU_CHUNK` tokens a window)."""
+        contexts = len(self.rules) + 1
+        keys = self.slot_pos.numel() + contexts * n + sum(len(rule.lead_in) for rule in self.rules)
+        width = max(CPU_CHUNK, hf.MASK_BUDGET // max(1, contexts * keys))
+        return [slice(i, min(n, i + width)) for i in range(0, n, width)]
 
     def flush(self, model, cache) -> None:
         """Feed the copies what they have not been fed yet (after the reply)."""
         if self.pending:
-            self._run(model, cache, self.pending, [], True)
+            self._run(model, cache, self.pending, [], 1)
 
-    def _run(self, model, cache, copies: list[int], tokens: Sequence[int], last_logits_only: bool) -> torch.Tensor:
+    def _run(self, model, cache, copies: list[int], tokens: Sequence[int], rows: int) -> torch.Tensor:
+        """One forward; the logits of its last ``rows`` queries (the sender's)."""
         ids, pos, ctx = self._queries(copies, tokens)
         q_pos, q_ctx = torch.tensor(pos, dtype=torch.long), torch.tensor(ctx, dtype=torch.long)
         device = hf.input_device(model)
         logits = hf.run_forward(model, torch.tensor([ids], device=device), cache, position_ids=q_pos[None].to(device),
                                 attention_mask=self.mask(q_pos, q_ctx, dtype=model.dtype, device=device),
-                                last_logits_only=last_logits_only)
+                                logits_rows=rows)
         self.slot_pos = torch.cat([self.slot_pos, q_pos])
         self.slot_ctx = torch.cat([self.slot_ctx, q_ctx])
         self.sent += len(tokens)
@@ -274,7 +289,8 @@ def record_framed_versions(model, framed: FramedDecode, cache, plan: CallPlan, s
     for index in range(len(framed.rules)):
         start = framed.reply_start(index)
         real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(start, start + n))
-        anchors.record_version(framed_receiver(index), segment, real, start, framed.context_ids(plan.prompt_ids, index),
-                               rotator)
-        done += 1
+        lead = len(framed.rules[index].lead_in)
+        done += anchors.record_version(framed_receiver(index), segment, real, start,
+                                       framed.context_ids(plan.prompt_ids, index), rotator,
+                                       min_match=MIN_CONTEXT_MATCH + lead)
     return done, time.perf_counter() - started

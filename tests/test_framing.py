@@ -107,6 +107,12 @@ def test_nothing_is_framed_when_switched_off_or_inside_frozen_anchors(model, tok
         audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))
     sent, read, _ = _debate(off, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 0
+    on = KVCommEngine(model, tokenizer, config=FRAMED)  # on, but a call opted out of reuse stays dense's
+    _debate(on, tokenizer, "You are a solver.", rounds=1)
+    reply_ids = tokenizer(REPLIES[1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    opted = on.replay([{"role": "system", "content": "You are a solver."}, {"role": "user", "content": QUESTION}],
+                      agent="s1", reply_ids=reply_ids, reuse=False).result
+    assert opted.stats.framed_versions == 0
     assert "framed" not in [d.gate.offsets for d in read.result.stats.shared_decisions if d.gate]
     frozen = KVCommEngine(model, tokenizer, config=FRAMED)
     _debate(frozen, tokenizer, "You are a solver.", rounds=1)
@@ -115,15 +121,19 @@ def test_nothing_is_framed_when_switched_off_or_inside_frozen_anchors(model, tok
     assert sent.stats.framed_versions == 0
 
 
-@pytest.mark.parametrize("chunk", [1, 16], ids=["every-step", "chunks"])
+@pytest.mark.parametrize("chunk, budget", [(1, None), (16, None), (16, 4000)],
+                         ids=["every-step", "chunks", "replay-windows"])
 def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_exactly(model, tokenizer, chunk,
-                                                                                     monkeypatch):
+                                                                                     budget, monkeypatch):
     """The framed copies share the sender's forwards and cache, masked apart: the sender's
     replayed logits and its greedy decode are those of an engine without framing, and the copy
     of a reply decoded with ``chat`` (one copy token per decode step) holds the offsets a dense
     pass over its framing gives. Copies fed with every decode step (CUDA) or 16 tokens at a
-    time, the rest after the reply (CPU): the 24-token decode takes both paths."""
+    time, the rest after the reply (CPU): the 24-token decode takes both paths. With a small
+    mask budget a replay's teacher-forced pass goes in windows."""
     monkeypatch.setattr("kvcomm_agents.engine.copy_chunk", lambda device: chunk)
+    if budget is not None:
+        monkeypatch.setattr(hf, "MASK_BUDGET", budget)
     framed = KVCommEngine(model, tokenizer, config=FRAMED)
     plain = KVCommEngine(model, tokenizer, config=KVCommConfig(
         audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))

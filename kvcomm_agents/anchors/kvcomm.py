@@ -293,30 +293,20 @@ class KVCommAnchors:
 
     @torch.inference_mode()
     def record_version(self, receiver: str, segment: KVSegment, real: KVBlock, prompt_start: int,
-                       context: tuple[int, ...], rotator: RopeRotator) -> None:
+                       context: tuple[int, ...], rotator: RopeRotator, min_match: int = 0) -> bool:
         """Record ``real`` (all ``T`` tokens of ``segment``, keys at prompt positions
         ``prompt_start..+T``, computed after the ids ``context``) as ``receiver``'s version of the
-        segment (:mod:`kvcomm_agents.framing`)."""
+        segment, reused only where a prompt shares at least ``min_match`` ids of that context
+        (:mod:`kvcomm_agents.framing`). Returns whether it was recorded (not inside
+        ``freeze_anchors``)."""
         if self.frozen:
-            return
+            return False
         keys, values = offsets(real, segment.kv, prompt_start, 0, rotator)
-        self._record(receiver, segment, 0, keys, values, context)
-
-    def has_version(self, receiver: str, segment: KVSegment, context: Sequence[int]) -> bool:
-        """Whether ``receiver`` recorded all of ``segment`` after the last ids of ``context``."""
-        with self._lock:
-            pool = self.pool(segment.ref.kind)
-            slot = pool.slot_of(segment.id) if pool is not None else None
-            stack = pool.placeholder.get(receiver) if slot is not None else None
-            recorded = stack.contexts.get(slot) if stack is not None else None
-            if recorded is None or slot >= stack.has.numel() or not bool(stack.has[slot]):
-                return False
-            wanted = tuple(context)[-CONTEXT_TOKENS:]
-            return (recorded.start == 0 and recorded.end >= segment.num_tokens
-                    and tuple(recorded.ids)[-len(wanted):] == wanted)
+        self._record(receiver, segment, 0, keys, values, context, min_match)
+        return True
 
     def _record(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor,
-                context: Optional[tuple[int, ...]] = None) -> None:
+                context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
         """Offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``, observed after the ids
         ``context``; the segment becomes an anchor of its kind's pool if it is not one yet."""
         kind = tuple(segment.ref.kind)
@@ -327,7 +317,7 @@ class KVCommAnchors:
             slot = pool.slot_of(segment.id)
             if slot is None:
                 slot = pool.add(segment)
-            pool.record(slot, receiver, start, keys, values, context)
+            pool.record(slot, receiver, start, keys, values, context, min_match)
             self._pools.move_to_end(kind)
             self._enforce_budget()
 

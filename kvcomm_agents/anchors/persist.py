@@ -49,7 +49,7 @@ def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -
         described.append({
             "kind": list(pool.kind), "segment_ids": pool.segment_ids, "created": pool.created, "clock": pool._clock,
             "stacks": [[role, list(key) if isinstance(key, tuple) else key] for role, key, _ in stacks],
-            "contexts": [{str(slot): [c.start, c.end, list(c.ids)] for slot, c in stack.contexts.items()}
+            "contexts": [{str(slot): [c.start, c.end, list(c.ids), c.min_match] for slot, c in stack.contexts.items()}
                          for _, _, stack in stacks],
         })
     meta = {"format": FORMAT, **header, "pools": described}
@@ -114,7 +114,8 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
         stack = OffsetStack(None if keys is None else _checked(keys, shape, device, torch.float32),
                             None if keys is None else _checked(tensors[f"{name}.stack{j}.values"], shape, device,
                                                                torch.float32), has)
-        stack.contexts = {int(slot): RecordedContext(int(c[0]), int(c[1]), tuple(int(i) for i in c[2]))
+        stack.contexts = {int(slot): RecordedContext(int(c[0]), int(c[1]), tuple(int(i) for i in c[2]),
+                                                     int(c[3]) if len(c) > 3 else 0)
                           for slot, c in contexts[j].items()}
         if role == "placeholder":
             pool.placeholder[str(key)] = stack

@@ -49,7 +49,7 @@ class OffsetStack:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
     def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor, slots: int, tokens: int,
-              context: Optional[tuple[int, ...]] = None) -> None:
+              context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
         """Store ``[L-1, H, n, D]`` offsets of tokens ``start..start+n`` in ``slot`` (the stack
         grows to at least ``slots`` x ``tokens``, the pool's capacity). ``context``: the ids
         before token ``start`` in the pass that observed them (None: unknown)."""
@@ -57,7 +57,7 @@ class OffsetStack:
         fresh = slot >= self.has.numel() or not bool(self.has[slot])
         old = None if fresh else self.contexts.get(slot)
         if context is not None and (fresh or (old is not None and start <= old.start and start + n >= old.end)):
-            self.contexts[slot] = RecordedContext(start, start + n, tuple(context))
+            self.contexts[slot] = RecordedContext(start, start + n, tuple(context), min_match)
         elif not fresh or context is None:
             self.contexts.pop(slot, None)  # offsets of several passes (or of an unknown one)
         tokens = max(tokens, start + n)
@@ -83,11 +83,14 @@ class OffsetStack:
 @dataclass(frozen=True)
 class RecordedContext:
     """Where a slot's offsets were observed: segment tokens ``start..end`` and the last ids
-    (at most ``CONTEXT_TOKENS``) before token ``start`` in that prompt."""
+    (at most ``CONTEXT_TOKENS``) before token ``start`` in that prompt. ``min_match``: ids of
+    context a new prompt must share with ``ids`` for them to be reused as a version, beyond
+    the usual minimum (a framed copy's: the minimum plus its lead-in, :mod:`kvcomm_agents.framing`)."""
 
     start: int
     end: int
     ids: tuple[int, ...]
+    min_match: int = 0
 
 
 def take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -199,11 +202,12 @@ class AnchorPool:
         return victim
 
     def record(self, slot: int, receiver: str, start: int, keys: torch.Tensor, values: torch.Tensor,
-               context: Optional[tuple[int, ...]] = None) -> None:
+               context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
         """Placeholder offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``, observed
-        after ``context`` (the ids before token ``start``; None: unknown)."""
+        after ``context`` (the ids before token ``start``; None: unknown); ``min_match``: see
+        :class:`RecordedContext`."""
         stack = self.placeholder.setdefault(receiver, OffsetStack())
-        stack.write(slot, start, keys, values, *self._capacity, context=context)
+        stack.write(slot, start, keys, values, *self._capacity, context=context, min_match=min_match)
 
     def record_own_text(self, slot: int, receiver: str, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Offsets ``[L-1, H, P, D]`` of the receiver's own-text piece ``piece`` after the segment."""

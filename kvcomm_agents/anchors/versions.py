@@ -101,6 +101,8 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
         if recorded.start > first or recorded.end < last:
             continue
         matched = common_suffix(wanted, _context_at(recorded.ids, segment, recorded.start, first))
+        if matched < recorded.min_match:
+            continue  # a framed copy: its lead-in alone does not make the text before it the same
         if matched > best.matched or (matched == best.matched and best.receiver is not None and name == receiver):
             best = RecordedVersion(name, slot, matched, base)
     return best if best.matched >= MIN_CONTEXT_MATCH else None

@@ -91,6 +91,7 @@ def run_forward(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     last_logits_only: bool = True,
+    logits_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """One forward pass that appends to ``cache`` in place.
 
@@ -101,18 +102,22 @@ def run_forward(
         attention_mask: None for the model's own causal mask, or a ready 4-D additive mask
             ``[1, 1, q, cached + q]``.
         last_logits_only: compute the LM head for the last position only.
+        logits_rows: compute it for the last that many positions (overrides ``last_logits_only``).
 
     Returns:
-        Logits ``[1, q or 1, vocab]``.
+        Logits ``[1, q, vocab]`` (``[1, 1, vocab]`` with ``last_logits_only``; ``[1, logits_rows,
+        vocab]``), where the model can compute fewer rows (``logits_to_keep``); else ``[1, q, vocab]``.
     """
     kwargs = {_cache_keyword(type(model)): cache, "use_cache": True}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    if last_logits_only and _accepts_logits_to_keep(type(model)):
-        kwargs["logits_to_keep"] = 1
-    return model(input_ids=input_ids, **kwargs).logits
+    rows = logits_rows if logits_rows is not None else (1 if last_logits_only else None)
+    if rows is not None and _accepts_logits_to_keep(type(model)):
+        kwargs["logits_to_keep"] = rows
+    logits = model(input_ids=input_ids, **kwargs).logits
+    return logits[:, -rows:] if rows is not None else logits
 
 
 def position_mask(

@@ -9,7 +9,7 @@ import torch
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.anchors.persist import load_pools, save_pools
 from kvcomm_agents.anchors.pool import AnchorPool
-from kvcomm_agents.anchors.versions import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix
+from kvcomm_agents.anchors.versions import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix, framed_receiver
 from kvcomm_agents.fidelity import first_token_kl
 
 from ..conftest import first_logits
@@ -141,3 +141,18 @@ def test_a_reply_generated_after_estimated_kv_is_no_version(model, tokenizer):
         elif not offsets or all(o in ("base", "recorded", "own") for o in offsets):
             assert reply.context_ids  # exact (or version-only) context: kept
     assert estimated is not None and estimated.context_ids == ()
+
+
+def test_a_framed_copy_needs_its_lead_in_and_the_text_before_it_to_match():
+    """A framed copy's context ends with its readers' lead-in: a prompt that shares only the
+    lead-in (however long) is not the same text before the reply, so the copy is no version
+    there; with 16 more ids in common it is."""
+    seg = dataclasses.replace(segment(1, tokens=6), context_ids=(7, 7, 7))
+    pool = AnchorPool(KIND, max_anchors=4, eviction_window=2)
+    slot = pool.add(seg)
+    lead = tuple(range(300, 320))  # a 20-id lead-in, longer than MIN_CONTEXT_MATCH
+    k, v = offsets(1)
+    pool.record(slot, framed_receiver(0), 0, k, v, SHARED + lead, min_match=MIN_CONTEXT_MATCH + len(lead))
+    assert best_recorded_version(pool, "r", seg, 0, 6, tuple(range(500, 520)) + lead) is None
+    best = best_recorded_version(pool, "r", seg, 0, 6, (9,) + SHARED + lead)
+    assert (best.receiver, best.matched) == (framed_receiver(0), len(SHARED) + len(lead))
