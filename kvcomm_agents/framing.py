@@ -103,9 +103,9 @@ class ReaderFraming:
 
     def learn(self, plan: CallPlan) -> int:
         """Learn from a reader's call: every reply the prompt holds from its first token (reused,
-        recomputed head included, or computed as an observation) whose base context is known.
-        Returns the rules seen."""
-        seen = 0
+        recomputed head included, or computed as an observation) whose base context is known,
+        at its last such occurrence. Returns the rules seen."""
+        latest: dict[str, tuple[int, KVSegment]] = {}  # per reply: where its last whole occurrence starts
         for item in (*plan.runs, *plan.observations):
             segment: KVSegment = item.segment
             skipped = getattr(item, "head", 0)  # a run's head: its first tokens computed in context
@@ -114,8 +114,13 @@ class ReaderFraming:
             if item.segment_start != skipped or item.segment_start + item.length < COVERED * segment.num_tokens:
                 continue  # not the reply pasted whole (a run of it found inside other text)
             start = item.prompt_start - item.segment_start
-            before = plan.prompt_ids[max(0, start - CONTEXT_TOKENS):start].tolist()
-            rule = learn_rule(before, segment.context_ids)
+            if start > latest.get(segment.id, (-1, None))[0]:
+                latest[segment.id] = (start, segment)
+        seen = 0
+        for start, segment in latest.values():
+            # the last occurrence only: a reply equal to an earlier one (solvers that copy each
+            # other) is found at the earlier one's place too, after that one's lead-in
+            rule = learn_rule(plan.prompt_ids[max(0, start - CONTEXT_TOKENS):start].tolist(), segment.context_ids)
             if rule is not None:
                 self._remember(str(segment.ref.kind[0]), rule)
                 seen += 1

@@ -2,6 +2,8 @@
 learned from ids, the version recorded after the sender's reply, and the first reader reusing it
 exactly where its text before the reply is the sender's, on both tiny model families."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,9 +13,11 @@ from kvcomm_agents.anchors.versions import framed_receiver
 from kvcomm_agents.config import ExperimentalSettings
 from kvcomm_agents.engines import hf
 from kvcomm_agents.fidelity import first_token_kl
-from kvcomm_agents.framing import ALIGN_IDS, FramingRule, learn_rule
+from kvcomm_agents.framing import ALIGN_IDS, FramingRule, ReaderFraming, learn_rule
+from kvcomm_agents.plan import CallPlan, Observation
 from kvcomm_agents.prompt import render_prompt
 
+from .anchors.synthetic import KIND, segment
 from .conftest import first_logits, tol
 
 SENDER = tuple(range(100, 140))  # 40 ids of the sender's prompt
@@ -169,3 +173,18 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     n = segment.num_tokens
     torch.testing.assert_close(stack.keys[slot, :, :, :n].float(), keys, atol=tol(2e-4), rtol=0)
     torch.testing.assert_close(stack.values[slot, :, :, :n].float(), values, atol=tol(2e-4), rtol=0)
+
+
+def test_a_reply_found_twice_teaches_the_framing_of_its_last_occurrence():
+    """Solvers that copy each other: a reply equal to an earlier one is found at the earlier
+    one's place too. The framing is learned where the prompt holds it last (the reader pastes
+    the newest reply last), not before the earlier copy."""
+    seg = dataclasses.replace(segment(1, tokens=6), context_ids=SENDER + HEADER)
+    early, late = (60, 61, 62), (70, 71, 72)
+    ids = (1,) + SENDER + early + tuple(range(6)) + SENDER[-ALIGN_IDS:] + late + tuple(range(6))
+    first = 1 + len(SENDER) + len(early)
+    second = first + 6 + ALIGN_IDS + len(late)
+    plan = CallPlan(torch.tensor(ids), observations=(Observation(seg, first, 0, 6), Observation(seg, second, 0, 6)))
+    book = ReaderFraming()
+    assert book.learn(plan) == 1
+    assert book.rules(KIND[0]) == [FramingRule(drop=len(HEADER), lead_in=late)]
