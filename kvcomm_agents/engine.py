@@ -29,7 +29,7 @@ from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
-from .framing import FramedDecode, ReaderFraming, copy_chunk, record_framed_versions
+from .framing import FramedDecode, ReplyFramer
 from .identity import WeightsWatch
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
@@ -109,7 +109,7 @@ class KVCommEngine:
         self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
-        self._framing = ReaderFraming()
+        self._framer = ReplyFramer(self.config, self._anchors, self.info)
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -192,7 +192,7 @@ class KVCommEngine:
                 self._capture.fingerprint = fingerprint
                 self._anchors.clear()
                 self._own_texts.clear()
-                self._framing.clear()
+                self._framer.clear()
             return fingerprint
 
     @contextmanager
@@ -393,7 +393,9 @@ class KVCommEngine:
                 done = time.perf_counter()
             align_s = (assembled - hooked) + pre.align_s
             yield _Prepared(layout, plan, pre, started, planned - started, hooked - planned, align_s,
-                            done - hooked - align_s, self._framing_for(plan, agent, pre, new_tokens))
+                            done - hooked - align_s,
+                            self._framer.for_call(plan, agent, pre.slot_positions, new_tokens, self._device,
+                                                  calibrating=self._calibrating.active))
 
     def _plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         if not self.config.reuse:
@@ -453,39 +455,9 @@ class KVCommEngine:
         with self._lock, torch.inference_mode():
             segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             audit_kl = self._auditor.audit(call.plan, call.pre.logits, agent)
-            call.framed = self._frame_reply(call, agent, segment)
+            reply = self._store.get(segment.id) if segment is not None and call.framing is not None else None
+            call.framed = self._framer.after_call(self.model, call.plan, call.framing, call.pre.cache, reply)
             return segment, audit_kl
-
-    def _framing_on(self) -> bool:
-        c = self.config
-        return c.method == "kvcomm" and c.experimental.recorded_versions and c.experimental.framed_replies
-
-    def _framing_for(self, plan: CallPlan, agent: str, pre: hf.Prefill, new_tokens: int) -> Optional[FramedDecode]:
-        """The framed copies this call's reply will be fed in (:mod:`.framing`), or None: framing
-        off, no framing learned for ``agent``, anchors frozen, a sliding window, a call opted out
-        of reuse or calibrating (its forwards stay exactly dense's), or prompt KV that was
-        estimated (the copies would carry the estimate)."""
-        if (not self._framing_on() or self._anchors.frozen or self.info.sliding_window is not None
-                or plan.dense_reason == "reuse_off" or self._calibrating.active):
-            return None
-        n, limit = plan.num_prompt, self.info.max_positions
-        rules = [r for r in self._framing.rules(agent)
-                 if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens <= limit)]
-        if not rules or plan.observable_until() < n:
-            return None
-        return FramedDecode(rules, pre.slot_positions, n, chunk=copy_chunk(self._device))
-
-    def _frame_reply(self, call: _Prepared, agent: str, ref: Optional[SegmentRef]) -> tuple[int, float]:
-        """Learn the framings this call gave others' replies; record this call's reply's framed
-        copies as versions. Returns (versions recorded, seconds)."""
-        if not self._framing_on() or self._anchors.frozen:
-            return 0, 0.0
-        self._framing.learn(call.plan)
-        segment = self._store.get(ref.id) if ref is not None and call.framing is not None else None
-        if segment is None or not segment.context_ids:
-            return 0, 0.0
-        return record_framed_versions(self.model, call.framing, call.pre.cache, call.plan, segment, self._anchors,
-                                      self.info.rotator)
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
         plan, cache = call.plan, call.pre.cache

@@ -47,7 +47,7 @@ from .anchors.versions import MIN_CONTEXT_MATCH, framed_receiver
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .plan import CallPlan
 
-__all__ = ["FramingRule", "ReaderFraming", "FramedDecode", "learn_rule", "record_framed_versions", "ALIGN_IDS",
+__all__ = ["FramingRule", "ReaderFraming", "FramedDecode", "ReplyFramer", "learn_rule", "record_framed_versions", "ALIGN_IDS",
            "MAX_LEAD_IN", "MAX_RULES", "COVERED", "copy_chunk", "CPU_CHUNK"]
 
 #: Ids of the sender's prompt the reader's text must repeat right before the lead-in (as
@@ -299,3 +299,53 @@ def record_framed_versions(model, framed: FramedDecode, cache, plan: CallPlan, s
                                        framed.context_ids(plan.prompt_ids, index), rotator,
                                        min_match=MIN_CONTEXT_MATCH + lead)
     return done, time.perf_counter() - started
+
+
+class ReplyFramer:
+    """An engine's framed replies: the framings learned, which calls feed copies, and the copies
+    recorded after each reply.
+
+    Args:
+        config: the engine's :class:`~kvcomm_agents.config.KVCommConfig`.
+        anchors: its :class:`~kvcomm_agents.anchors.KVCommAnchors`.
+        info: its model facts (``sliding_window``, ``max_positions``, ``rotator``).
+    """
+
+    def __init__(self, config, anchors, info) -> None:
+        self.config, self.anchors, self.info = config, anchors, info
+        self.framings = ReaderFraming()
+
+    @property
+    def on(self) -> bool:
+        c = self.config
+        return c.method == "kvcomm" and c.experimental.recorded_versions and c.experimental.framed_replies
+
+    def clear(self) -> None:
+        self.framings.clear()
+
+    def for_call(self, plan: CallPlan, agent: str, slot_positions: torch.Tensor, new_tokens: int, device, *,
+                 calibrating: bool = False) -> Optional[FramedDecode]:
+        """The copies this call's reply will be fed in, or None: framing off, no framing learned
+        for ``agent``, anchors frozen, a sliding window, a call opted out of reuse or calibrating
+        (its forwards stay exactly dense's), or prompt KV that was estimated (the copies would
+        carry the estimate). ``slot_positions``: the prefill's ``[S]`` slot positions."""
+        if (not self.on or self.anchors.frozen or self.info.sliding_window is not None
+                or plan.dense_reason == "reuse_off" or calibrating):
+            return None
+        n, limit = plan.num_prompt, self.info.max_positions
+        rules = [r for r in self.framings.rules(agent)
+                 if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens <= limit)]
+        if not rules or plan.observable_until() < n:
+            return None
+        return FramedDecode(rules, slot_positions, n, chunk=copy_chunk(device))
+
+    def after_call(self, model, plan: CallPlan, framing: Optional[FramedDecode], cache,
+                   reply: Optional[KVSegment]) -> tuple[int, float]:
+        """Learn the framings this call gave others' replies; record its own ``reply``'s copies
+        (fed in ``framing``) as versions. Returns (versions recorded, seconds)."""
+        if not self.on or self.anchors.frozen:
+            return 0, 0.0
+        self.framings.learn(plan)
+        if framing is None or reply is None or not reply.context_ids:
+            return 0, 0.0
+        return record_framed_versions(model, framing, cache, plan, reply, self.anchors, self.info.rotator)

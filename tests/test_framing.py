@@ -135,7 +135,7 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     pass over its framing gives. Copies fed with every decode step (CUDA) or 16 tokens at a
     time, the rest after the reply (CPU): the 24-token decode takes both paths. With a small
     mask budget a replay's teacher-forced pass goes in windows."""
-    monkeypatch.setattr("kvcomm_agents.engine.copy_chunk", lambda device: chunk)
+    monkeypatch.setattr("kvcomm_agents.framing.copy_chunk", lambda device: chunk)
     if budget is not None:
         monkeypatch.setattr(hf, "MASK_BUDGET", budget)
     framed = KVCommEngine(model, tokenizer, config=FRAMED)
@@ -158,7 +158,7 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     assert decoded.token_ids == reference.token_ids and decoded.stats.framed_versions == 1
     # the decoded reply's framed copy is what a dense pass over its framing computes
     segment = framed.store.get(decoded.segment.id)
-    (rule,) = framed._framing.rules("s1")
+    (rule,) = framed._framer.framings.rules("s1")
     prompt = render_prompt(tokenizer, sender + [{"role": "user", "content": "Again, in other words."}]).ids
     keep = prompt.numel() - rule.drop
     ids = torch.cat([prompt[:keep], torch.tensor(rule.lead_in), torch.tensor(segment.token_ids)])
