@@ -31,9 +31,11 @@ method's end-to-end time. The re-rotation baselines also run without the default
   (``experimental.recorded_versions=False``, ``kl_budget=None``): the default before both.
 - ``kvcomm-no-budget``: ``kvcomm-mean`` without the KL budget (``kl_budget=None``): estimated
   offsets wherever the entropy gate lets a segment through, measured or not.
-- ``kvcomm-unframed``: ``kvcomm-mean`` without framed copies of replies
-  (``experimental.framed_replies=False``): the first reader of each reply computes it (the
-  default before them). Compare ``x dense`` (the reader's TTFT) with ``x hand-off`` (the
+- ``kvcomm-unframed``: ``kvcomm-mean`` without framed copies of replies or shared text
+  (``experimental.framed_replies=False, framed_texts=False``): the first reader of each reply
+  computes it (the default before both).
+- ``kvcomm-replies-framed``: ``kvcomm-mean`` with framed replies but no framed copies of shared
+  prompt text (``experimental.framed_texts=False``): the default before text copies. Compare ``x dense`` (the reader's TTFT) with ``x hand-off`` (the
   sender's framing work after its reply charged to the reader).
 - ``<engine strategy>-head-N`` (e.g. ``kvcomm-mean-head-8``, ``rerotate-head-8``): the first N
   tokens of every reused run computed in context (``experimental.recompute_head=N``), the
@@ -73,7 +75,8 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
-         "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "lower-bound")
+         "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
+         "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
@@ -271,7 +274,9 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
         "kvcomm-unframed": {"method": "kvcomm", "gamma": gamma,
-                            "experimental": ExperimentalSettings(framed_replies=False)},
+                            "experimental": ExperimentalSettings(framed_replies=False, framed_texts=False)},
+        "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma,
+                                  "experimental": ExperimentalSettings(framed_texts=False)},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None,
                                "experimental": ExperimentalSettings(recorded_versions=False)},
         "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,

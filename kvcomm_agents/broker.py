@@ -48,14 +48,14 @@ def for_runtime(config: KVCommConfig) -> KVCommConfig:
     """``config`` adapted to a runtime without holes: no recomputed run heads or least-sure tokens
     (each would end the claim), the receiver's own text reused from its own-text KV (otherwise the template glue after
     the first segment ends it), no audits (the runtime does not run the dense shadow pass yet),
-    no framed copies of replies (they ride on the HF engine's own decode steps).
+    no framed copies of replies or shared text (they ride on the HF engine's own decode steps).
     Without audits the KL budget is never measured, so the broker serves no estimated offsets
     unless ``kl_budget=None`` (exact prefixes, versions and own text only: the HF engine's
     fidelity before its audits have measured the estimates)."""
     data = config.model_dump()
     data["audit_every"] = 0
     data["experimental"] = {**data["experimental"], "recompute_head": 0, "recompute_spread": 0.0, "own_text": "reuse",
-                            "framed_replies": False}
+                            "framed_replies": False, "framed_texts": False}
     return KVCommConfig(**data)
 
 

@@ -125,6 +125,18 @@ class ExperimentalSettings(BaseModel):
             "a CPU, with every step on CUDA). False: the first reader of each reply computes it."
         ),
     )
+    framed_texts: bool = Field(
+        default=True,
+        description=(
+            "Compute shared prompt text (a task, documents) a second time for each later reader, "
+            "after that reader's own prefix (its system text: learned from earlier calls, its KV "
+            "taken from the exact-prefix store), fed with the first reader's decode steps and "
+            "recorded as a version the later readers reuse (method='kvcomm' with "
+            "recorded_versions; kvcomm_agents.text_framing). Costs the first reader up to 64 "
+            "text ids per generated token on a CPU (256 on CUDA), the rest after its reply. "
+            "False: each reader estimates offsets for the text or computes it."
+        ),
+    )
     shared_runs: Literal["anywhere", "messages"] = Field(
         default="anywhere",
         description=(

@@ -29,7 +29,8 @@ from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
-from .framing import FramedDecode, ReplyFramer
+from .framed_decode import FramedDecode
+from .framer import Framer
 from .identity import WeightsWatch
 from .kv.blocks import BlockCount
 from .kv.own_text import OwnTextStore
@@ -109,7 +110,7 @@ class KVCommEngine:
         self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
-        self._framer = ReplyFramer(self.config, self._anchors, self.info)
+        self._framer = Framer(self.config, self._anchors, self.info, self._store)
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -394,7 +395,8 @@ class KVCommEngine:
             align_s = (assembled - hooked) + pre.align_s
             yield _Prepared(layout, plan, pre, started, planned - started, hooked - planned, align_s,
                             done - hooked - align_s,
-                            self._framer.for_call(plan, agent, pre.slot_positions, new_tokens, self._device,
+                            self._framer.for_call(plan, layout, agent, self.fingerprint, pre.slot_positions, new_tokens,
+                                                  self._device,
                                                   calibrating=self._calibrating.active))
 
     def _plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
@@ -456,7 +458,8 @@ class KVCommEngine:
             segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             audit_kl = self._auditor.audit(call.plan, call.pre.logits, agent)
             reply = self._store.get(segment.id) if segment is not None and call.framing is not None else None
-            call.framed = self._framer.after_call(self.model, call.plan, call.framing, call.pre.cache, reply)
+            call.framed = self._framer.after_call(self.model, call.plan, call.layout, agent, self.fingerprint,
+                                                  call.framing, call.pre.cache, reply)
             return segment, audit_kl
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:

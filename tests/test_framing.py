@@ -78,7 +78,7 @@ def test_the_first_reader_reuses_the_reply_its_sender_computed_in_its_framing_ex
     token's logits are dense's."""
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
     unframed = KVCommEngine(model, tokenizer, config=KVCommConfig(
-        audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))
+        audit_every=0, experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     sent, read, messages = _debate(engine, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 1 and sent.stats.framed_s > 0
@@ -108,7 +108,7 @@ def test_a_reader_with_another_system_text_still_gains_on_re_rotation(model, tok
 
 def test_nothing_is_framed_when_switched_off_or_inside_frozen_anchors(model, tokenizer):
     off = KVCommEngine(model, tokenizer, config=KVCommConfig(
-        audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))
+        audit_every=0, experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))
     sent, read, _ = _debate(off, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 0
     on = KVCommEngine(model, tokenizer, config=FRAMED)  # on, but a call opted out of reuse stays dense's
@@ -135,12 +135,12 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     pass over its framing gives. Copies fed with every decode step (CUDA) or 16 tokens at a
     time, the rest after the reply (CPU): the 24-token decode takes both paths. With a small
     mask budget a replay's teacher-forced pass goes in windows."""
-    monkeypatch.setattr("kvcomm_agents.framing.copy_chunk", lambda device: chunk)
+    monkeypatch.setattr("kvcomm_agents.framer.copy_chunk", lambda device: chunk)
     if budget is not None:
         monkeypatch.setattr(hf, "MASK_BUDGET", budget)
     framed = KVCommEngine(model, tokenizer, config=FRAMED)
     plain = KVCommEngine(model, tokenizer, config=KVCommConfig(
-        audit_every=0, experimental=ExperimentalSettings(framed_replies=False)))
+        audit_every=0, experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     for engine in (framed, plain):
         _debate(engine, tokenizer, "You are a solver.", rounds=1)

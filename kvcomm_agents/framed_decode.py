@@ -1,0 +1,238 @@
+"""Copies of text in other contexts, computed inside a sender's own forwards (none of their own).
+
+Two kinds of copy ride on the forwards a sender runs after its prefill (decode steps, or a
+replay's teacher-forced pass), in the same cache, kept apart by a 4-D mask:
+
+- **reply copies** (:mod:`kvcomm_agents.framing`): the reply's tokens, as they are generated,
+  after the sender's prompt without its last ``drop`` ids and a lead-in;
+- **text copies** (:mod:`kvcomm_agents.text_framing`): text of the sender's prompt that later
+  readers read after a prefix of their own (their system text), fed after that prefix's exact
+  KV (taken from the exact-prefix store and put in the cache once).
+
+The sender's queries come last in every forward, so its logits are the forward's last rows, and
+its KV is found with :meth:`FramedDecode.slot_positions` (the copies' slots read as -1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .engines import hf
+from .kv.block import KVBlock
+from .kv.segments import CONTEXT_TOKENS
+
+__all__ = ["FramedDecode", "TextCopy", "copy_chunk", "text_rate", "CPU_CHUNK", "CPU_TEXT_IDS", "CUDA_TEXT_IDS"]
+
+
+def copy_chunk(device: torch.device) -> int:
+    """Reply tokens fed to the copies at once. On CUDA every decode step carries its token's
+    copies (a step costs the read of the weights; one more query is nearly free: assumed, not
+    measured yet). On a CPU a 2-token forward of the embedded model costs 1.5x a 1-token one
+    (63 against 43 ms; 17 tokens: 73 ms), so the copies wait for 16 tokens and ride on one
+    step: about 2 ms more per generated token, and at most 15 tokens fed after the reply
+    (:meth:`FramedDecode.flush`). A named heuristic from that one measurement."""
+    return 1 if torch.device(device).type == "cuda" else CPU_CHUNK
+
+
+#: Reply tokens per copy chunk on a CPU (:func:`copy_chunk`).
+CPU_CHUNK = 16
+
+#: Text-copy ids fed per sender token on a CPU, all text copies together. Measured on the
+#: embedded model over a 1,000-token cache: a 1-token step 43 ms, 65 tokens 192 ms (2.3 ms per
+#: extra id, against 1.8 ms per id in a long prefill), so 64 ids ride on each step; the rest is
+#: fed after the reply. A named heuristic from that one measurement.
+CPU_TEXT_IDS = 64
+#: The same on CUDA, where a decode step is bound by reading the weights (assumed, not
+#: measured: ``benchmarks/gpu_check.sh`` has never run).
+CUDA_TEXT_IDS = 256
+
+
+def text_rate(device: torch.device, copies: int) -> int:
+    """Ids of each of ``copies`` text copies fed per sender token on ``device``."""
+    total = CUDA_TEXT_IDS if torch.device(device).type == "cuda" else CPU_TEXT_IDS
+    return max(1, total // max(1, copies))
+
+
+@dataclass
+class TextCopy:
+    """Prompt text computed after a reader's prefix.
+
+    Attributes:
+        ids: the ``T`` text ids, in the order the reader reads them.
+        prefix_ids: the reader's ``P`` ids before the text (from its prompt's first id).
+        prefix: their exact KV, keys at positions ``0..P-1`` (``[L][1, kv_heads, P, head_dim]``).
+        source_start: prompt position of ``ids[0]`` in the sender's prompt.
+        fed: text ids fed so far.
+    """
+
+    ids: tuple[int, ...]
+    prefix_ids: tuple[int, ...]
+    prefix: KVBlock
+    source_start: int
+    fed: int = 0
+
+    @property
+    def start(self) -> int:
+        """Position of the text's first id after the prefix."""
+        return len(self.prefix_ids)
+
+    def context_ids(self, offset: int) -> tuple[int, ...]:
+        """The last ids before text id ``offset`` in this copy."""
+        return (self.prefix_ids + self.ids[:offset])[-CONTEXT_TOKENS:]
+
+
+class FramedDecode:
+    """A sender's copies (reply framings and prompt texts), fed with its own forwards.
+
+    A query of context ``c`` at position ``p`` sees a key of context ``s`` at position ``q`` iff
+    ``q <= p`` and either ``s == c``, or ``s`` is the sender's (0) and ``q < keep_c`` (reply
+    framing ``c``: the sender's prompt without its ``drop`` ids; a text copy: nothing of the
+    sender's). Contexts ``1..R`` are ``rules``, ``R+1..R+K`` are ``texts``.
+
+    Args:
+        rules: the reply framings (:class:`~kvcomm_agents.framing.FramingRule`).
+        prompt_slot_positions: ``[S]`` prompt position of each cache slot after the prefill.
+        num_prompt: ``N``, the sender's prompt length.
+        chunk: reply tokens fed to the reply copies at once (:func:`copy_chunk`).
+        texts: the text copies (:mod:`kvcomm_agents.text_framing`).
+        rate: ids of each text copy fed per sender token (:func:`text_rate`).
+    """
+
+    def __init__(self, rules: Sequence, prompt_slot_positions: torch.Tensor, num_prompt: int,
+                 chunk: int = 1, texts: Sequence[TextCopy] = (), rate: int = 1) -> None:
+        self.rules = list(rules)
+        self.texts = list(texts)
+        self.keep = [num_prompt - rule.drop for rule in self.rules] + [0] * len(self.texts)
+        self.slot_ctx = torch.zeros(prompt_slot_positions.numel(), dtype=torch.long)
+        self.slot_pos = prompt_slot_positions.detach().cpu().clone()
+        self.num_prompt, self.chunk, self.rate = num_prompt, max(1, chunk), max(1, rate)
+        self.sent = 0  # reply tokens fed to the sender
+        self.fed = 0  # reply tokens fed to the reply copies (the same in every framing)
+        self.pending: list[int] = []  # reply tokens the reply copies have not been fed yet
+        self._prefixes_in = not self.texts  # the text copies' prefixes are in the cache
+
+    def _queries(self, copies: Sequence[int], tokens: Sequence[int], take: int) -> tuple[list[int], list[int], list[int]]:
+        """Ids, positions and contexts of one forward feeding ``copies`` to every reply framing,
+        up to ``take`` ids to each text copy, and ``tokens`` to the sender (last)."""
+        ids, pos, ctx = [], [], []
+        for c, rule in enumerate(self.rules, start=1):
+            if not copies:
+                break
+            lead = list(rule.lead_in) if self.fed == 0 else []
+            first = self.keep[c - 1] + (0 if self.fed == 0 else len(rule.lead_in) + self.fed)
+            ids += lead + list(copies)
+            pos += list(range(first, first + len(lead) + len(copies)))
+            ctx += [c] * (len(lead) + len(copies))
+        for c, text in enumerate(self.texts, start=len(self.rules) + 1):
+            part = text.ids[text.fed:text.fed + take]
+            ids += list(part)
+            pos += list(range(text.start + text.fed, text.start + text.fed + len(part)))
+            ctx += [c] * len(part)
+        first = self.num_prompt + self.sent
+        ids += list(tokens)
+        pos += list(range(first, first + len(tokens)))
+        ctx += [0] * len(tokens)
+        return ids, pos, ctx
+
+    def mask(self, q_pos: torch.Tensor, q_ctx: torch.Tensor, *, dtype: torch.dtype, device) -> torch.Tensor:
+        """``[1, 1, Q, S + Q]`` additive mask of queries at ``q_pos`` in contexts ``q_ctx`` over
+        the cached slots then the queries themselves."""
+        key_pos = torch.cat([self.slot_pos, q_pos])
+        key_ctx = torch.cat([self.slot_ctx, q_ctx])
+        limit = torch.tensor([torch.iinfo(torch.long).max] + self.keep, dtype=torch.long)[q_ctx]
+        visible = (key_pos[None, :] <= q_pos[:, None]) & (
+            (key_ctx[None, :] == q_ctx[:, None]) | ((key_ctx[None, :] == 0) & (key_pos[None, :] < limit[:, None])))
+        mask = torch.zeros(visible.shape, dtype=dtype)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[None, None].to(device)
+
+    def forward(self, model, cache, tokens: Sequence[int], *, last_logits_only: bool = True) -> torch.Tensor:
+        """Feed ``tokens`` to the sender, and the copies their due share (``cache`` grows);
+        returns the sender's logits ``[1, len(tokens) or 1, vocab]``. Many tokens at once (a
+        replay) go in windows whose mask stays within :data:`~kvcomm_agents.engines.hf.MASK_BUDGET`
+        elements, as a long prefill does; each window carries what as many decode steps would."""
+        tokens = list(tokens)
+        rows = []
+        for window in self._windows(len(tokens)):
+            part = tokens[window]
+            self.pending += part
+            copies = self.pending if len(self.pending) >= self.chunk else []
+            rows.append(self._run(model, cache, copies, part, 1 if last_logits_only else len(part),
+                                  self.rate * len(part)))
+        return rows[-1] if last_logits_only else torch.cat(rows, dim=1)
+
+    def _windows(self, n: int) -> list[slice]:
+        """Slices of ``n`` tokens fed at once: each forward's queries times its keys within the
+        mask budget (at least :data:`CPU_CHUNK` tokens a window)."""
+        per_token = len(self.rules) + 1 + self.rate * len(self.texts)
+        keys = (self.slot_pos.numel() + per_token * n + sum(len(rule.lead_in) for rule in self.rules)
+                + sum(len(text.prefix_ids) for text in self.texts))
+        width = max(CPU_CHUNK, hf.MASK_BUDGET // max(1, per_token * keys))
+        return [slice(i, min(n, i + width)) for i in range(0, n, width)]
+
+    @property
+    def text_left(self) -> int:
+        """Text-copy ids not fed yet."""
+        return sum(len(text.ids) - text.fed for text in self.texts)
+
+    def flush(self, model, cache) -> None:
+        """Feed the copies what they have not been fed yet (after the reply), in forwards whose
+        mask stays within the budget."""
+        if self.pending and self.rules:
+            self._run(model, cache, self.pending, [], 1, 0)
+        while self.text_left:
+            take = max(len(text.ids) - text.fed for text in self.texts)
+            while take > CPU_CHUNK and len(self.texts) * take * (self.slot_pos.numel() + len(self.texts) * take) > hf.MASK_BUDGET:
+                take //= 2
+            self._run(model, cache, [], [], 1, take)
+
+    def _inject_prefixes(self, cache) -> None:
+        """Put each text copy's prefix KV into the cache, as slots of its context."""
+        for c, text in enumerate(self.texts, start=len(self.rules) + 1):
+            for layer, (keys, values) in enumerate(text.prefix.layers()):
+                held = hf.layer_kv(cache, layer)[0]
+                cache.update(keys.to(held.device, held.dtype), values.to(held.device, held.dtype), layer)
+            self.slot_pos = torch.cat([self.slot_pos, torch.arange(text.start)])
+            self.slot_ctx = torch.cat([self.slot_ctx, torch.full((text.start,), c, dtype=torch.long)])
+        self._prefixes_in = True
+
+    def _run(self, model, cache, copies: list[int], tokens: Sequence[int], rows: int, take: int) -> torch.Tensor:
+        """One forward; the logits of its last ``rows`` queries (the sender's)."""
+        if not self._prefixes_in:
+            self._inject_prefixes(cache)
+        ids, pos, ctx = self._queries(copies, tokens, take)
+        q_pos, q_ctx = torch.tensor(pos, dtype=torch.long), torch.tensor(ctx, dtype=torch.long)
+        device = hf.input_device(model)
+        logits = hf.run_forward(model, torch.tensor([ids], device=device), cache, position_ids=q_pos[None].to(device),
+                                attention_mask=self.mask(q_pos, q_ctx, dtype=model.dtype, device=device),
+                                logits_rows=rows)
+        self.slot_pos = torch.cat([self.slot_pos, q_pos])
+        self.slot_ctx = torch.cat([self.slot_ctx, q_ctx])
+        self.sent += len(tokens)
+        if copies:
+            self.fed += len(copies)
+            self.pending = []
+        for text in self.texts:
+            text.fed = min(len(text.ids), text.fed + take)
+        return logits
+
+    def slot_positions(self, context: int = 0) -> torch.Tensor:
+        """``[slots]`` position of each cache slot in ``context`` (-1 for the other contexts')."""
+        return torch.where(self.slot_ctx == context, self.slot_pos, torch.full_like(self.slot_pos, -1))
+
+    def reply_start(self, index: int) -> int:
+        """Position of the reply's first token in framing ``index``."""
+        return self.keep[index] + len(self.rules[index].lead_in)
+
+    def context_ids(self, prompt_ids: torch.Tensor, index: int) -> tuple[int, ...]:
+        """The last ids before the reply in framing ``index``."""
+        keep, rule = self.keep[index], self.rules[index]
+        ids = tuple(prompt_ids[max(0, keep - CONTEXT_TOKENS):keep].tolist()) + tuple(rule.lead_in)
+        return ids[-CONTEXT_TOKENS:]
+
+    def text_context(self, index: int) -> int:
+        """The context number of text copy ``index``."""
+        return len(self.rules) + 1 + index

@@ -1,0 +1,176 @@
+"""Shared prompt text computed in its later readers' framing by the first call that reads it.
+
+Most graphs give every agent its own system text, then the shared input (the task, retrieved
+documents, a problem statement): the first agent computes that input after *its* system text,
+every later agent reads it after *another*. No version of the input fits them (its KV depends on
+the text before it), so each either estimates offsets (over the KL budget on the embedded
+model: re-rotation's KL on the paper's shape is 0.25) or computes the input again: in the
+paper's shape, RAG and HumanEval pipelines, most of every downstream prompt.
+
+**Learned** (ids only, :meth:`TextFraming.learn`): a reader's call that holds a stored user,
+tool or document segment from its first token, at least :data:`~kvcomm_agents.framing.COVERED`
+of it, right after a prefix of its own (at most :data:`MAX_PREFIX` ids from its prompt's first
+id) that the segment's base context does not share, teaches a rule: "text after these
+:data:`~kvcomm_agents.framing.ALIGN_IDS` ids (the segment's base context) is read by this reader
+after this prefix". The latest rule per reader is kept, for at most :data:`MAX_READERS` readers
+per context and :data:`MAX_CONTEXTS` contexts.
+
+**Applied** (:meth:`TextFraming.copies_for`): a later call whose prompt computes new text right
+after those ids feeds that text (to the end of its last message) after each reader's prefix, the
+prefix's exact KV taken from the exact-prefix store (no copy where it was evicted), inside its
+own forwards (:class:`~kvcomm_agents.framed_decode.FramedDecode`): no forward of its own. After
+the reply each message segment the copy holds is recorded as a version under a pseudo-receiver
+(:func:`record_text_versions`); the reader's planner finds it by its context, as any version.
+
+What it costs, and where: the sender's forwards carry up to
+:func:`~kvcomm_agents.framed_decode.text_rate` text ids per generated token (all copies), the
+rest after the reply (``CallStats.framed_s``). The same ids a reader would compute in its
+prefill, computed once per reader, earlier.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .anchors.versions import MIN_CONTEXT_MATCH, common_suffix, framed_receiver
+from .engines import hf
+from .framed_decode import FramedDecode, TextCopy
+from .framing import ALIGN_IDS, COVERED
+from .kv.segments import KVSegment
+from .plan import CallPlan
+from .prompt import PromptLayout
+
+__all__ = ["TextRule", "TextFraming", "record_text_versions", "MAX_PREFIX", "MAX_READERS", "MAX_CONTEXTS"]
+
+#: Longest reader prefix (ids before the shared text, from its prompt's first id) a copy is
+#: computed after: a system text and a header, not a conversation.
+MAX_PREFIX = 512
+#: Readers per shared text (each costs the text's ids once more).
+MAX_READERS = 4
+#: Sender contexts (the ids before a shared text) whose readers are remembered.
+MAX_CONTEXTS = 8
+
+
+@dataclass(frozen=True)
+class TextRule:
+    """Text after ``after`` (the last :data:`ALIGN_IDS` ids before it in the prompt that computed
+    it first) is read by ``reader`` after ``prefix`` (the reader's ids from its first)."""
+
+    after: tuple[int, ...]
+    reader: str
+    prefix: tuple[int, ...]
+
+
+def _shared_text(item) -> Optional[KVSegment]:
+    """The segment of a plan item that is shared user, tool or document text held from its first
+    token (not a reply: those are framed by their sender, :mod:`.framing`)."""
+    segment: KVSegment = item.segment
+    if getattr(item, "own_text", False) or segment.ref.kind[1] == "assistant":
+        return None
+    if len(segment.context_ids) < ALIGN_IDS or item.segment_start != getattr(item, "head", 0):
+        return None
+    if item.segment_start + item.length < COVERED * segment.num_tokens:
+        return None
+    return segment
+
+
+class TextFraming:
+    """Which readers read text that follows given ids, after which prefix (thread-safe; ids only)."""
+
+    def __init__(self) -> None:
+        self._rules: OrderedDict[tuple[int, ...], OrderedDict[str, TextRule]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def learn(self, plan: CallPlan, agent: str) -> Optional[TextRule]:
+        """Learn from ``agent``'s call: the first shared text its prompt holds right after a
+        prefix of its own. Returns the rule, or None."""
+        firsts = []
+        for item in (*plan.runs, *plan.observations):
+            segment = _shared_text(item)
+            if segment is not None:
+                firsts.append((item.prompt_start - item.segment_start, segment))
+        if not firsts:
+            return None
+        start, segment = min(firsts, key=lambda pair: pair[0])
+        prefix = tuple(plan.prompt_ids[:start].tolist())
+        if not 0 < start <= MAX_PREFIX or common_suffix(prefix, segment.context_ids) >= MIN_CONTEXT_MATCH:
+            return None  # a conversation before it, or its base already fits
+        rule = TextRule(tuple(segment.context_ids[-ALIGN_IDS:]), agent, prefix)
+        with self._lock:
+            readers = self._rules.setdefault(rule.after, OrderedDict())
+            readers[agent] = rule
+            readers.move_to_end(agent)
+            while len(readers) > MAX_READERS:
+                readers.popitem(last=False)
+            self._rules.move_to_end(rule.after)
+            while len(self._rules) > MAX_CONTEXTS:
+                self._rules.popitem(last=False)
+        return rule
+
+    def copies_for(self, plan: CallPlan, layout: PromptLayout, agent: str, store, fingerprint: str,
+                   max_positions: Optional[int]) -> list[TextCopy]:
+        """The text copies ``agent``'s call feeds: for each remembered context its prompt holds
+        right before text it computes itself (after the exact prefix, outside reused runs), that
+        text to the end of the prompt's last message, after each other reader's prefix whose
+        exact KV the store holds."""
+        with self._lock:
+            contexts = {after: list(readers.values()) for after, readers in self._rules.items()}
+        if not contexts or not layout.content_spans or layout.content_spans[-1] is None:
+            return []
+        ids = plan.prompt_ids.tolist()
+        end = layout.tokens_within(*layout.content_spans[-1]).stop
+        computed = torch.zeros(len(ids), dtype=torch.bool)
+        computed[plan.computed_positions()] = True
+        copies: list[TextCopy] = []
+        for start in range(max(ALIGN_IDS, plan.prefix_length), end):
+            rules = contexts.get(tuple(ids[start - ALIGN_IDS:start]))
+            if not rules or not bool(computed[start]):
+                continue
+            for rule in rules:
+                if rule.reader == agent or (max_positions is not None and len(rule.prefix) + end - start > max_positions):
+                    continue
+                hit = store.longest_prefix(torch.tensor(rule.prefix, dtype=torch.long), fingerprint)
+                if hit is None or hit[1] < len(rule.prefix):
+                    continue  # the reader's prefix KV was evicted: no copy
+                copies.append(TextCopy(tuple(ids[start:end]), rule.prefix,
+                                       hit[0].kv.window(0, len(rule.prefix)), start))
+            return copies[:MAX_READERS]  # the first shared text only
+        return copies
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+
+def record_text_versions(framed: FramedDecode, cache, layout: PromptLayout, store, fingerprint: str, anchors,
+                         rotator) -> int:
+    """Record every message segment each text copy holds (stored by the sender's call, same
+    ids) as a version under pseudo-receiver ``framed_receiver(i)`` for copy ``i``, its context the
+    copy's ids before it. Call after :meth:`FramedDecode.flush`. Returns the versions recorded."""
+    done = 0
+    ids = layout.ids
+    for index, text in enumerate(framed.texts):
+        if text.fed < len(text.ids):
+            continue
+        slots = framed.slot_positions(framed.text_context(index))
+        first, last = text.source_start, text.source_start + len(text.ids)
+        for span in layout.content_spans:
+            if span is None:
+                continue
+            tokens = layout.tokens_within(*span)
+            if tokens.start < first or tokens.stop > last or tokens.stop <= tokens.start:
+                continue
+            segment = store.find_text(layout.text[span[0]:span[1]], fingerprint)
+            if segment is None or segment.token_ids != tuple(ids[tokens.start:tokens.stop].tolist()):
+                continue
+            offset = tokens.start - first
+            at = text.start + offset
+            real = hf.kv_at_positions(cache, slots, torch.arange(at, at + len(tokens)))
+            done += anchors.record_version(framed_receiver(index), segment, real, at, text.context_ids(offset),
+                                           rotator, min_match=MIN_CONTEXT_MATCH)
+    return done

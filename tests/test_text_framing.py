@@ -1,0 +1,97 @@
+"""Shared prompt text computed by its first reader in each later reader's framing
+(kvcomm_agents.text_framing): the rule learned from ids, the copy fed in the sender's forwards
+after the reader's exact prefix, and the later reader's first token equal to dense's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.config import ExperimentalSettings
+from kvcomm_agents.engines import hf
+
+from .conftest import first_logits, tol
+
+FRAMED = KVCommConfig(audit_every=0)  # framed_texts is on by default
+OFF = KVCommConfig(audit_every=0, experimental=ExperimentalSettings(framed_texts=False))
+SENDER_SYSTEM = "You are the planner of a small team. Read the task and write a short plan."
+READER_SYSTEM = "You are the reviewer of the team. Read the task, then check the plan line by line."
+TASK = ("{} Write a function that returns the sum of the even numbers in a list of integers, "
+        "ignoring negative values and keeping the original order of the list.")
+PLAN = "First filter the list, then add the even values, then return the total as an integer."
+
+
+def _pipeline(engine, tokenizer, requests: int = 2, reader_reads_plan: bool = False):
+    """``requests`` hand-offs of a planner (sender) and a reviewer (reader) that both read the
+    task after their own system text; returns the last planner result and reviewer replay."""
+    plan_ids = tokenizer(PLAN, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for r in range(requests):
+        task = TASK.format(("Zebra", "Quail", "Otter", "Moose")[r])
+        sent = engine.replay([{"role": "system", "content": SENDER_SYSTEM}, {"role": "user", "content": task}],
+                             agent="planner", reply_ids=plan_ids).result
+        messages = [{"role": "system", "content": READER_SYSTEM}, {"role": "user", "content": task}]
+        if reader_reads_plan:
+            messages.append({"role": "user", "content": f"The plan:\n{PLAN}"})
+        read = engine.replay(messages, agent="reviewer", reply_ids=[tokenizer.eos_token_id])
+    return sent, read, messages
+
+
+def _user_gate(read):
+    return [d.gate.offsets for d in read.result.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
+
+
+def test_the_later_reader_reuses_the_task_its_first_reader_computed_after_its_prefix_exactly(model, tokenizer):
+    """Request 1 teaches the rule (the reviewer reads the planner's task after its own system
+    text); in request 2 the planner feeds a copy of the new task after the reviewer's prefix with
+    its replay, and the reviewer reuses it: its first token's logits are dense's."""
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    sent, read, messages = _pipeline(engine, tokenizer)
+    assert sent.stats.framed_versions == 1 and sent.stats.framed_s > 0
+    assert _user_gate(read) == ["framed"], read.result.stats.shared_decisions
+    off = KVCommEngine(model, tokenizer, config=OFF)
+    _, read_off, _ = _pipeline(off, tokenizer)
+    assert read.result.stats.reused_tokens > read_off.result.stats.reused_tokens
+    torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="reviewer"),
+                               atol=tol(1e-4), rtol=0)
+
+
+@pytest.mark.parametrize("budget", [None, 3000])
+def test_the_sender_is_unchanged_and_a_decoded_senders_copy_matches_dense(model, tokenizer, budget, monkeypatch):
+    """The text copy shares the sender's forwards and cache, masked apart: the sender's greedy
+    decode is that of an engine without copies; the reviewer, whose prompt also holds the plan
+    (a framed reply copy fed beside the text copy), reads the task exactly as dense computes it
+    and drifts from dense less than without the copies. With a small mask budget the copy's
+    rest is fed after the reply in several forwards."""
+    if budget is not None:
+        monkeypatch.setattr(hf, "MASK_BUDGET", budget)
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    off = KVCommEngine(model, tokenizer, config=OFF)
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    for e in (engine, off):
+        _pipeline(e, tokenizer, requests=1, reader_reads_plan=True)
+    task = TASK.format("Heron")
+    sender = [{"role": "system", "content": SENDER_SYSTEM}, {"role": "user", "content": task}]
+    with_copies = engine.chat(sender, agent="planner", max_new_tokens=12)
+    without = off.chat(sender, agent="planner", max_new_tokens=12)
+    assert with_copies.text == without.text
+    assert with_copies.stats.framed_versions >= 1
+    messages = [{"role": "system", "content": READER_SYSTEM}, {"role": "user", "content": task}]
+    read = engine.replay(messages, agent="reviewer", reply_ids=[tokenizer.eos_token_id])
+    assert _user_gate(read) == ["framed"]
+    torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="reviewer"),
+                               atol=tol(1e-4), rtol=0)
+
+
+def test_no_copy_without_the_readers_prefix_or_when_switched_off(model, tokenizer):
+    """A reader's prefix evicted from the exact-prefix store costs the copy (speed), never
+    correctness; switched off, nothing is copied."""
+    off = KVCommEngine(model, tokenizer, config=OFF)
+    sent, read, _ = _pipeline(off, tokenizer)
+    assert sent.stats.framed_versions == 0 and "framed" not in _user_gate(read)
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    _pipeline(engine, tokenizer, requests=1)
+    engine.store.clear()
+    sent, read, _ = _pipeline(engine, tokenizer, requests=1)
+    assert sent.stats.framed_versions == 0
