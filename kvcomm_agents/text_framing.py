@@ -114,10 +114,10 @@ class TextFraming:
 
     def copies_for(self, plan: CallPlan, layout: PromptLayout, agent: str, store, fingerprint: str,
                    max_positions: Optional[int]) -> list[TextCopy]:
-        """The text copies ``agent``'s call feeds: for each remembered context its prompt holds
-        right before text it computes itself (after the exact prefix, outside reused runs), that
-        text to the end of the prompt's last message, after each other reader's prefix whose
-        exact KV the store holds."""
+        """The text copies ``agent``'s call feeds: at the first remembered context its prompt
+        holds right before text it computes itself (at least half of it; the exact prefix may
+        cover the text's first ids), that text to the end of the prompt's last message, after
+        each other reader's prefix whose exact KV the store holds."""
         with self._lock:
             contexts = {after: list(readers.values()) for after, readers in self._rules.items()}
         if not contexts or not layout.content_spans or layout.content_spans[-1] is None:
@@ -127,10 +127,10 @@ class TextFraming:
         computed = torch.zeros(len(ids), dtype=torch.bool)
         computed[plan.computed_positions()] = True
         copies: list[TextCopy] = []
-        for start in range(max(ALIGN_IDS, plan.prefix_length), end):
+        for start in range(ALIGN_IDS, end):
             rules = contexts.get(tuple(ids[start - ALIGN_IDS:start]))
-            if not rules or not bool(computed[start]):
-                continue
+            if not rules or 2 * int(computed[start:end].sum()) < end - start:
+                continue  # text this call mostly reused: its readers have it already
             for rule in rules:
                 if rule.reader == agent or (max_positions is not None and len(rule.prefix) + end - start > max_positions):
                     continue
