@@ -1,13 +1,17 @@
-"""What framed copies cost the sender: decode time per token with and without them.
+"""What framed copies cost the sender and save its readers: whole pipelines timed, with and without.
 
-``experimental.framed_replies`` feeds each reply token once more per framing in the sender's
-own decode steps (``kvcomm_agents.framing.FramedDecode``): a step computes ``1 + R`` tokens
-instead of 1. Where a decode step costs the read of the weights (a GPU), that should be nearly
-free; on a CPU it is not. This script measures it on GSM8K debates (4 solvers, greedy, the
-same messages for both engines, strategies alternating first): per call, decode seconds per
-generated token (``total_s - ttft_s - framed_s`` over the tokens after the first), paired by
-call, for the calls whose sender fed copies; the readers' TTFT speed-up is the forced
-benchmark's business (``python -m benchmarks --strategies ...,kvcomm-mean,kvcomm-unframed``).
+The default feeds copies of each reply (``experimental.framed_replies``) and of shared prompt
+text (``experimental.framed_texts``) inside the sender's own decode steps
+(``kvcomm_agents.framed_decode.FramedDecode``): a step computes more than one token. Where a
+decode step costs the read of the weights (a GPU) that should be nearly free; on a CPU it is
+not. The forced benchmark (``python -m benchmarks``) times the readers' first token and the
+sender's work after its reply; this script times everything, per pipeline: two engines
+(``default``, ``unframed``: both switches off) answer the same messages (the unframed engine's
+replies feed both), call by call, the engine that goes first alternating. Per call: time to
+first token, decode seconds per generated token (``total_s - ttft_s - framed_s`` over the
+tokens after the first), the copies' work after the reply; per pipeline: the sum of its calls'
+``total_s`` (prefill, decode and copies; its agents run one after another). Ratios are paired
+by call or pipeline, medians reported. Warm-up requests (the first) are left out.
 
     .venv/bin/python -m benchmarks.framed_decode                       # embedded model, CPU
     .venv/bin/python -m benchmarks.framed_decode --model random:llama-3.2-1b --device cuda --dtype bfloat16
@@ -24,56 +28,82 @@ from pathlib import Path
 
 import torch
 
-from examples.tasks import debate_messages
-
+from . import workloads as W
 from .models import load
 
-QUESTIONS = [
-    "Tom has 3 apples and buys 5 more. He gives 2 to Ann. How many apples does Tom have now?",
-    "A train travels 60 km per hour for 3 hours, then 40 km per hour for 2 hours. How far does it go?",
-    "Sara reads 12 pages a day. How many pages does she read in 2 weeks?",
-    "A shop sells pens at 2 dollars each. Mia buys 7 pens and pays with a 20 dollar bill. What change does she get?",
-    "There are 24 students in a class. A third of them wear glasses. How many do not wear glasses?",
-    "A baker makes 5 trays of 12 rolls and sells 38 of them. How many rolls are left?",
-]
+ENGINES = ("default", "unframed")
 
 
-def measure(model, tokenizer, *, requests: int, tokens: int) -> list[dict]:
-    """Per call of solvers 1-3 (their replies are read) after the first request: decode
-    seconds per token with (``framed``) and without (``default``) framed copies."""
+def pipelines(tokenizer, requests: int, tokens: int) -> dict[str, W.Workload]:
+    """The workloads timed: text copies ((a) at the quick profile's size, (c) RAG, (d) HumanEval)
+    and reply copies ((b) GSM8K debate)."""
+    return {"a": W.paper_shape(tokenizer, requests=requests, agents=4, lead_tokens=128, input_tokens=256,
+                               reply_tokens=tokens),
+            "b": W.gsm8k_debate(requests=requests, reply_tokens=tokens),
+            "c": W.rag_handoff(requests=requests, reply_tokens=tokens),
+            "d": W.coding_pipeline(requests=requests, reply_tokens=tokens)}
+
+
+def measure(model, tokenizer, workload: W.Workload, *, tokens: int) -> list[dict]:
+    """One record per call after the first request: per engine, TTFT, decode s/token, copies'
+    seconds after the reply, ``total_s`` and copies recorded."""
     from kvcomm_agents import KVCommConfig, KVCommEngine
     from kvcomm_agents.config import ExperimentalSettings
 
     engines = {"default": KVCommEngine(model, tokenizer, config=KVCommConfig()),
-               "framed": KVCommEngine(model, tokenizer, config=KVCommConfig(
-                   experimental=ExperimentalSettings(framed_replies=True)))}
+               "unframed": KVCommEngine(model, tokenizer, config=KVCommConfig(
+                   experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))}
     records = []
-    for r in range(requests):
-        question = QUESTIONS[r % len(QUESTIONS)]
-        replies: list[str] = []  # the default engine's replies feed both: the same messages
-        for k in range(1, 5):
-            messages = debate_messages(k, 4, question, replies)
-            order = list(engines) if (r + k) % 2 else list(engines)[::-1]
-            results = {name: engines[name].chat(messages, agent=f"solver{k}", max_new_tokens=tokens) for name in order}
-            replies.append(results["default"].text)
-            if r == 0 or k == 4:
+    for r, request in enumerate(workload.requests):
+        replies: list[str] = []
+        for k, agent in enumerate(request.agents):
+            messages = request.messages(k, replies)
+            order = list(ENGINES) if (r + k) % 2 else list(ENGINES)[::-1]
+            results = {name: engines[name].chat(messages, agent=agent, max_new_tokens=tokens) for name in order}
+            replies.append(results["unframed"].text)
+            if r == 0:
                 continue
             row = {"request": r, "agent_index": k}
             for name, result in results.items():
                 s = result.stats
-                row[name] = {"tokens": len(result.token_ids), "copies": s.framed_versions,
+                row[name] = {"tokens": len(result.token_ids), "copies": s.framed_versions, "ttft_s": s.ttft_s,
+                             "total_s": s.total_s, "framed_s": s.framed_s,
                              "decode_s_per_token": (s.total_s - s.ttft_s - s.framed_s) / max(1, len(result.token_ids) - 1)}
             records.append(row)
     return records
 
 
+def _median(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
 def summary(records: list[dict]) -> dict:
-    fed = [r for r in records if r["framed"]["copies"] and r["framed"]["tokens"] > 8 and r["default"]["tokens"] > 8]
-    ratio = [r["framed"]["decode_s_per_token"] / r["default"]["decode_s_per_token"] for r in fed]
-    return {"calls": len(records), "calls_with_copies": len(fed),
-            "default_ms_per_token": 1000 * statistics.median(r["default"]["decode_s_per_token"] for r in fed) if fed else None,
-            "framed_ms_per_token": 1000 * statistics.median(r["framed"]["decode_s_per_token"] for r in fed) if fed else None,
-            "framed_over_default": statistics.median(ratio) if ratio else None}
+    """Paired medians: decode ms/token of calls that fed copies, downstream TTFT speed-up,
+    pipeline wall time."""
+    fed = [r for r in records if r["default"]["copies"] and min(r[n]["tokens"] for n in ENGINES) > 8]
+    walls: dict[int, dict[str, float]] = {}
+    for r in records:
+        for name in ENGINES:
+            walls.setdefault(r["request"], {}).setdefault(name, 0.0)
+            walls[r["request"]][name] += r[name]["total_s"]
+    downstream = [r for r in records if r["agent_index"] > 0]
+    return {
+        "calls": len(records), "calls_with_copies": len(fed),
+        "unframed_decode_ms_per_token": _median(1000 * r["unframed"]["decode_s_per_token"] for r in fed),
+        "default_decode_ms_per_token": _median(1000 * r["default"]["decode_s_per_token"] for r in fed),
+        "decode_default_over_unframed": _median(r["default"]["decode_s_per_token"] / r["unframed"]["decode_s_per_token"]
+                                                for r in fed),
+        "downstream_ttft_unframed_over_default": _median(r["unframed"]["ttft_s"] / r["default"]["ttft_s"] for r in downstream),
+        "pipelines": len(walls),
+        "wall_unframed_s": _median(w["unframed"] for w in walls.values()),
+        "wall_default_s": _median(w["default"] for w in walls.values()),
+        "wall_unframed_over_default": _median(w["unframed"] / w["default"] for w in walls.values()),
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def main(argv=None) -> dict:
@@ -81,19 +111,33 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=4, help="per workload, the first a warm-up")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--workloads", default="a,b,c,d")
     parser.add_argument("--out", default="benchmarks/out/framed_decode")
     args = parser.parse_args(argv)
     loaded = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
-    records = measure(loaded.model, loaded.tokenizer, requests=args.requests, tokens=args.tokens)
-    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "summary": summary(records),
-              "records": records}
-    s = result["summary"]
-    print(f"{args.model} on {args.device} ({args.dtype}): {s['calls_with_copies']} sender calls with framed copies")
-    if s["framed_ms_per_token"] is not None:
-        print(f"  decode per token: {s['default_ms_per_token']:.1f} ms without copies, {s['framed_ms_per_token']:.1f} ms "
-              f"with them ({s['framed_over_default']:.2f}x, median of paired calls)")
+    chosen = pipelines(loaded.tokenizer, args.requests, args.tokens)
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype, "tokens": args.tokens, "workloads": {}}
+    print(f"{args.model} on {args.device} ({args.dtype}), replies <= {args.tokens} tokens, "
+          f"{args.requests - 1} measured requests per workload after 1 warm-up")
+    print(f"{'workload':<10}{'calls fed':>10}{'decode ms/tok':>22}{'decode x':>10}"
+          f"{'downstream TTFT':>17}{'pipeline wall s':>20}{'wall':>8}")
+    print(f"{'':<10}{'copies':>10}{'unframed / default':>22}{'':>10}{'unframed/default':>17}"
+          f"{'unframed / default':>20}{'gain':>8}")
+    for name in args.workloads.split(","):
+        records = measure(loaded.model, loaded.tokenizer, chosen[name], tokens=args.tokens)
+        s = summary(records)
+        result["workloads"][name] = {"title": chosen[name].title, "summary": s, "records": records}
+        print(f"{name:<10}{s['calls_with_copies']:>10}"
+              f"{_fmt(s['unframed_decode_ms_per_token'], '.1f') + ' / ' + _fmt(s['default_decode_ms_per_token'], '.1f'):>22}"
+              f"{_fmt(s['decode_default_over_unframed'], '.2f'):>9}x"
+              f"{_fmt(s['downstream_ttft_unframed_over_default'], '.2f'):>16}x"
+              f"{_fmt(s['wall_unframed_s'], '.2f') + ' / ' + _fmt(s['wall_default_s'], '.2f'):>20}"
+              f"{_fmt(s['wall_unframed_over_default'], '.2f'):>7}x")
+    print("decode x: the default's decode time per token over the unframed engine's, calls whose sender fed "
+          "copies; downstream TTFT: agents after the first, unframed TTFT / default TTFT; wall gain: a pipeline's "
+          "summed call time, unframed / default (>1: the default is faster end to end). Medians of paired ratios.")
     path = Path(args.out) / f"{args.model.replace(':', '-')}-{args.device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

@@ -132,8 +132,8 @@ class ExperimentalSettings(BaseModel):
             "after that reader's own prefix (its system text: learned from earlier calls, its KV "
             "taken from the exact-prefix store), fed with the first reader's decode steps and "
             "recorded as a version the later readers reuse (method='kvcomm' with "
-            "recorded_versions; kvcomm_agents.text_framing). Costs the first reader up to 64 "
-            "text ids per generated token on a CPU (256 on CUDA), the rest after its reply. "
+            "recorded_versions; kvcomm_agents.text_framing). Costs the first reader up to 256 "
+            "text ids per generated token, the rest after its reply. "
             "False: each reader estimates offsets for the text or computes it."
         ),
     )

@@ -16,7 +16,7 @@ its KV is found with :meth:`FramedDecode.slot_positions` (the copies' slots read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -41,12 +41,12 @@ def copy_chunk(device: torch.device) -> int:
 CPU_CHUNK = 16
 
 #: Text-copy ids fed per sender token on a CPU, all text copies together. Measured on the
-#: embedded model over a 1,000-token cache: a 1-token step 43 ms, 65 tokens 192 ms (2.3 ms per
-#: extra id, against 1.8 ms per id in a long prefill), so 64 ids ride on each step; the rest is
-#: fed after the reply. A named heuristic from that one measurement.
-CPU_TEXT_IDS = 64
-#: The same on CUDA, where a decode step is bound by reading the weights (assumed, not
-#: measured: ``benchmarks/gpu_check.sh`` has never run).
+#: embedded model over a 450-token cache: a 64-id forward costs 2.2 ms per id, a 256-id one 1.7
+#: (a long prefill 1.6-1.8): big chunks waste least, at the price of a few slow steps (about
+#: 0.45 s each) early in the sender's reply. A named heuristic from that one measurement.
+CPU_TEXT_IDS = 256
+#: The same on CUDA, where a decode step is bound by reading the weights until a few hundred
+#: queries (assumed, not measured: ``benchmarks/gpu_check.sh`` has never run).
 CUDA_TEXT_IDS = 256
 
 
@@ -66,6 +66,8 @@ class TextCopy:
         prefix: their exact KV, keys at positions ``0..P-1`` (``[L][1, kv_heads, P, head_dim]``).
         source_start: prompt position of ``ids[0]`` in the sender's prompt.
         fed: text ids fed so far.
+        kv: the copy's KV of the ``T`` text ids (keys at positions ``P..P+T-1``), once every
+            id was fed and the copy left the cache (:meth:`FramedDecode.retire_texts`).
     """
 
     ids: tuple[int, ...]
@@ -73,6 +75,7 @@ class TextCopy:
     prefix: KVBlock
     source_start: int
     fed: int = 0
+    kv: Optional[KVBlock] = None  # the text's ``T`` computed KV, once taken out of the cache
 
     @property
     def start(self) -> int:
@@ -113,6 +116,7 @@ class FramedDecode:
         self.fed = 0  # reply tokens fed to the reply copies (the same in every framing)
         self.pending: list[int] = []  # reply tokens the reply copies have not been fed yet
         self._prefixes_in = not self.texts  # the text copies' prefixes are in the cache
+        self._texts_out = not self.texts  # the text copies' KV left the cache
 
     def _queries(self, copies: Sequence[int], tokens: Sequence[int], take: int) -> tuple[list[int], list[int], list[int]]:
         """Ids, positions and contexts of one forward feeding ``copies`` to every reply framing,
@@ -199,6 +203,30 @@ class FramedDecode:
             self.slot_ctx = torch.cat([self.slot_ctx, torch.full((text.start,), c, dtype=torch.long)])
         self._prefixes_in = True
 
+    def retire_texts(self, cache) -> None:
+        """Take the text copies' KV out of the cache (into :attr:`TextCopy.kv`), prefixes
+        included, once every text id was fed: the sender's later steps attend over its own slots
+        (and the reply copies') only."""
+        if self._texts_out or self.text_left:
+            return
+        text_contexts = torch.zeros(len(self.rules) + len(self.texts) + 1, dtype=torch.bool)
+        text_contexts[len(self.rules) + 1:] = True
+        for index, text in enumerate(self.texts):
+            text.kv = hf.kv_at_positions(cache, self.slot_positions(self.text_context(index)),
+                                         torch.arange(text.start, text.start + len(text.ids)))
+        keep = (~text_contexts[self.slot_ctx]).nonzero().flatten()
+        for layer in cache.layers:
+            index = keep.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self.slot_pos, self.slot_ctx = self.slot_pos[keep], self.slot_ctx[keep]
+        self._texts_out = True
+
+    @property
+    def _alone(self) -> bool:
+        """Only the sender's slots are left: a plain causal forward serves."""
+        return not self.rules and self._texts_out
+
     def _run(self, model, cache, copies: list[int], tokens: Sequence[int], rows: int, take: int) -> torch.Tensor:
         """One forward; the logits of its last ``rows`` queries (the sender's)."""
         if not self._prefixes_in:
@@ -206,9 +234,9 @@ class FramedDecode:
         ids, pos, ctx = self._queries(copies, tokens, take)
         q_pos, q_ctx = torch.tensor(pos, dtype=torch.long), torch.tensor(ctx, dtype=torch.long)
         device = hf.input_device(model)
+        mask = None if self._alone else self.mask(q_pos, q_ctx, dtype=model.dtype, device=device)
         logits = hf.run_forward(model, torch.tensor([ids], device=device), cache, position_ids=q_pos[None].to(device),
-                                attention_mask=self.mask(q_pos, q_ctx, dtype=model.dtype, device=device),
-                                logits_rows=rows)
+                                attention_mask=mask, logits_rows=rows)
         self.slot_pos = torch.cat([self.slot_pos, q_pos])
         self.slot_ctx = torch.cat([self.slot_ctx, q_ctx])
         self.sent += len(tokens)
@@ -217,6 +245,7 @@ class FramedDecode:
             self.pending = []
         for text in self.texts:
             text.fed = min(len(text.ids), text.fed + take)
+        self.retire_texts(cache)
         return logits
 
     def slot_positions(self, context: int = 0) -> torch.Tensor:

@@ -85,6 +85,6 @@ class Framer:
         if replied:
             done += record_framed_versions(framing, cache, plan, reply, self.anchors, self.info.rotator)
         if framing.texts:
-            done += record_text_versions(framing, cache, layout, self.store, fingerprint, self.anchors,
+            done += record_text_versions(framing, layout, self.store, fingerprint, self.anchors,
                                          self.info.rotator)
         return done, time.perf_counter() - started

@@ -38,7 +38,6 @@ from typing import Optional
 import torch
 
 from .anchors.versions import MIN_CONTEXT_MATCH, common_suffix, framed_receiver
-from .engines import hf
 from .framed_decode import FramedDecode, TextCopy
 from .framing import ALIGN_IDS, COVERED
 from .kv.segments import KVSegment
@@ -147,17 +146,17 @@ class TextFraming:
             self._rules.clear()
 
 
-def record_text_versions(framed: FramedDecode, cache, layout: PromptLayout, store, fingerprint: str, anchors,
+def record_text_versions(framed: FramedDecode, layout: PromptLayout, store, fingerprint: str, anchors,
                          rotator) -> int:
     """Record every message segment each text copy holds (stored by the sender's call, same
     ids) as a version under pseudo-receiver ``framed_receiver(i)`` for copy ``i``, its context the
-    copy's ids before it. Call after :meth:`FramedDecode.flush`. Returns the versions recorded."""
+    copy's ids before it. Call after :meth:`FramedDecode.flush` (which takes the copies out of
+    the cache). Returns the versions recorded."""
     done = 0
     ids = layout.ids
     for index, text in enumerate(framed.texts):
-        if text.fed < len(text.ids):
+        if text.kv is None:
             continue
-        slots = framed.slot_positions(framed.text_context(index))
         first, last = text.source_start, text.source_start + len(text.ids)
         for span in layout.content_spans:
             if span is None:
@@ -170,7 +169,7 @@ def record_text_versions(framed: FramedDecode, cache, layout: PromptLayout, stor
                 continue
             offset = tokens.start - first
             at = text.start + offset
-            real = hf.kv_at_positions(cache, slots, torch.arange(at, at + len(tokens)))
+            real = text.kv.window(offset, offset + len(tokens))
             done += anchors.record_version(framed_receiver(index), segment, real, at, text.context_ids(offset),
                                            rotator, min_match=MIN_CONTEXT_MATCH)
     return done
