@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ from .anchors import KVCommAnchors
 from .anchors.versions import is_framed
 from .config import KVCommConfig
 from .kv.own_text import OwnTextStore, piece_key
-from .kv.segments import CONTEXT_TOKENS
+from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .kv.store import SegmentStore
 from .matching import Occurrence, TokenMatch, find_occurrences, find_token_matches, match_runs
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
@@ -74,7 +74,8 @@ def plan_call(
         if hit is not None:
             prefix = PrefixHit(hit[0], min(hit[1], n - 1))
     decider = _RunDecider(layout, prefix.length if prefix else 0, config, agent,
-                          anchors if config.method == "kvcomm" else None, calibrating)
+                          anchors if config.method == "kvcomm" else None, calibrating,
+                          twins=lambda segment: store.twins(segment, fingerprint))
     decisions = []
     found: list = find_occurrences(layout, store, fingerprint)
     if refuse_reason is None and config.reuse and config.method != "exact_prefix" \
@@ -83,7 +84,7 @@ def plan_call(
     found.sort(key=lambda item: item.token_span(layout)[0])  # stable: message order where spans tie
     for occ in found:
         if refuse_reason is None and occ.failure is None:
-            status, reason, reused, gate = decider.decide(occ)
+            occ, (status, reason, reused, gate) = decider.decide(occ)
         else:
             status, reason, reused, gate = "prefilled", refuse_reason or occ.failure, 0, None
         decisions.append(SegmentDecision(
@@ -162,16 +163,25 @@ class _RunDecider:
     before it is exact, and what follows it is still reused."""
 
     def __init__(self, layout: PromptLayout, prefix_length: int, config: KVCommConfig, agent: str,
-                 anchors: Optional[KVCommAnchors], calibrating: bool = False):
+                 anchors: Optional[KVCommAnchors], calibrating: bool = False,
+                 twins: Callable[[KVSegment], list[KVSegment]] = lambda segment: []):
         self.layout, self.prefix_length, self.config, self.agent, self.anchors = layout, prefix_length, config, agent, anchors
-        self.calibrating = calibrating
+        self.calibrating, self.twins = calibrating, twins
+        self._decided: Optional[Occurrence | TokenMatch] = None  # the occurrence as last decided
         self.n = int(layout.ids.numel())
         self.runs: list[ReusedRun] = []
         self.observations: list[Observation] = []
         self.dense_from: Optional[int] = None
 
-    def decide(self, occ: Occurrence | TokenMatch) -> tuple[str, str, int, Optional[GateRecord]]:
-        """``(status, reason, reused_tokens, gate)`` of one occurrence; collects its runs."""
+    def decide(self, occ: Occurrence | TokenMatch) -> tuple[Occurrence | TokenMatch, tuple[str, str, int, Optional[GateRecord]]]:
+        """The occurrence as decided (on a twin of its segment where only the twin's version
+        fits, :meth:`_with_version`) and its ``(status, reason, reused_tokens, gate)``; collects
+        its runs."""
+        outcome = self._decide(occ)
+        return self._decided, outcome
+
+    def _decide(self, occ: Occurrence | TokenMatch) -> tuple[str, str, int, Optional[GateRecord]]:
+        self._decided = occ
         if isinstance(occ, TokenMatch):
             runs = [(occ.prompt_start, occ.segment_start, occ.length)]
         else:
@@ -200,6 +210,7 @@ class _RunDecider:
             if self.calibrating:
                 reason = "calibration"
             else:
+                occ = self._decided = self._with_version(occ, tokens, context)
                 # after a new anchor only a recorded version of the segment is reused (its KV is
                 # what a receiver computed after the same text): the context stays near exact
                 verdict = (self.anchors.recorded(self.agent, occ.segment, tokens, context) if self.dense_from is not None
@@ -232,6 +243,21 @@ class _RunDecider:
         if not reused:
             return "prefilled", "too_short", 0, gate
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
+
+
+    def _with_version(self, occ, tokens: Optional[tuple[int, int]], context: list[int]):
+        """``occ``, or ``occ`` on a twin of its segment (same text and ids, another producer:
+        two agents that replied alike) that has a recorded version fitting ``context`` where
+        ``occ``'s segment has none: text is matched to one segment per text, the most recent,
+        and the version that fits may be the other producer's."""
+        if tokens is None or self.anchors.recorded(self.agent, occ.segment, tokens, context) is not None:
+            return occ
+        for twin in self.twins(occ.segment):
+            if self.anchors.recorded(self.agent, twin, tokens, context) is not None:
+                if isinstance(occ, TokenMatch):
+                    return replace(occ, segment=twin)
+                return replace(occ, segment=twin, segment_id=twin.id, ref=twin.ref)
+        return occ
 
 
 def _gate_record(verdict) -> GateRecord:

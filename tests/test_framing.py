@@ -188,3 +188,23 @@ def test_a_reply_found_twice_teaches_the_framing_of_its_last_occurrence():
     book = ReaderFraming()
     assert book.learn(plan) == 1
     assert book.rules(KIND[0]) == [FramingRule(drop=len(HEADER), lead_in=late)]
+
+
+def test_two_senders_with_the_same_reply_each_serve_their_own_place(model, tokenizer):
+    """Two solvers reply alike (same text, same ids): text is matched to one segment per text,
+    the most recent, so the first solver's place in the reader's prompt is found as the second
+    solver's reply, whose framed version does not fit there. The planner takes the twin whose
+    version fits: both places are reused from their own sender's framed copy."""
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    reply_ids = tokenizer(REPLIES[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for r in range(2):
+        question = f"{QUESTION} Say it for basket {'XY'[r]}."
+        first = [{"role": "system", "content": "You are a solver."}, {"role": "user", "content": question}]
+        engine.replay(first, agent="s1", reply_ids=reply_ids)
+        second = first + [{"role": "user", "content": f"Solver one said:\n{REPLIES[0]}"}]
+        engine.replay(second, agent="s2", reply_ids=reply_ids)
+        reader = second + [{"role": "user", "content": f"Solver two said:\n{REPLIES[0]}"}]
+        read = engine.replay(reader, agent="s3", reply_ids=[tokenizer.eos_token_id])
+    decisions = [d for d in read.result.stats.shared_decisions if d.segment.kind[1] == "assistant"]
+    assert [d.segment.kind[0] for d in decisions] == ["s1", "s2"], decisions
+    assert [d.gate.offsets for d in decisions] == ["framed", "framed"], decisions

@@ -149,6 +149,14 @@ class SegmentStore:
                         return entry
             return None
 
+    def twins(self, segment: KVSegment, fingerprint: str) -> list[KVSegment]:
+        """Other segments of ``fingerprint`` with the same text and ids as ``segment`` (another
+        producer's), most recent first."""
+        with self._lock:
+            return [entry for entry in reversed(self._entries.values())
+                    if isinstance(entry, KVSegment) and entry is not segment and entry.ref.fingerprint == fingerprint
+                    and entry.ref.text_hash == segment.ref.text_hash and entry.ref.id != segment.ref.id]
+
     def find_text(self, text: str, fingerprint: str) -> KVSegment | None:
         """The most recent segment of ``fingerprint`` whose text is exactly ``text``."""
         with self._lock:
