@@ -12,6 +12,7 @@ Pools are kept per segment kind, least recently used first out of one byte budge
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from dataclasses import replace
@@ -334,8 +335,11 @@ class KVCommAnchors:
             self._enforce_budget()
 
     def _enforce_budget(self) -> None:
+        """Evict until the pools fit ``max_bytes``: the pool holding the most bytes gives up its
+        oldest anchors (never its newest: it was just recorded), as many as its share of the
+        excess needs, then compacts once. A pool of one anchor that alone is over goes whole."""
         while self._pools and self.nbytes() > self.max_bytes:
-            kind, pool = next(iter(self._pools.items()))
+            kind, pool = max(self._pools.items(), key=lambda item: item[1].nbytes)
             if len(pool) <= 1:
                 if len(self._pools) == 1 and not self._warned:
                     self._warned = True
@@ -346,7 +350,10 @@ class KVCommAnchors:
                     )
                 del self._pools[kind]
                 continue
-            pool.evict_one()
+            per_anchor = pool.nbytes / max(1, len(pool.segment_ids))
+            wanted = math.ceil((self.nbytes() - self.max_bytes) / max(1.0, per_anchor))
+            for _ in range(max(1, min(wanted, len(pool) - 1))):
+                pool.evict_one(keep_newest=True)
             pool.compact()
 
 

@@ -163,7 +163,9 @@ class AnchorPool:
         cap_slots = self.base_keys.shape[0] if self.base_keys is not None else 0
         if slots > cap_slots or tokens > cap_tokens:
             new_slots = min(self.max_anchors, max(slots, 2 * cap_slots))
-            new_tokens = max(tokens, 2 * cap_tokens) if tokens > cap_tokens else cap_tokens
+            # tokens grow by a quarter, in steps of 64: a pool holds its longest anchor's length
+            # for every slot and every receiver, so doubling would waste up to half the budget
+            new_tokens = -(-max(tokens, cap_tokens + cap_tokens // 4) // 64) * 64 if tokens > cap_tokens else cap_tokens
             self.base_keys = _zeros_like_grown(self.base_keys, new_slots, new_tokens, keys)
             self.base_values = _zeros_like_grown(self.base_values, new_slots, new_tokens, values)
         self.base_keys[slot].zero_()
@@ -190,10 +192,12 @@ class AnchorPool:
             return len(self.segment_ids) - 1
         return self.evict_one()
 
-    def evict_one(self) -> int:
-        """Empty the least-activated of the ``eviction_window`` oldest anchors; returns its slot."""
+    def evict_one(self, keep_newest: bool = False) -> int:
+        """Empty the least-activated of the ``eviction_window`` oldest anchors (``keep_newest``:
+        never the newest, where there are two or more); returns its slot."""
         occupied = [i for i, sid in enumerate(self.segment_ids) if sid is not None]
-        oldest = sorted(occupied, key=lambda i: self.created[i])[: self.eviction_window]
+        window = min(self.eviction_window, len(occupied) - 1) if keep_newest and len(occupied) > 1 else self.eviction_window
+        oldest = sorted(occupied, key=lambda i: self.created[i])[:window]
         victim = min(oldest, key=lambda i: (int(self.activations[i]), self.created[i]))
         self.segment_ids[victim] = None
         self.lengths[victim] = 0

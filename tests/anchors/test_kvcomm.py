@@ -38,6 +38,25 @@ def test_observations_are_recorded_in_the_canonical_frame():
     assert reg.anchors(KIND) == 1 and reg.anchors(("other", None)) == 0
 
 
+def test_the_budget_takes_the_oldest_anchors_of_the_largest_pool_and_keeps_its_newest():
+    """Over the byte budget, the pool holding most bytes (long documents) gives up its oldest
+    anchors, never the one just recorded; a small pool of replies recorded earlier keeps its
+    anchors (before: the least recently recorded pool was emptied first, whatever its size)."""
+    reg = registry()
+    replies = ("s1", "assistant")
+    observe(reg, "s2", segment(0, kind=replies), *offsets(0))
+    documents = [segment(i, tokens=48) for i in range(1, 6)]
+    for i, document in enumerate(documents[:4], start=1):
+        observe(reg, "s2", document, *offsets(i, tokens=48))
+    large = reg.pool(KIND)
+    reg.max_bytes = reg.nbytes() - large.nbytes // 3
+    observe(reg, "s2", documents[4], *offsets(5, tokens=48))
+    assert reg.nbytes() <= reg.max_bytes
+    assert reg.anchors(replies) == 1
+    assert large.slot_of(documents[4].id) is not None
+    assert large.slot_of(documents[0].id) is None and 1 <= len(large) < 5
+
+
 def test_observations_after_the_first_rerotated_token_are_not_recorded():
     reg = registry()
     seg = segment(0)
