@@ -41,6 +41,11 @@ __all__ = ["KVCommAnchors", "ExactKV"]
 ExactKV = Callable[[int, int], KVBlock]
 
 
+#: Share of ``max_bytes`` the pools are brought down to when they exceed it, so that a few more
+#: records fit before the next compaction (a named heuristic).
+HEADROOM = 0.9
+
+
 class KVCommAnchors:
     """Anchor pools of one engine under one byte budget.
 
@@ -336,8 +341,8 @@ class KVCommAnchors:
 
     def _enforce_budget(self) -> None:
         """Evict until the pools fit ``max_bytes``: the pool holding the most bytes gives up its
-        oldest anchors (never its newest: it was just recorded), as many as its share of the
-        excess needs, then compacts once. A pool of one anchor that alone is over goes whole."""
+        oldest anchors (never its newest: it was just recorded), as many as bring the pools to
+        :data:`HEADROOM` of the budget, then compacts once (a compaction copies the pool). A pool of one anchor that alone is over goes whole."""
         while self._pools and self.nbytes() > self.max_bytes:
             kind, pool = max(self._pools.items(), key=lambda item: item[1].nbytes)
             if len(pool) <= 1:
@@ -351,7 +356,8 @@ class KVCommAnchors:
                 del self._pools[kind]
                 continue
             per_anchor = pool.nbytes / max(1, len(pool.segment_ids))
-            wanted = math.ceil((self.nbytes() - self.max_bytes) / max(1.0, per_anchor))
+            # down to 90% of the budget: the next records fit without another compaction
+            wanted = math.ceil((self.nbytes() - HEADROOM * self.max_bytes) / max(1.0, per_anchor))
             for _ in range(max(1, min(wanted, len(pool) - 1))):
                 pool.evict_one(keep_newest=True)
             pool.compact()

@@ -22,9 +22,12 @@ __all__ = ["AnchorPool", "OffsetStack", "RecordedContext", "take", "top_p_member
 def _zeros_like_grown(t: Optional[torch.Tensor], slots: int, tokens: int, like: torch.Tensor) -> torch.Tensor:
     """``[slots, L, H, tokens, D]`` zeros holding ``t``'s data in its leading corner."""
     shape = (slots, *like.shape[:2], tokens, like.shape[3])
-    out = torch.zeros(shape, dtype=like.dtype, device=like.device)
-    if t is not None:
-        out[: t.shape[0], :, :, : t.shape[3]] = t
+    if t is None:
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)  # zeroed where t does not land
+    out[: t.shape[0], :, :, : t.shape[3]] = t
+    out[: t.shape[0], :, :, t.shape[3]:] = 0
+    out[t.shape[0]:] = 0
     return out
 
 
@@ -266,14 +269,15 @@ class AnchorPool:
         self.created = [self.created[i] for i in keep]
         self.lengths, self.activations = self.lengths[index], self.activations[index]
         n = len(keep)
-        self.base_keys = self.base_keys[index].clone() if n else None
-        self.base_values = self.base_values[index].clone() if n else None
+        # indexing with a tensor copies already: no clone
+        self.base_keys = self.base_keys[index] if n else None
+        self.base_values = self.base_values[index] if n else None
         for stack in (*self.placeholder.values(), *self.own_text.values()):
             if stack.keys is None:
                 continue
             kept = index[index < stack.keys.shape[0]]  # ascending: a prefix of the new slots
             has = torch.zeros(n, dtype=torch.bool)
             has[: kept.numel()] = stack.has[kept]
-            stack.keys, stack.values, stack.has = stack.keys[kept].clone(), stack.values[kept].clone(), has
+            stack.keys, stack.values, stack.has = stack.keys[kept], stack.values[kept], has
             moved = {old: new for new, old in enumerate(keep)}
             stack.contexts = {moved[old]: c for old, c in stack.contexts.items() if old in moved}
