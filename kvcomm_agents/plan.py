@@ -58,7 +58,8 @@ class GateRecord(BaseModel):
         description="With decision 'reuse': 'estimated' from the anchors, 'own' (the receiver recorded this very "
         "segment), 'recorded' (another receiver recorded this very segment after the same text as this "
         "prompt has before it), 'framed' (the sender recorded this reply after the text its readers put "
-        "before it: kvcomm_agents.framing), 'base' (the segment's own KV was computed after the same text: no "
+        "before it, or the first reader of shared text recorded it after this reader's own prefix: "
+        "kvcomm_agents.framing, kvcomm_agents.text_framing), 'base' (the segment's own KV was computed after the same text: no "
         "offsets), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
 
 

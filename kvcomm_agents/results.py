@@ -44,9 +44,11 @@ class CallStats(BaseModel):
         description="Where the reused tokens sit: ascending [start, end) prompt spans (exact prefix, reused runs, "
                     "own text; recomputed positions left out). Empty where the runtime does not report it.")
     framed_versions: int = Field(
-        default=0, description="Versions of this call's reply computed in its readers' framing after the reply "
-        "(experimental.framed_replies).")
-    framed_s: float = Field(default=0.0, description="Seconds spent on them, after the reply (in total_s, not ttft_s).")
+        default=0, description="Versions recorded after the reply: copies of this call's reply in its readers' "
+        "framing (experimental.framed_replies) and of its shared prompt text after later readers' prefixes "
+        "(experimental.framed_texts), per message segment.")
+    framed_s: float = Field(default=0.0, description="Seconds spent after the reply feeding what the copies still "
+                            "lacked and recording them (in total_s, not ttft_s).")
     anchors_consulted: int = Field(default=0, description="Anchors the gate consulted, over all segments.")
     anchor_bytes: int = Field(default=0, description="Bytes held by all anchor pools after the call.")
     audit_kl: Optional[float] = Field(
