@@ -165,7 +165,7 @@ class FramedDecode:
             self.pending += part
             copies = self.pending if len(self.pending) >= self.chunk else []
             rows.append(self._run(model, cache, copies, part, 1 if last_logits_only else len(part),
-                                  self.rate * len(part)))
+                                  self._take(self.rate * len(part), (len(self.rules) + 1) * len(part))))
         return rows[-1] if last_logits_only else torch.cat(rows, dim=1)
 
     def _windows(self, n: int) -> list[slice]:
@@ -182,16 +182,22 @@ class FramedDecode:
         """Text-copy ids not fed yet."""
         return sum(len(text.ids) - text.fed for text in self.texts)
 
+    def _take(self, take: int, others: int) -> int:
+        """Ids of each text copy one forward feeds: ``take``, halved (down to :data:`CPU_CHUNK`)
+        until the forward's queries (``others`` besides the text ids) times its keys fit the
+        mask budget; what is left rides on later forwards or :meth:`flush`."""
+        k, slots = len(self.texts), self.slot_pos.numel()
+        while take > CPU_CHUNK and (k * take + others) * (slots + k * take + others) > hf.MASK_BUDGET:
+            take //= 2
+        return take
+
     def flush(self, model, cache) -> None:
         """Feed the copies what they have not been fed yet (after the reply), in forwards whose
         mask stays within the budget."""
         if self.pending and self.rules:
             self._run(model, cache, self.pending, [], 1, 0)
         while self.text_left:
-            take = max(len(text.ids) - text.fed for text in self.texts)
-            while take > CPU_CHUNK and len(self.texts) * take * (self.slot_pos.numel() + len(self.texts) * take) > hf.MASK_BUDGET:
-                take //= 2
-            self._run(model, cache, [], [], 1, take)
+            self._run(model, cache, [], [], 1, self._take(max(len(t.ids) - t.fed for t in self.texts), 0))
 
     def _inject_prefixes(self, cache) -> None:
         """Put each text copy's prefix KV into the cache, as slots of its context."""

@@ -7,7 +7,7 @@
 3. :meth:`~KVCommAnchors.observe` (after a pass with exact context, a call's prefill or an
    audit's dense pass): record ``real - base`` KV of the segments and own-text pieces it computed.
 
-Pools are kept per segment kind, least recently used first out of one byte budget.
+Pools are kept per segment kind under one byte budget; the pool holding most bytes gives up its oldest anchors first.
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ class KVCommAnchors:
                 slot = pool.add(segment)
             pool.record(slot, receiver, start, keys, values, context, min_match)
             self._pools.move_to_end(kind)
-            self._enforce_budget()
+            self._enforce_budget(protect=(kind, segment.id))
 
     def _record_own_text(self, receiver: str, segment: KVSegment, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Offsets ``[L-1, H, P, D]`` of ``receiver``'s own-text piece after ``segment`` (an anchor)."""
@@ -339,14 +339,19 @@ class KVCommAnchors:
             pool.record_own_text(slot, receiver, piece, keys, values)
             self._enforce_budget()
 
-    def _enforce_budget(self) -> None:
-        """Evict until the pools fit ``max_bytes``: the pool holding the most bytes gives up its
-        oldest anchors (never its newest: it was just recorded), as many as bring the pools to
-        :data:`HEADROOM` of the budget, then compacts once (a compaction copies the pool). A pool of one anchor that alone is over goes whole."""
+    def _enforce_budget(self, protect: Optional[tuple[Kind, str]] = None) -> None:
+        """Evict until the pools fit ``max_bytes``. The pool holding the most bytes among those
+        that can spare an anchor gives up its oldest ones (never its newest, nor ``protect``'s
+        segment: just recorded), as many as bring the pools to :data:`HEADROOM` of the budget
+        once its empty slots are dropped too, then compacts once (a compaction copies the pool).
+        Where no pool can spare one, the largest pool goes whole, ``protect``'s kind last."""
+        stuck: set = set()  # pools that freed nothing this time
         while self._pools and self.nbytes() > self.max_bytes:
-            kind, pool = max(self._pools.items(), key=lambda item: item[1].nbytes)
-            if len(pool) <= 1:
-                if len(self._pools) == 1 and not self._warned:
+            shared = [(k, p) for k, p in self._pools.items() if len(p) > 1 and k not in stuck]
+            if not shared:
+                spare = [(k, p) for k, p in self._pools.items() if protect is None or k != protect[0]]
+                kind, pool = max(spare or list(self._pools.items()), key=lambda item: item[1].nbytes)
+                if not spare and not self._warned:
                     self._warned = True
                     warnings.warn(
                         f"anchor_max_bytes ({self.max_bytes} bytes) cannot hold one anchor of kind {kind} "
@@ -355,12 +360,18 @@ class KVCommAnchors:
                     )
                 del self._pools[kind]
                 continue
-            per_anchor = pool.nbytes / max(1, len(pool.segment_ids))
-            # down to 90% of the budget: the next records fit without another compaction
-            wanted = math.ceil((self.nbytes() - HEADROOM * self.max_bytes) / max(1.0, per_anchor))
-            for _ in range(max(1, min(wanted, len(pool) - 1))):
-                pool.evict_one(keep_newest=True)
+            kind, pool = max(shared, key=lambda item: item[1].nbytes)
+            per_slot = pool.nbytes / max(1, pool.capacity_slots)
+            compacted = self.nbytes() - (pool.capacity_slots - len(pool)) * per_slot  # empty slots dropped
+            wanted = math.ceil((compacted - HEADROOM * self.max_bytes) / max(1.0, per_slot))
+            keep = protect[1] if protect is not None and protect[0] == kind else None
+            for _ in range(max(0, min(wanted, len(pool) - 1))):
+                if pool.evict_one(keep_newest=True, protect=keep) is None:
+                    break
+            before = pool.nbytes
             pool.compact()
+            if pool.nbytes >= before:
+                stuck.add(kind)
 
 
 def offsets(real: KVBlock, base: KVBlock, shift: int, base_start: int, rotator: RopeRotator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Storage of one KVCOMM anchor pool: a segment kind's anchors, their offsets, their eviction.
 
 Everything of a pool lives in stacked tensors ``[slots, L-1, kv_heads, tokens, head_dim]`` that
-grow by doubling (slots up to ``max_anchors``, tokens up to the longest anchor), so matching is a
+grow (slots by doubling up to ``max_anchors``, tokens by a quarter in steps of 64, up to the
+longest anchor), so matching is a
 handful of vectorised reductions with no per-call gathers of anchor tensors. What an anchor is:
 :mod:`kvcomm_agents.anchors`.
 """
@@ -195,12 +196,16 @@ class AnchorPool:
             return len(self.segment_ids) - 1
         return self.evict_one()
 
-    def evict_one(self, keep_newest: bool = False) -> int:
+    def evict_one(self, keep_newest: bool = False, protect: Optional[str] = None) -> Optional[int]:
         """Empty the least-activated of the ``eviction_window`` oldest anchors (``keep_newest``:
-        never the newest, where there are two or more); returns its slot."""
+        never the newest; never segment ``protect``); returns its slot, or None where no anchor
+        may go."""
         occupied = [i for i, sid in enumerate(self.segment_ids) if sid is not None]
-        window = min(self.eviction_window, len(occupied) - 1) if keep_newest and len(occupied) > 1 else self.eviction_window
-        oldest = sorted(occupied, key=lambda i: self.created[i])[:window]
+        newest = max(occupied, key=lambda i: self.created[i]) if keep_newest and occupied else None
+        occupied = [i for i in occupied if i != newest and self.segment_ids[i] != protect]
+        if not occupied:
+            return None
+        oldest = sorted(occupied, key=lambda i: self.created[i])[: self.eviction_window]
         victim = min(oldest, key=lambda i: (int(self.activations[i]), self.created[i]))
         self.segment_ids[victim] = None
         self.lengths[victim] = 0
@@ -220,6 +225,11 @@ class AnchorPool:
         """Offsets ``[L-1, H, P, D]`` of the receiver's own-text piece ``piece`` after the segment."""
         stack = self.own_text.setdefault((receiver, piece), OffsetStack())
         stack.write(slot, 0, keys, values, self._capacity[0], 0)
+
+    @property
+    def capacity_slots(self) -> int:
+        """Slots the pool's tensors hold (occupied or not)."""
+        return self.base_keys.shape[0] if self.base_keys is not None else 0
 
     @property
     def _capacity(self) -> tuple[int, int]:

@@ -57,6 +57,38 @@ def test_the_budget_takes_the_oldest_anchors_of_the_largest_pool_and_keeps_its_n
     assert large.slot_of(documents[0].id) is None and 1 <= len(large) < 5
 
 
+def test_one_anchor_over_the_budget_costs_a_few_anchors_not_half_the_pool():
+    """Eviction is sized after the empty slots are dropped: a budget that holds 8 anchors once
+    compacted keeps about 90% of them when a ninth arrives (a pool's capacity doubles ahead of
+    its anchors, so sizing by allocated bytes evicted about half)."""
+    reg = registry(max_anchors=20)
+    documents = [segment(i, tokens=24) for i in range(12)]
+    for i, document in enumerate(documents[:8]):
+        observe(reg, "s2", document, *offsets(i, tokens=24))
+    pool = reg.pool(KIND)
+    pool.compact()
+    reg.max_bytes = reg.nbytes() + 1
+    observe(reg, "s2", documents[8], *offsets(8, tokens=24))
+    assert reg.nbytes() <= reg.max_bytes
+    assert 6 <= len(pool) <= 8 and pool.slot_of(documents[8].id) is not None
+
+
+def test_a_pool_just_recorded_is_kept_while_others_can_spare_anchors():
+    """A new kind's first anchor (a long document) over the budget: the other pools give up
+    their oldest anchors; the new one stays."""
+    reg, alone = registry(), registry()
+    replies = ("s1", "assistant")
+    for i in range(6):
+        observe(reg, "s2", segment(i, kind=replies), *offsets(i))
+    document = segment(99, tokens=600)
+    observe(alone, "s2", document, *offsets(99, tokens=600))
+    reg.max_bytes = reg.nbytes() + alone.nbytes() - reg.nbytes() // 4
+    observe(reg, "s2", document, *offsets(99, tokens=600))
+    assert reg.nbytes() <= reg.max_bytes
+    assert reg.pool(KIND) is not None and reg.pool(KIND).slot_of(document.id) is not None
+    assert 1 <= reg.anchors(replies) < 6
+
+
 def test_observations_after_the_first_rerotated_token_are_not_recorded():
     reg = registry()
     seg = segment(0)
