@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# GPU check, on one CUDA GPU with no internet, in under 4 minutes:
+# GPU check, on one CUDA GPU with no internet, in about 6 minutes:
 #   1. library versions;
 #   2. the exactness tests (pytest -m exact: layer-0 re-rotation, the mask oracle, reuse off ==
 #      generate) on CUDA in float32, then in bfloat16;
 #   3. the paper's TTFT shape (5 agents, P=512, I=1024, O=512 generated exactly, bf16) on a
 #      random-weight Llama-3.1-8B: replies generated once densely, then time to first token per
-#      strategy (benchmarks profile "gpu", workload a).
+#      strategy (benchmarks profile "gpu", workload a);
+#   4. what framed copies cost the sender's decode and save its readers on a GPU (the assumption
+#      behind copying on every decode step): benchmarks.framed_decode, workloads (a) and (c).
 # Each step writes JSON under $OUT (default benchmarks/out/gpu) as soon as it ends.
 #
 #   bash benchmarks/gpu_check.sh --fetch   # here, with internet: wheels the GPU machine lacks
@@ -73,3 +75,10 @@ timeout 150 "$PYTHON" -m benchmarks --profile "$PROFILE" --model "$MODEL" --devi
   --no-plots --out "$OUT/bench" 2>&1 | grep -v "it/s]$" | tail -40
 step_json paper_shape "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 echo "results: $OUT/bench/ (results.json; phase_a.partial.json if it was cut short)"
+
+start=$(date +%s)
+FRAMED_DTYPE=$([ "$DEVICE" = cuda ] && echo bfloat16 || echo float32)
+timeout 150 "$PYTHON" -m benchmarks.framed_decode --model "$MODEL" --device "$DEVICE" --dtype "$FRAMED_DTYPE" \
+  --requests 3 --tokens 64 --workloads a,c --out "$OUT/framed" 2>&1 | grep -v "it/s]$" | tail -10
+step_json framed_copies "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
+echo "results: $OUT/framed/"

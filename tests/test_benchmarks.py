@@ -243,3 +243,19 @@ def test_the_hand_off_charges_the_senders_framing_work_to_the_next_agent(smoke):
         assert r["handoff_s"] == pytest.approx(r["ttft_s"] + spent)
         if r["strategy"] == "kvcomm-unframed" or not r["strategy"].startswith("kvcomm"):
             assert not r.get("framed_versions")
+
+
+def test_framed_decode_times_whole_pipelines_with_and_without_copies(tmp_path):
+    """``benchmarks.framed_decode`` answers the same messages on both engines, and the default
+    engine's first agents feed copies (a: the shared input for the later agents)."""
+    from benchmarks import framed_decode
+
+    result = framed_decode.main(["--model", "random:tiny", "--device", "cpu", "--requests", "2", "--tokens", "8",
+                                 "--workloads", "a", "--out", str(tmp_path)])
+    records = result["workloads"]["a"]["records"]
+    assert {r["request"] for r in records} == {1}  # the warm-up request is left out
+    assert any(r["default"]["copies"] for r in records if r["agent_index"] == 0)
+    assert not any(r["unframed"]["copies"] for r in records)
+    summary = result["workloads"]["a"]["summary"]
+    assert summary["pipelines"] == 1 and summary["wall_unframed_over_default"] > 0
+    assert json.loads(next(tmp_path.glob("*.json")).read_text())["workloads"]["a"]["summary"] == summary
