@@ -82,9 +82,10 @@ class Framer:
         started = time.perf_counter()
         framing.flush(model, cache)
         done = 0
-        if replied:
-            done += record_framed_versions(framing, cache, plan, reply, self.anchors, self.info.rotator)
-        if framing.texts:
-            done += record_text_versions(framing, layout, self.store, fingerprint, self.anchors,
-                                         self.info.rotator)
+        with self.anchors.recording():  # this call's copies do not evict each other
+            if replied:
+                done += record_framed_versions(framing, cache, plan, reply, self.anchors, self.info.rotator)
+            if framing.texts:
+                done += record_text_versions(framing, layout, self.store, fingerprint, self.anchors,
+                                             self.info.rotator)
         return done, time.perf_counter() - started

@@ -17,7 +17,8 @@ import threading
 import warnings
 from dataclasses import replace
 from collections import OrderedDict
-from typing import Callable, Mapping, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -91,6 +92,7 @@ class KVCommAnchors:
         self.temperature, self.activation_top_p = temperature, activation_top_p
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
         self._lock = threading.RLock()
+        self._batch = threading.local()  # segments recorded inside this thread's recording() block
         self._freeze = freeze or BlockCount()
         self._warned = False
         self.tracker = OffsetTracker()
@@ -325,7 +327,10 @@ class KVCommAnchors:
                 slot = pool.add(segment)
             pool.record(slot, receiver, start, keys, values, context, min_match)
             self._pools.move_to_end(kind)
-            self._enforce_budget(protect=(kind, segment.id))
+            batch = getattr(self._batch, "recorded", None)
+            if batch is not None:
+                batch.add((kind, segment.id))
+            self._enforce_budget(protect={(kind, segment.id)} | (batch or set()))
 
     def _record_own_text(self, receiver: str, segment: KVSegment, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Offsets ``[L-1, H, P, D]`` of ``receiver``'s own-text piece after ``segment`` (an anchor)."""
@@ -339,17 +344,29 @@ class KVCommAnchors:
             pool.record_own_text(slot, receiver, piece, keys, values)
             self._enforce_budget()
 
-    def _enforce_budget(self, protect: Optional[tuple[Kind, str]] = None) -> None:
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """A block whose records protect each other from the budget's evictions (one call's
+        versions: a reply's copies and its text copies), in this thread."""
+        outer = getattr(self._batch, "recorded", None)
+        self._batch.recorded = set() if outer is None else outer
+        try:
+            yield
+        finally:
+            self._batch.recorded = outer
+
+    def _enforce_budget(self, protect: Optional[set[tuple[Kind, str]]] = None) -> None:
         """Evict until the pools fit ``max_bytes``. The pool holding the most bytes among those
-        that can spare an anchor gives up its oldest ones (never its newest, nor ``protect``'s
-        segment: just recorded), as many as bring the pools to :data:`HEADROOM` of the budget
+        that can spare an anchor gives up its oldest ones (never its newest, nor a segment in
+        ``protect``: just recorded), as many as bring the pools to :data:`HEADROOM` of the budget
         once its empty slots are dropped too, then compacts once (a compaction copies the pool).
-        Where no pool can spare one, the largest pool goes whole, ``protect``'s kind last."""
+        Where no pool can spare one, the largest pool goes whole, ``protect``'s kinds last."""
         stuck: set = set()  # pools that freed nothing this time
         while self._pools and self.nbytes() > self.max_bytes:
             shared = [(k, p) for k, p in self._pools.items() if len(p) > 1 and k not in stuck]
             if not shared:
-                spare = [(k, p) for k, p in self._pools.items() if protect is None or k != protect[0]]
+                guarded = {kind for kind, _ in protect or ()}
+                spare = [(k, p) for k, p in self._pools.items() if k not in guarded]
                 kind, pool = max(spare or list(self._pools.items()), key=lambda item: item[1].nbytes)
                 if not spare and not self._warned:
                     self._warned = True
@@ -364,7 +381,7 @@ class KVCommAnchors:
             per_slot = pool.nbytes / max(1, pool.capacity_slots)
             compacted = self.nbytes() - (pool.capacity_slots - len(pool)) * per_slot  # empty slots dropped
             wanted = math.ceil((compacted - HEADROOM * self.max_bytes) / max(1.0, per_slot))
-            keep = protect[1] if protect is not None and protect[0] == kind else None
+            keep = {segment_id for k, segment_id in protect or () if k == kind}
             for _ in range(max(0, min(wanted, len(pool) - 1))):
                 if pool.evict_one(keep_newest=True, protect=keep) is None:
                     break

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -196,13 +196,13 @@ class AnchorPool:
             return len(self.segment_ids) - 1
         return self.evict_one()
 
-    def evict_one(self, keep_newest: bool = False, protect: Optional[str] = None) -> Optional[int]:
+    def evict_one(self, keep_newest: bool = False, protect: Collection[str] = ()) -> Optional[int]:
         """Empty the least-activated of the ``eviction_window`` oldest anchors (``keep_newest``:
-        never the newest; never segment ``protect``); returns its slot, or None where no anchor
-        may go."""
+        never the newest; never a segment in ``protect``); returns its slot, or None where no
+        anchor may go."""
         occupied = [i for i, sid in enumerate(self.segment_ids) if sid is not None]
         newest = max(occupied, key=lambda i: self.created[i]) if keep_newest and occupied else None
-        occupied = [i for i in occupied if i != newest and self.segment_ids[i] != protect]
+        occupied = [i for i in occupied if i != newest and self.segment_ids[i] not in protect]
         if not occupied:
             return None
         oldest = sorted(occupied, key=lambda i: self.created[i])[: self.eviction_window]

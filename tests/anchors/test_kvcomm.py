@@ -89,6 +89,25 @@ def test_a_pool_just_recorded_is_kept_while_others_can_spare_anchors():
     assert 1 <= reg.anchors(replies) < 6
 
 
+def test_records_of_one_call_do_not_evict_each_other():
+    """Inside ``recording()`` (one call's copies) the second record over the budget does not
+    evict the first, though it is the least used: both were just recorded; older anchors go."""
+    reg = registry(eviction_window=8)
+    old = [segment(i, tokens=24) for i in range(4)]
+    for i, document in enumerate(old):
+        observe(reg, "s2", document, *offsets(i, tokens=24))
+    first, second = segment(10, tokens=24), segment(11, tokens=24)
+    reg.pool(KIND).compact()
+    reg.pool(KIND).activations += 5  # the old anchors were used: the least activated would be `first`
+    reg.max_bytes = reg.nbytes() + 1
+    with reg.recording():
+        observe(reg, "s2", first, *offsets(10, tokens=24))
+        observe(reg, "s2", second, *offsets(11, tokens=24))
+    pool = reg.pool(KIND)
+    assert pool.slot_of(first.id) is not None and pool.slot_of(second.id) is not None
+    assert reg.nbytes() <= reg.max_bytes
+
+
 def test_observations_after_the_first_rerotated_token_are_not_recorded():
     reg = registry()
     seg = segment(0)
