@@ -171,9 +171,10 @@ class FramedDecode:
     def _windows(self, n: int) -> list[slice]:
         """Slices of ``n`` tokens fed at once: each forward's queries times its keys within the
         mask budget (at least :data:`CPU_CHUNK` tokens a window)."""
-        per_token = len(self.rules) + 1 + self.rate * len(self.texts)
+        live = [text for text in self.texts if text.fed < len(text.ids)]  # copies still fed
+        per_token = len(self.rules) + 1 + self.rate * len(live)
         keys = (self.slot_pos.numel() + per_token * n + sum(len(rule.lead_in) for rule in self.rules)
-                + sum(len(text.prefix_ids) for text in self.texts))
+                + sum(len(text.prefix_ids) for text in live))
         width = max(CPU_CHUNK, hf.MASK_BUDGET // max(1, per_token * keys))
         return [slice(i, min(n, i + width)) for i in range(0, n, width)]
 

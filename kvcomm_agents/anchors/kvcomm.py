@@ -7,12 +7,11 @@
 3. :meth:`~KVCommAnchors.observe` (after a pass with exact context, a call's prefill or an
    audit's dense pass): record ``real - base`` KV of the segments and own-text pieces it computed.
 
-Pools are kept per segment kind under one byte budget; the pool holding most bytes gives up its oldest anchors first.
+Pools are kept per segment kind under one byte budget (:mod:`.budget`).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from dataclasses import replace
@@ -31,6 +30,7 @@ from ..plan import CallPlan, OwnTextPiece, ReusedRun
 from .estimate import Estimator, OffsetEstimate, estimate_offsets
 from .gate import GateVerdict, judge
 from .persist import load_pools, save_pools
+from .budget import fit_budget
 from .pool import AnchorPool
 from .tracker import OffsetTracker
 from .versions import best_recorded_version
@@ -40,11 +40,6 @@ __all__ = ["KVCommAnchors", "ExactKV"]
 #: ``(prompt_start, length) -> KVBlock`` of those prompt positions, computed with exact context,
 #: keys at their true positions.
 ExactKV = Callable[[int, int], KVBlock]
-
-
-#: Share of ``max_bytes`` the pools are brought down to when they exceed it, so that a few more
-#: records fit before the next compaction (a named heuristic).
-HEADROOM = 0.9
 
 
 class KVCommAnchors:
@@ -356,39 +351,16 @@ class KVCommAnchors:
             self._batch.recorded = outer
 
     def _enforce_budget(self, protect: Optional[set[tuple[Kind, str]]] = None) -> None:
-        """Evict until the pools fit ``max_bytes``. The pool holding the most bytes among those
-        that can spare an anchor gives up its oldest ones (never its newest, nor a segment in
-        ``protect``: just recorded), as many as bring the pools to :data:`HEADROOM` of the budget
-        once its empty slots are dropped too, then compacts once (a compaction copies the pool).
-        Where no pool can spare one, the largest pool goes whole, ``protect``'s kinds last."""
-        stuck: set = set()  # pools that freed nothing this time
-        while self._pools and self.nbytes() > self.max_bytes:
-            shared = [(k, p) for k, p in self._pools.items() if len(p) > 1 and k not in stuck]
-            if not shared:
-                guarded = {kind for kind, _ in protect or ()}
-                spare = [(k, p) for k, p in self._pools.items() if k not in guarded]
-                kind, pool = max(spare or list(self._pools.items()), key=lambda item: item[1].nbytes)
-                if not spare and not self._warned:
-                    self._warned = True
-                    warnings.warn(
-                        f"anchor_max_bytes ({self.max_bytes} bytes) cannot hold one anchor of kind {kind} "
-                        f"({pool.nbytes} bytes): KVCOMM keeps prefilling what it cannot record; raise "
-                        "anchor_max_bytes", BudgetWarning, stacklevel=4,
-                    )
-                del self._pools[kind]
-                continue
-            kind, pool = max(shared, key=lambda item: item[1].nbytes)
-            per_slot = pool.nbytes / max(1, pool.capacity_slots)
-            compacted = self.nbytes() - (pool.capacity_slots - len(pool)) * per_slot  # empty slots dropped
-            wanted = math.ceil((compacted - HEADROOM * self.max_bytes) / max(1.0, per_slot))
-            keep = {segment_id for k, segment_id in protect or () if k == kind}
-            for _ in range(max(0, min(wanted, len(pool) - 1))):
-                if pool.evict_one(keep_newest=True, protect=keep) is None:
-                    break
-            before = pool.nbytes
-            pool.compact()
-            if pool.nbytes >= before:
-                stuck.add(kind)
+        """Evict until the pools fit ``max_bytes`` (:func:`.budget.fit_budget`; ``protect``: the
+        segments just recorded); warns once where one anchor alone is over the budget."""
+        forced = fit_budget(self._pools, self.max_bytes, protect or ())
+        if forced is not None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"anchor_max_bytes ({self.max_bytes} bytes) cannot hold one anchor of kind {forced[0]} "
+                f"({forced[1]} bytes): KVCOMM keeps prefilling what it cannot record; raise "
+                "anchor_max_bytes", BudgetWarning, stacklevel=4,
+            )
 
 
 def offsets(real: KVBlock, base: KVBlock, shift: int, base_start: int, rotator: RopeRotator) -> tuple[torch.Tensor, torch.Tensor]:
