@@ -458,8 +458,9 @@ class KVCommEngine:
             segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             audit_kl = self._auditor.audit(call.plan, call.pre.logits, agent)
             reply = self._store.get(segment.id) if segment is not None and call.framing is not None else None
+            tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
             call.framed = self._framer.after_call(self.model, call.plan, call.layout, agent, self.fingerprint,
-                                                  call.framing, call.pre.cache, reply)
+                                                  call.framing, call.pre.cache, reply, tail)
             return segment, audit_kl
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:

@@ -115,12 +115,16 @@ class FramedDecode:
         self.sent = 0  # reply tokens fed to the sender
         self.fed = 0  # reply tokens fed to the reply copies (the same in every framing)
         self.pending: list[int] = []  # reply tokens the reply copies have not been fed yet
+        self.led_out = False  # the reply framings' lead-outs were fed (after the whole reply)
+        self.tail: tuple[int, ...] = ()  # reply ids fed to the copies before their lead-outs only (flush)
         self._prefixes_in = not self.texts  # the text copies' prefixes are in the cache
         self._texts_out = not self.texts  # the text copies' KV left the cache
 
-    def _queries(self, copies: Sequence[int], tokens: Sequence[int], take: int) -> tuple[list[int], list[int], list[int]]:
-        """Ids, positions and contexts of one forward feeding ``copies`` to every reply framing,
-        up to ``take`` ids to each text copy, and ``tokens`` to the sender (last)."""
+    def _queries(self, copies: Sequence[int], tokens: Sequence[int], take: int,
+                 lead_outs: bool = False) -> tuple[list[int], list[int], list[int]]:
+        """Ids, positions and contexts of one forward feeding ``copies`` to every reply framing
+        (or, ``lead_outs``, each framing's lead-out after the whole reply), up to ``take`` ids to
+        each text copy, and ``tokens`` to the sender (last)."""
         ids, pos, ctx = [], [], []
         for c, rule in enumerate(self.rules, start=1):
             if not copies:
@@ -130,6 +134,12 @@ class FramedDecode:
             ids += lead + list(copies)
             pos += list(range(first, first + len(lead) + len(copies)))
             ctx += [c] * (len(lead) + len(copies))
+        for c, rule in enumerate(self.rules if lead_outs else (), start=1):
+            fed = (self.tail + rule.lead_out) if rule.lead_out else ()
+            first = self.reply_start(c - 1) + self.fed + len(copies)  # after the reply, ``copies`` included
+            ids += list(fed)
+            pos += list(range(first, first + len(fed)))
+            ctx += [c] * len(fed)
         for c, text in enumerate(self.texts, start=len(self.rules) + 1):
             part = text.ids[text.fed:text.fed + take]
             ids += list(part)
@@ -192,10 +202,16 @@ class FramedDecode:
             take //= 2
         return take
 
-    def flush(self, model, cache) -> None:
-        """Feed the copies what they have not been fed yet (after the reply), in forwards whose
-        mask stays within the budget."""
-        if self.pending and self.rules:
+    def flush(self, model, cache, tail: Sequence[int] = ()) -> None:
+        """Feed the copies what they have not been fed yet (after the reply), then each reply
+        framing's lead-out after ``tail`` (the reply's ids never fed: its last generated id,
+        unless an end of sequence), in forwards whose mask stays within the budget."""
+        lead_outs = bool(self.fed or self.pending) and not self.led_out and any(rule.lead_out for rule in self.rules)
+        if lead_outs:  # in the same forward as the reply's last ids
+            self.tail = tuple(tail)
+            self._run(model, cache, self.pending, [], 1, 0, lead_outs=True)
+            self.led_out = True
+        elif self.pending and self.rules:
             self._run(model, cache, self.pending, [], 1, 0)
         while self.text_left:
             self._run(model, cache, [], [], 1, self._take(max(len(t.ids) - t.fed for t in self.texts), 0))
@@ -234,11 +250,12 @@ class FramedDecode:
         """Only the sender's slots are left: a plain causal forward serves."""
         return not self.rules and self._texts_out
 
-    def _run(self, model, cache, copies: list[int], tokens: Sequence[int], rows: int, take: int) -> torch.Tensor:
+    def _run(self, model, cache, copies: list[int], tokens: Sequence[int], rows: int, take: int,
+             lead_outs: bool = False) -> torch.Tensor:
         """One forward; the logits of its last ``rows`` queries (the sender's)."""
         if not self._prefixes_in:
             self._inject_prefixes(cache)
-        ids, pos, ctx = self._queries(copies, tokens, take)
+        ids, pos, ctx = self._queries(copies, tokens, take, lead_outs)
         q_pos, q_ctx = torch.tensor(pos, dtype=torch.long), torch.tensor(ctx, dtype=torch.long)
         device = hf.input_device(model)
         mask = None if self._alone else self.mask(q_pos, q_ctx, dtype=model.dtype, device=device)
@@ -262,6 +279,10 @@ class FramedDecode:
     def reply_start(self, index: int) -> int:
         """Position of the reply's first token in framing ``index``."""
         return self.keep[index] + len(self.rules[index].lead_in)
+
+    def lead_out_start(self, index: int) -> int:
+        """Position of framing ``index``'s lead-out (after the reply and its :attr:`tail`)."""
+        return self.reply_start(index) + self.fed + len(self.tail)
 
     def context_ids(self, prompt_ids: torch.Tensor, index: int) -> tuple[int, ...]:
         """The last ids before the reply in framing ``index``."""

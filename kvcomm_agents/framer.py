@@ -4,8 +4,9 @@ their shared prompt text (:mod:`.text_framing`), and the versions recorded after
 
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -33,6 +34,7 @@ class Framer:
         self.config, self.anchors, self.info, self.store = config, anchors, info, store
         self.framings = ReaderFraming()
         self.texts = TextFraming()
+        self._turns = itertools.count()  # calls that recorded reply versions (lead-outs take turns)
 
     @property
     def on(self) -> bool:
@@ -67,9 +69,12 @@ class Framer:
                             rate=text_rate(device, len(texts)))
 
     def after_call(self, model, plan: CallPlan, layout: PromptLayout, agent: str, fingerprint: str,
-                   framing: Optional[FramedDecode], cache, reply: Optional[KVSegment]) -> tuple[int, float]:
+                   framing: Optional[FramedDecode], cache, reply: Optional[KVSegment],
+                   tail: Sequence[int] = ()) -> tuple[int, float]:
         """Learn the framings this call gave others' replies and shared text; feed the copies
-        what they still lack and record them as versions. Returns (versions recorded, seconds)."""
+        what they still lack and record them as versions. ``tail``: the reply's text ids never
+        fed (its last generated id, unless an end of sequence). Returns (versions recorded,
+        seconds)."""
         if not self.on or self.anchors.frozen:
             return 0, 0.0
         if self.config.experimental.framed_replies:
@@ -80,11 +85,12 @@ class Framer:
         if framing is None or not (replied or framing.texts):
             return 0, 0.0
         started = time.perf_counter()
-        framing.flush(model, cache)
+        framing.flush(model, cache, tail)
         done = 0
         with self.anchors.recording():  # this call's copies do not evict each other
             if replied:
-                done += record_framed_versions(framing, cache, plan, reply, self.anchors, self.info.rotator)
+                done += record_framed_versions(framing, cache, plan, reply, self.anchors, self.info.rotator,
+                                               self.store, fingerprint, next(self._turns))
             if framing.texts:
                 done += record_text_versions(framing, layout, self.store, fingerprint, self.anchors,
                                              self.info.rotator)

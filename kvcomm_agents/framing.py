@@ -47,8 +47,8 @@ from .framed_decode import FramedDecode
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .plan import CallPlan
 
-__all__ = ["FramingRule", "ReaderFraming", "learn_rule", "record_framed_versions", "ALIGN_IDS", "MAX_LEAD_IN",
-           "MAX_RULES", "COVERED"]
+__all__ = ["FramingRule", "ReaderFraming", "learn_rule", "lead_out", "record_framed_versions", "ALIGN_IDS",
+           "MAX_LEAD_IN", "MAX_LEAD_OUT", "MAX_RULES", "COVERED"]
 
 #: Ids of the sender's prompt the reader's text must repeat right before the lead-in (as
 #: :data:`~kvcomm_agents.anchors.versions.MIN_CONTEXT_MATCH`: a shared role header alone never
@@ -62,14 +62,28 @@ MAX_LEAD_IN = 40
 COVERED = 0.9
 #: Distinct framings kept per sender (each costs one prefill after each of its replies).
 MAX_RULES = 2
+#: Longest lead-out: shared text (a stored segment's ids) a reader puts right after a reply, up
+#: to the end of that text, fed to the copy after the reply and recorded as a version of that
+#: text (the one-message prompt's closing instruction, "Check the solutions above, ..."). Longer
+#: text after a reply is other content, not a closing line. A named heuristic, not tuned.
+MAX_LEAD_OUT = 40
+#: Ids between a reply's stored ids and the shared text after it still taken as its lead-out
+#: (the reply's last generated token is never fed, so never stored: one id).
+LEAD_OUT_GAP = 2
+#: Framed pseudo-receivers a lead-out version may take (the first that holds nothing of its
+#: segment): as many as the text copies' (:data:`~kvcomm_agents.text_framing.MAX_READERS`), so
+#: that a lead-out adds no offset stack of its own to a pool.
+LEAD_OUT_RECEIVERS = 4
 
 @dataclass(frozen=True)
 class FramingRule:
     """Readers put ``lead_in`` before the sender's reply, after the sender's prompt without its
-    last ``drop`` ids."""
+    last ``drop`` ids; ``lead_out``: shared text a reader put right after the reply (a closing
+    instruction; empty when none), fed to the copy after the reply (:data:`MAX_LEAD_OUT`)."""
 
     drop: int
     lead_in: tuple[int, ...]
+    lead_out: tuple[int, ...] = ()
 
 
 def learn_rule(before: Sequence[int], sender_context: Sequence[int], *, align: int = ALIGN_IDS,
@@ -93,19 +107,35 @@ def learn_rule(before: Sequence[int], sender_context: Sequence[int], *, align: i
     return None
 
 
+def lead_out(plan: CallPlan, reply_end: int) -> tuple[int, ...]:
+    """The ids of the shared text a reader put right after a reply: a user, tool or document
+    segment's run (reused or computed) starting at most :data:`LEAD_OUT_GAP` ids after
+    ``reply_end`` (the prompt position after the reply's stored ids; the ids between are the
+    reply's last token, which is never fed and so not stored), when at most :data:`MAX_LEAD_OUT`
+    ids; () otherwise."""
+    spans = sorted((item.prompt_start - getattr(item, "head", 0), item.prompt_start + item.length)
+                   for item in (*plan.runs, *plan.observations)
+                   if not getattr(item, "own_text", False) and item.segment.ref.kind[1] != "assistant"
+                   and reply_end <= item.prompt_start - getattr(item, "head", 0) <= reply_end + LEAD_OUT_GAP)
+    if not spans or spans[0][1] - spans[0][0] > MAX_LEAD_OUT:
+        return ()
+    return tuple(plan.prompt_ids[spans[0][0]:spans[0][1]].tolist())
+
+
 class ReaderFraming:
     """The framings readers gave each sender's replies (thread-safe; ids only)."""
 
     def __init__(self, max_rules: int = MAX_RULES) -> None:
         self.max_rules = max_rules
-        self._rules: dict[str, OrderedDict[FramingRule, None]] = {}
+        self._rules: dict[str, OrderedDict[tuple, FramingRule]] = {}  # per sender, by (drop, lead-in)
         self._lock = threading.Lock()
 
     def learn(self, plan: CallPlan) -> int:
         """Learn from a reader's call: every reply the prompt holds from its first token (reused,
         recomputed head included, or computed as an observation) whose base context is known,
         at its last such occurrence. Returns the rules seen."""
-        latest: dict[str, tuple[int, KVSegment]] = {}  # per reply: where its last whole occurrence starts
+        latest: dict[str, tuple[int, KVSegment, bool]] = {}  # per reply: its last whole occurrence's start,
+        # whether the prompt holds it to its last token
         for item in (*plan.runs, *plan.observations):
             segment: KVSegment = item.segment
             skipped = getattr(item, "head", 0)  # a run's head: its first tokens computed in context
@@ -114,30 +144,40 @@ class ReaderFraming:
             if item.segment_start != skipped or item.segment_start + item.length < COVERED * segment.num_tokens:
                 continue  # not the reply pasted whole (a run of it found inside other text)
             start = item.prompt_start - item.segment_start
-            if start > latest.get(segment.id, (-1, None))[0]:
-                latest[segment.id] = (start, segment)
+            reaches = item.segment_start + item.length == segment.num_tokens
+            held = latest.get(segment.id, (-1, None, False))
+            if start > held[0] or (start == held[0] and reaches):
+                latest[segment.id] = (start, segment, reaches)
         seen = 0
-        for start, segment in latest.values():
+        for start, segment, whole in latest.values():
             # the last occurrence only: a reply equal to an earlier one (solvers that copy each
             # other) is found at the earlier one's place too, after that one's lead-in
             rule = learn_rule(plan.prompt_ids[max(0, start - CONTEXT_TOKENS):start].tolist(), segment.context_ids)
             if rule is not None:
-                self._remember(str(segment.ref.kind[0]), rule)
+                after = lead_out(plan, start + segment.num_tokens) if whole else ()
+                self._remember(str(segment.ref.kind[0]), FramingRule(rule.drop, rule.lead_in, after))
                 seen += 1
         return seen
 
     def _remember(self, sender: str, rule: FramingRule) -> None:
+        """Keep ``rule`` first among the sender's; one rule per framing (drop and lead-in): a
+        reader with no lead-out reads the reply as the copy with one computes it, so the lead-out
+        last seen is kept."""
+        key = (rule.drop, rule.lead_in)
         with self._lock:
             rules = self._rules.setdefault(sender, OrderedDict())
-            rules[rule] = None
-            rules.move_to_end(rule, last=False)
+            old = rules.pop(key, None)
+            if old is not None and not rule.lead_out:
+                rule = old
+            rules[key] = rule
+            rules.move_to_end(key, last=False)
             while len(rules) > self.max_rules:
                 rules.popitem(last=True)
 
     def rules(self, sender: str) -> list[FramingRule]:
         """The sender's framings, most recently seen first."""
         with self._lock:
-            return list(self._rules.get(sender, ()))
+            return list(self._rules.get(sender, {}).values())
 
     def clear(self) -> None:
         with self._lock:
@@ -145,11 +185,12 @@ class ReaderFraming:
 
 
 def record_framed_versions(framed: FramedDecode, cache, plan: CallPlan, segment: KVSegment, anchors,
-                           rotator) -> int:
+                           rotator, store=None, fingerprint: str = "", turn: int = 0) -> int:
     """Record the framed copies of ``segment`` (the reply of the call ``plan`` prefilled; its
     ``T`` ids are the first reply tokens the sender was fed) as versions: framing ``i`` as
-    pseudo-receiver ``framed_receiver(i)``'s offsets. Call after :meth:`FramedDecode.flush`.
-    Returns the versions recorded."""
+    pseudo-receiver ``framed_receiver(i)``'s offsets; with ``store``, each framing's lead-out too
+    (:func:`_record_lead_out`). Call after :meth:`FramedDecode.flush`. Returns the versions
+    recorded."""
     done = 0
     n = segment.num_tokens
     if n > framed.fed:
@@ -161,4 +202,52 @@ def record_framed_versions(framed: FramedDecode, cache, plan: CallPlan, segment:
         done += anchors.record_version(framed_receiver(index), segment, real, start,
                                        framed.context_ids(plan.prompt_ids, index), rotator,
                                        min_match=MIN_CONTEXT_MATCH + lead)
+        if store is not None and n == framed.fed:
+            done += _record_lead_out(framed, cache, index, plan, segment, anchors, rotator, store, fingerprint,
+                                     turn + index)
+    return done
+
+
+def _lead_out_receiver(anchors, text: KVSegment, turn: int) -> Optional[str]:
+    """The framed pseudo-receiver a lead-out version of ``text`` goes to: the first holding no
+    version of it, else one holding a lead-out (a part of the segment), in turn (``turn``
+    counts lead-outs recorded); never one holding a text copy's version (the whole segment).
+    None when all hold text copies' versions."""
+    names = [framed_receiver(i) for i in range(LEAD_OUT_RECEIVERS)]
+    spans = [anchors.version_span(name, text) for name in names]
+    free = [name for name, span in zip(names, spans) if span is None]
+    if free:
+        return free[0]
+    parts = [name for name, span in zip(names, spans) if span != (0, text.num_tokens) and span != (0, 0)]
+    if not parts:
+        return None
+    name = parts[turn % len(parts)]
+    anchors.forget_version(name, text)
+    return name
+
+
+def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, segment: KVSegment, anchors, rotator,
+                     store, fingerprint: str, turn: int) -> int:
+    """Record framing ``index``'s lead-out (fed right after the reply ``segment``) as a version
+    of the stored text its readers will find it in: the runs the store's token-run lookup gives
+    for those ids (what a reader's planner finds, as long as no newer entry holds them), each
+    under a framed pseudo-receiver (:func:`_lead_out_receiver`). Returns the versions recorded."""
+    rule = framed.rules[index]
+    if not rule.lead_out or not framed.led_out:
+        return 0
+    ids = torch.tensor(rule.lead_out, dtype=torch.long)
+    first = framed.lead_out_start(index)
+    real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(first, first + len(ids)))
+    before = framed.context_ids(plan.prompt_ids, index) + segment.token_ids + framed.tail  # the copy's ids before it
+    done = 0
+    for text, at, text_start, length in store.find_runs(ids, fingerprint, torch.ones(len(ids), dtype=torch.bool),
+                                                        len(ids)):
+        if text.ref.kind[1] == "assistant":
+            continue  # a reply that repeats the closing line: not what readers read it as
+        receiver = _lead_out_receiver(anchors, text, turn)
+        if receiver is None:
+            continue
+        context = (before + rule.lead_out[:at])[-CONTEXT_TOKENS:]
+        done += anchors.record_version(receiver, text, real.window(at, at + length), first + at, context, rotator,
+                                       min_match=MIN_CONTEXT_MATCH, segment_start=text_start)
     return done

@@ -208,3 +208,69 @@ def test_two_senders_with_the_same_reply_each_serve_their_own_place(model, token
     decisions = [d for d in read.result.stats.shared_decisions if d.segment.kind[1] == "assistant"]
     assert [d.segment.kind[0] for d in decisions] == ["s1", "s2"], decisions
     assert [d.gate.offsets for d in decisions] == ["framed", "framed"], decisions
+
+
+CLOSING = "Check the solutions above, then give your own answer."
+
+
+def _one_message(question: str, replies: list[str]) -> list[dict]:
+    """(e)'s prompt: one user message, the problem, earlier solutions, a closing line."""
+    parts = [f"Problem: {question}"] + [f"Solution from solver {j}:\n{r}" for j, r in enumerate(replies, start=1)]
+    return [{"role": "system", "content": "You are a solver."},
+            {"role": "user", "content": "\n\n".join(parts + [CLOSING])}]
+
+
+@pytest.mark.parametrize("ends_with_eos", [True, False], ids=["eos", "cut-short"])
+def test_a_closing_line_after_the_reply_is_computed_in_the_copy_and_reused_exactly(model, tokenizer, ends_with_eos):
+    """(e)'s one-message prompt: the reader reads the sender's reply, then a closing line that
+    earlier prompts hold after other text. The closing line is learned as the framing's lead-out;
+    the sender feeds it to its copy after the reply (and after the reply's last id, never fed,
+    when the reply was cut short) and records it as a version of the text it is stored in. The
+    reader then reuses everything it shares, the closing line from that version, and its first
+    token is dense's."""
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    for r in range(2):
+        question = f"{QUESTION} Say it for basket {'XY'[r]}."
+        reply = REPLIES[r]
+        reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+        reply_ids = reply_ids + [tokenizer.eos_token_id] if ends_with_eos else reply_ids
+        sent = engine.replay(_one_message(question, []), agent="s1", reply_ids=reply_ids).result
+        messages = _one_message(question, [reply])
+        read = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id])
+    (rule,) = engine._framer.framings.rules("s1")
+    assert tokenizer.decode(rule.lead_out).strip().endswith(CLOSING[-20:]), rule
+    assert sent.stats.framed_versions == 2  # the reply and its lead-out
+    stats = read.result.stats
+    reply, closing = stats.decisions[-2:]  # the reader's lead-in before them is its own earlier prompt's text
+    assert reply.segment.kind == ("s1", "assistant") and closing.segment.kind[1] != "assistant", stats.decisions
+    assert closing.status == "reused" and closing.gate.offsets == "framed", stats.decisions
+    assert reply.status == "reused" and reply.gate.offsets == "framed", stats.decisions
+    torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="s2"),
+                               atol=tol(1e-4), rtol=0)
+
+
+def test_a_lead_out_is_learned_only_right_after_a_whole_reply_and_only_short():
+    """The shared text must start within LEAD_OUT_GAP ids of the reply's stored ids and be at
+    most MAX_LEAD_OUT ids; a later rule without a lead-out keeps the framing's lead-out."""
+    from kvcomm_agents.framing import LEAD_OUT_GAP, MAX_LEAD_OUT
+    seg = dataclasses.replace(segment(1, tokens=6), context_ids=SENDER + HEADER)
+    closing = segment(2, tokens=MAX_LEAD_OUT + 1, kind=("x", "user"))  # stored shared text
+    lead_in = (60, 61)
+    start = 1 + len(SENDER) + len(lead_in)
+
+    def plan(gap: int, length: int) -> CallPlan:
+        ids = (1,) + SENDER + lead_in + tuple(range(6)) + (9,) * gap + tuple(range(200, 200 + length)) + HEADER
+        return CallPlan(torch.tensor(ids), observations=(Observation(seg, start, 0, 6),
+                                                         Observation(closing, start + 6 + gap, 0, length)))
+    book = ReaderFraming()
+    book.learn(plan(LEAD_OUT_GAP, 12))
+    assert book.rules(KIND[0])[0].lead_out == tuple(range(200, 212))
+    book.learn(plan(LEAD_OUT_GAP + 1, 12))  # too far from the reply: no lead-out, the old one is kept
+    assert book.rules(KIND[0])[0].lead_out == tuple(range(200, 212))
+    fresh = ReaderFraming()
+    fresh.learn(plan(0, MAX_LEAD_OUT))
+    assert len(fresh.rules(KIND[0])[0].lead_out) == MAX_LEAD_OUT
+    longer = ReaderFraming()
+    longer.learn(plan(0, MAX_LEAD_OUT + 1))
+    assert longer.rules(KIND[0])[0].lead_out == ()

@@ -296,17 +296,39 @@ class KVCommAnchors:
 
     @torch.inference_mode()
     def record_version(self, receiver: str, segment: KVSegment, real: KVBlock, prompt_start: int,
-                       context: tuple[int, ...], rotator: RopeRotator, min_match: int = 0) -> bool:
-        """Record ``real`` (all ``T`` tokens of ``segment``, keys at prompt positions
-        ``prompt_start..+T``, computed after the ids ``context``) as ``receiver``'s version of the
-        segment, reused only where a prompt shares at least ``min_match`` ids of that context
-        (:mod:`kvcomm_agents.framing`). Returns whether it was recorded (not inside
-        ``freeze_anchors``)."""
+                       context: tuple[int, ...], rotator: RopeRotator, min_match: int = 0,
+                       segment_start: int = 0) -> bool:
+        """Record ``real`` (``n`` tokens of ``segment`` from token ``segment_start``, all of them
+        by default; keys at prompt positions ``prompt_start..+n``, computed after the ids
+        ``context``) as ``receiver``'s version of those tokens, reused only where a prompt shares
+        at least ``min_match`` ids of that context (:mod:`kvcomm_agents.framing`). Returns whether
+        it was recorded (not inside ``freeze_anchors``)."""
         if self.frozen:
             return False
-        keys, values = offsets(real, segment.kv, prompt_start, 0, rotator)
-        self._record(receiver, segment, 0, keys, values, context, min_match)
+        keys, values = offsets(real, segment.kv, prompt_start - segment_start, segment_start, rotator)
+        self._record(receiver, segment, segment_start, keys, values, context, min_match)
         return True
+
+    def version_span(self, receiver: str, segment: KVSegment) -> Optional[tuple[int, int]]:
+        """The segment tokens ``(start, end)`` of ``receiver``'s recorded version of ``segment``
+        ((0, 0) for offsets whose context is unknown), or None when it holds none."""
+        with self._lock:
+            pool = self._pools.get(tuple(segment.ref.kind))
+            slot = pool.slot_of(segment.id) if pool is not None else None
+            stack = pool.placeholder.get(receiver) if slot is not None else None
+            if stack is None or slot >= stack.has.numel() or not bool(stack.has[slot]):
+                return None
+            context = stack.contexts.get(slot)
+            return (0, 0) if context is None else (context.start, context.end)
+
+    def forget_version(self, receiver: str, segment: KVSegment) -> None:
+        """Drop ``receiver``'s recorded offsets of ``segment`` (the slot stays an anchor)."""
+        with self._lock:
+            pool = self._pools.get(tuple(segment.ref.kind))
+            slot = pool.slot_of(segment.id) if pool is not None else None
+            stack = pool.placeholder.get(receiver) if slot is not None else None
+            if stack is not None:
+                stack.clear_slot(slot)
 
     def _record(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor,
                 context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
