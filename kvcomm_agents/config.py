@@ -98,7 +98,9 @@ class ExperimentalSettings(BaseModel):
             "Compute the first N tokens of every reused run in context instead of reusing them "
             "(cheap fidelity: the tokens right after a change of context deviate most). On the "
             "quick benchmark 4 cut KVCOMM's first-token KL by 44% on (b) and 72% on (e) for "
-            "2-4 points of reused tokens (docs/benchmarks.md, 'Cheap fidelity'). 0: off."
+            "2-4 points of reused tokens (docs/benchmarks.md, 'Cheap fidelity'). Not where a "
+            "version of the segment (its base, a recorded or framed one) fits the text before "
+            "the run's first token: there the context did not change. 0: off."
         ),
     )
     recorded_versions: bool = Field(

@@ -26,6 +26,13 @@ context. The reader's planner finds that version like any recorded one (its cont
 for ``ALIGN_IDS + len(lead_in)`` ids or more) and reuses it (``GateRecord.offsets ==
 "framed"``).
 
+**Lead-outs**: in one-message prompts a reader's closing line follows the newest reply
+(``\n\nCheck the solutions above, then give your own answer.``): text earlier prompts hold after
+other text, so no version of it fits either. The rule keeps the shared text a reader put right
+after the reply (:func:`lead_out`); the copy is fed it after the whole reply (in the forward
+that feeds the reply's last ids) and it is recorded as a version of the stored text the
+token-run lookup finds it in, under a framed pseudo-receiver (:func:`_record_lead_out`).
+
 What it costs, and where: the sender's forwards carry ``R`` more query tokens per reply token
 (``R`` framings, at most :data:`MAX_RULES`), plus the lead-in once; no forward of its own, and
 nothing between the sender's last token and the reader's first but reading the copies out

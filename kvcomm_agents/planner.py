@@ -195,6 +195,7 @@ class _RunDecider:
                           p < prefix_len) for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict, gate = None, None
+        head = self.config.experimental.recompute_head
         if beyond_prefix and self.config.method == "exact_prefix":
             return "prefilled", "exact_only", in_prefix, None  # the rest is computed
         if beyond_prefix and self.anchors is not None:
@@ -203,9 +204,12 @@ class _RunDecider:
             # for runs that follow the segment without gaps (one context holds for all of them)
             contiguous = all(b[0] - a[0] == b[1] - a[1] == a[2] for a, b in zip(beyond_prefix, beyond_prefix[1:]))
             p0, s0, length0, continues0 = beyond_prefix[0]
-            taken = 0 if continues0 else min(self.config.experimental.recompute_head, max(length0, 0))
+            end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
+            if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
+                head = 0  # a version computed after the same text: no change of context to repair
+            taken = 0 if continues0 else min(head, max(length0, 0))
             first_p, first_s = p0 + taken, s0 + taken
-            tokens = (first_s, beyond_prefix[-1][1] + beyond_prefix[-1][2]) if contiguous else None
+            tokens = (first_s, end_s) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
             if self.calibrating:
                 reason = "calibration"
@@ -229,7 +233,6 @@ class _RunDecider:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
                 return "prefilled", reason, in_prefix, gate  # the rest is computed
         reused = 0
-        head = self.config.experimental.recompute_head
         for p, s, length, continues_prefix in beyond_prefix:
             length = min(length, n - 1 - p)
             # cheap fidelity: the run's first tokens are computed, unless the run continues an
@@ -244,6 +247,17 @@ class _RunDecider:
             return "prefilled", "too_short", 0, gate
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
+
+    def _version_fits_from_start(self, occ, check: bool, p0: int, s0: int, end_s: int) -> bool:
+        """Whether a version of ``occ``'s segment (its base, a recorded or framed one; a twin's)
+        fits the prompt's text before the run's first token (prompt position ``p0``, segment
+        token ``s0``): then the run's head is reused too, not computed (``recompute_head``
+        repairs the tokens right after a change of context, and there is none)."""
+        if not check or not self.config.experimental.recompute_head or self.config.method != "kvcomm":
+            return False
+        context = self.layout.ids[max(0, p0 - CONTEXT_TOKENS):p0].tolist()
+        return any(self.anchors.recorded(self.agent, segment, (s0, end_s), context) is not None
+                   for segment in (occ.segment, *self.twins(occ.segment)))
 
     def _with_version(self, occ, tokens: Optional[tuple[int, int]], context: list[int]):
         """``occ``, or ``occ`` on a twin of its segment (same text and ids, another producer:
