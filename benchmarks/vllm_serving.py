@@ -12,7 +12,10 @@ speed is reported as ratios to plain vLLM measured in the same invocation.
   (vLLM's prefix-cache hits: ``RequestOutput.num_cached_tokens``).
   Strategies: ``vllm`` (prefix caching off), ``vllm-apc`` (vLLM's exact prefix cache, what vLLM
   gives today), ``connector`` (KVCOMM, default settings: no estimated offsets, as nothing audits
-  them on vLLM), ``connector-unaudited`` (``kl_budget=None``: estimated offsets used unmeasured),
+  them on vLLM), ``connector-ahead`` (the connector with the client's prefill-ahead copies,
+  ``kvcomm_agents.ahead``: what ``VLLMEngine`` sends by default; each agent step submits its
+  copies in the same ``generate`` batch, one token each), ``connector-unaudited``
+  (``kl_budget=None``: estimated offsets used unmeasured),
   ``hf`` (this SDK's HF engine, default).
 - ``batch``: 8 graphs at once (each agent step of all 8 graphs submitted together, so vLLM
   batches them), whole-batch wall time: ``vllm``, ``connector``, and the HF engine serving the
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 AGENTS = 4
-STRATEGIES = ("vllm", "vllm-apc", "connector", "connector-unaudited", "hf")
+STRATEGIES = ("vllm", "vllm-apc", "connector", "connector-ahead", "connector-unaudited", "hf")
 
 
 # ---- one strategy, in its own process -------------------------------------------------------
@@ -63,18 +66,41 @@ class _VLLM:
             kwargs.update(enable_prefix_caching=strategy == "vllm-apc", distributed_executor_backend="uni")
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.ahead = None
+        if strategy == "connector-ahead":
+            from kvcomm_agents.ahead import PrefillAhead
+
+            self.ahead = PrefillAhead()
+        self._spans: dict[tuple, list] = {}
 
     def ids(self, messages) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
+        from kvcomm_agents.prompt import render_prompt
+
+        layout = render_prompt(self.tokenizer, messages)
+        ids = layout.ids.tolist()
+        self._spans[tuple(ids)] = [layout.tokens_within(*span) for span in layout.content_spans if span is not None]
+        return ids
 
     def generate(self, prompts: list[list[int]], agents: list[str], max_tokens: int, *, reuse: bool = True,
                  logprobs=None):
+        """The prompts' outputs; with prefill-ahead, each prompt's copies ride in the same batch
+        (one token each, their outputs dropped), as ``VLLMEngine`` sends them."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs,
-                                 extra_args={"kv_transfer_params": {"agent": a, "reuse": reuse}}) for a in agents]
-        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        def params(agent, tokens, lp=None):
+            return SamplingParams(max_tokens=tokens, temperature=0, logprobs=lp,
+                                  extra_args={"kv_transfer_params": {"agent": agent, "reuse": reuse}})
+
+        copies = []
+        if self.ahead is not None and reuse:
+            for ids, agent in zip(prompts, agents):
+                spans = self._spans.get(tuple(ids), [])
+                copies += self.ahead.copies_for(agent, ids, spans)
+                self.ahead.learn(agent, ids, spans)
+        batch = [{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": p} for _, p in copies]
+        outs = self.llm.generate(batch, [params(a, max_tokens, logprobs) for a in agents] +
+                                 [params(reader, 1) for reader, _ in copies], use_tqdm=False)
+        return outs[:len(prompts)]
 
 
 def _report(output) -> dict:

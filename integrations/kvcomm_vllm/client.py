@@ -17,21 +17,34 @@ usage chunk (``prompt_tokens_details.cached_tokens``: the connector's claim) and
 decisions (use ``chat`` where they matter). Replies carry no segment reference (the server finds
 shared text by token runs).
 
+**Prefill ahead** (``prefill_ahead=True``, the default; :mod:`kvcomm_agents.ahead`): a prompt
+whose new shared text (a task, documents) later agents were seen to read after their own system
+text sends, beside it, one one-token request per later reader (its prefix, then the text); the
+server keeps each as an exact prefix, so those readers' own requests are served from it. The
+connector claims only what it can rebuild without holes, and shared text read after another
+agent's system text is what it could not. Copies are not waited for; a failed copy costs that
+reader's reuse. Not on :class:`~kvcomm_vllm.fleet.FleetEngine` yet.
+
 Standard library HTTP only; this module never imports vLLM (a client machine needs none).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 import urllib.request
 from typing import Any, Iterator, Optional, Sequence
 
+from kvcomm_agents.ahead import PrefillAhead
 from kvcomm_agents.plan import SegmentDecision
 from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.results import CallStats, ChatResult
 
 __all__ = ["VLLMEngine"]
+
+logger = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -48,9 +61,10 @@ class VLLMEngine:
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, tokenizer: Any = None,
-                 model: Optional[str] = None, timeout: float = 600.0):
+                 model: Optional[str] = None, timeout: float = 600.0, prefill_ahead: bool = True):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.ahead = PrefillAhead() if prefill_ahead else None
         self.model_id = model or self._get("/v1/models")["data"][0]["id"]
         self.tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else \
             _load_tokenizer(tokenizer or self.model_id)
@@ -63,9 +77,30 @@ class VLLMEngine:
              top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
              reuse: Optional[bool] = None, tools: Optional[list] = None) -> ChatResult:
         """One agent call on the server; see :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`."""
-        ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
+        ids = self._prepare(messages, agent, tools, reuse)
         return self.complete(ids, agent=agent, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              stop=stop, seed=seed, reuse=reuse)
+
+    def _prepare(self, messages: Sequence[dict], agent: str, tools: Optional[list], reuse: Optional[bool]) -> list[int]:
+        """The prompt's ids; with ``prefill_ahead``, first send the copies of its new shared text
+        for its later readers (:mod:`kvcomm_agents.ahead`: one-token requests, not waited for,
+        batched by the server with this one) and learn from it."""
+        layout = render_prompt(self.tokenizer, messages, tools=tools)
+        ids = layout.ids.tolist()
+        if self.ahead is not None and reuse is not False:
+            spans = [layout.tokens_within(*span) for span in layout.content_spans if span is not None]
+            for reader, prompt in self.ahead.copies_for(agent, ids, spans):
+                threading.Thread(target=self._send_copy, args=(reader, prompt), daemon=True).start()
+            self.ahead.learn(agent, ids, spans)
+        return ids
+
+    def _send_copy(self, reader: str, ids: list[int]) -> None:
+        """A later reader's prefix and the shared text, prefilled (one token); a failure costs
+        that reader's reuse, never a request."""
+        try:
+            self._post("/v1/completions", _body(self.model_id, ids, reader, 1, 0.0, 1.0, None, None, True))
+        except Exception as error:  # noqa: BLE001 - a copy is an optimisation
+            logger.warning("prefill-ahead copy for %s failed: %s", reader, error)
 
     def complete(self, ids: list[int], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
@@ -88,7 +123,7 @@ class VLLMEngine:
                **options) -> Iterator[Any]:
         """Text pieces as the server generates them, then the :class:`~kvcomm_agents.ChatResult`
         (its stats without per-segment decisions; see the module's docstring)."""
-        ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
+        ids = self._prepare(messages, agent, tools, options.get("reuse"))
         return self.stream_ids(ids, agent=agent, **options)
 
     def stream_ids(self, ids: list[int], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
