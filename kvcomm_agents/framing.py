@@ -134,7 +134,7 @@ class ReaderFraming:
 
     def __init__(self, max_rules: int = MAX_RULES) -> None:
         self.max_rules = max_rules
-        self._rules: dict[str, OrderedDict[tuple, FramingRule]] = {}  # per sender, by (drop, lead-in)
+        self._rules: dict[str, OrderedDict[FramingRule, FramingRule]] = {}  # per sender, most recent first
         self._lock = threading.Lock()
 
     def learn(self, plan: CallPlan) -> int:
@@ -167,17 +167,19 @@ class ReaderFraming:
         return seen
 
     def _remember(self, sender: str, rule: FramingRule) -> None:
-        """Keep ``rule`` first among the sender's; one rule per framing (drop and lead-in): a
-        reader with no lead-out reads the reply as the copy with one computes it, so the lead-out
-        last seen is kept."""
-        key = (rule.drop, rule.lead_in)
+        """Keep ``rule`` first among the sender's. A rule without a lead-out is served by a kept
+        rule of the same framing (drop and lead-in) with one (the copy computes the reply as it
+        does), which then moves first. Two lead-outs of one framing are kept apart: where the
+        reply's last token and the closing line's first merge (``.\n\n``), readers read one
+        id fewer of it, depending on how each reply ends."""
         with self._lock:
             rules = self._rules.setdefault(sender, OrderedDict())
-            old = rules.pop(key, None)
-            if old is not None and not rule.lead_out:
-                rule = old
-            rules[key] = rule
-            rules.move_to_end(key, last=False)
+            if not rule.lead_out:
+                rule = next((kept for kept in rules.values()
+                             if (kept.drop, kept.lead_in) == (rule.drop, rule.lead_in)), rule)
+            rules.pop(rule, None)
+            rules[rule] = rule
+            rules.move_to_end(rule, last=False)
             while len(rules) > self.max_rules:
                 rules.popitem(last=True)
 
@@ -238,7 +240,9 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, se
     """Record framing ``index``'s lead-out (fed right after the reply ``segment``) as a version
     of the stored text its readers will find it in: the runs the store's token-run lookup gives
     for those ids (what a reader's planner finds, as long as no newer entry holds them), each
-    under a framed pseudo-receiver (:func:`_lead_out_receiver`). Returns the versions recorded."""
+    under a framed pseudo-receiver (:func:`_lead_out_receiver`); the planner finds it there
+    even where it matched the same ids to another stored text (``KVCommAnchors.note_home``).
+    Returns the versions recorded."""
     rule = framed.rules[index]
     if not rule.lead_out or not framed.led_out:
         return 0
@@ -255,6 +259,8 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, se
         if receiver is None:
             continue
         context = (before + rule.lead_out[:at])[-CONTEXT_TOKENS:]
-        done += anchors.record_version(receiver, text, real.window(at, at + length), first + at, context, rotator,
-                                       min_match=MIN_CONTEXT_MATCH, segment_start=text_start)
+        if anchors.record_version(receiver, text, real.window(at, at + length), first + at, context, rotator,
+                                  min_match=MIN_CONTEXT_MATCH, segment_start=text_start):
+            anchors.note_home(rule.lead_out[at:at + length], text, text_start)
+            done += 1
     return done

@@ -100,11 +100,13 @@ def test_the_client_sends_copies_the_server_then_serves_as_exact_prefixes(tokeni
             if len(server.seen) == 5:
                 break
             time.sleep(0.02)
-        reader = render_prompt(tokenizer, [{"role": "system", "content": systems["s2"]},
-                                           {"role": "user", "content": question}]).ids.tolist()
-        copies = [seen[:-3] for seen in server.seen[2:] if len(seen) < len(reader)]
-        assert len(server.seen) == 5 and len(copies) == 1
-        assert reader[:len(copies[0])] == copies[0] and len(copies[0]) > len(reader) - 8  # up to the question's end
+        layout = render_prompt(tokenizer, [{"role": "system", "content": systems["s2"]},
+                                           {"role": "user", "content": question}])
+        reader = layout.ids.tolist()
+        prompts = [seen[:-3] for seen in server.seen[2:]]  # the stand-in appends 3 reply ids
+        copies = [p for p in prompts if len(p) < len(reader) and reader[:len(p)] == p]
+        assert len(server.seen) == 5 and len(copies) == 1  # s1's request, the copy for s2, s2's request
+        assert len(copies[0]) == layout.tokens_within(*layout.content_spans[-1]).stop  # up to the question's end
         graph(off, "A farmer has 12 cows and buys 7 more. Each gives 9 liters. How much milk in total?")
         graph(off, question + " Twice.")
         assert len(server.seen) == 9  # no copies with prefill_ahead=False

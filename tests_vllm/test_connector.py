@@ -139,3 +139,42 @@ def test_unsupported_models_are_refused_at_start(model_dir):
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e5, "factor": 4.0}
     with pytest.raises(UnsupportedModelError, match="supported"):
         _check_supported(_config(), config)
+
+
+def test_prefill_ahead_copies_serve_the_shared_question_to_a_later_reader_exactly(client):
+    """The client's prefill-ahead (kvcomm_agents.ahead, what VLLMEngine sends by default): once
+    B was seen reading A's question after its own system text, A's next question comes with a
+    one-token copy of B's prefix and that question. B's request is then claimed up to the end of
+    the question (an exact prefix), and its greedy output is vLLM dense's token for token; a
+    question sent without the copy is claimed no further than B's own prefix."""
+    from kvcomm_agents.ahead import PrefillAhead
+    from kvcomm_agents.prompt import render_prompt
+
+    book = PrefillAhead()
+    systems = {"ahead_a": SYSTEM_A, "ahead_b": SYSTEM_B}
+
+    def prompt(agent, question):
+        layout = render_prompt(client.tokenizer, [{"role": "system", "content": systems[agent]},
+                                                  {"role": "user", "content": question}])
+        return layout.ids.tolist(), [layout.tokens_within(*s) for s in layout.content_spans if s is not None]
+
+    def step(agent, question, *, ahead=True):
+        ids, spans = prompt(agent, question)
+        if ahead:
+            for reader, copy in book.copies_for(agent, ids, spans):
+                client.generate(copy, reader, max_tokens=1)
+            book.learn(agent, ids, spans)
+        return client.generate(ids, agent, max_tokens=16), spans[-1].stop
+
+    first, second, third = questions(9)[6:9]
+    step("ahead_a", first)
+    step("ahead_b", first)
+    step("ahead_a", second)  # with the copy for B
+    served, question_end = step("ahead_b", second)
+    assert served.kv_transfer_params["kvcomm"]["reused_tokens"] >= question_end
+    ids, _ = prompt("ahead_b", second)
+    dense = client.generate(ids, "ahead_b", reuse=False, max_tokens=16)
+    assert served.outputs[0].token_ids == dense.outputs[0].token_ids
+    step("ahead_a", third, ahead=False)  # no copy
+    unserved, question_end = step("ahead_b", third, ahead=False)
+    assert unserved.kv_transfer_params["kvcomm"]["reused_tokens"] < question_end
