@@ -246,6 +246,8 @@ def test_a_closing_line_after_the_reply_is_computed_in_the_copy_and_reused_exact
     assert reply.segment.kind == ("s1", "assistant") and closing.segment.kind[1] != "assistant", stats.decisions
     assert closing.status == "reused" and closing.gate.offsets == "framed", stats.decisions
     assert reply.status == "reused" and reply.gate.offsets == "framed", stats.decisions
+    # a framed version fits from the reply's first token: no head recomputed (recompute_head)
+    assert reply.reused_tokens == reply.segment.num_tokens, reply
     torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="s2"),
                                atol=tol(1e-4), rtol=0)
 
