@@ -44,9 +44,13 @@ STRATEGIES = ("vllm", "vllm-apc", "connector", "connector-ahead", "connector-una
 
 
 # ---- one strategy, in its own process -------------------------------------------------------
-def _workload(requests: int, offset: int):
-    from benchmarks.workloads import gsm8k_debate
+def _workload(requests: int, offset: int, name: str = "b"):
+    """(b) the GSM8K debate (the default), or (c) the RAG hand-off (``--workload c``: 3 agents,
+    each reading the documents after its own system text)."""
+    from benchmarks.workloads import gsm8k_debate, rag_handoff
 
+    if name == "c":
+        return rag_handoff(requests=requests, offset=offset).requests
     return gsm8k_debate(requests=requests, offset=offset, agents=AGENTS).requests
 
 
@@ -98,8 +102,13 @@ class _VLLM:
                 copies += self.ahead.copies_for(agent, ids, spans)
                 self.ahead.learn(agent, ids, spans)
         batch = [{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": p} for _, p in copies]
+        priority = {}
+        if self.ahead is not None:  # the copies after the requests waiting with them, as the client sends them
+            from kvcomm_vllm.client import COPY_PRIORITY
+
+            priority = {"priority": [0] * len(prompts) + [COPY_PRIORITY] * len(copies)}
         outs = self.llm.generate(batch, [params(a, max_tokens, logprobs) for a in agents] +
-                                 [params(reader, 1) for reader, _ in copies], use_tqdm=False)
+                                 [params(reader, 1) for reader, _ in copies], use_tqdm=False, **priority)
         return outs[:len(prompts)]
 
 
@@ -111,7 +120,7 @@ def run_vllm(strategy: str, phase: str, args) -> dict:
     from kvcomm_agents.embedded import embedded_model_dir
 
     engine = _VLLM(strategy, str(embedded_model_dir()))
-    requests = _workload(args.requests, args.offset)
+    requests = _workload(args.requests, args.offset, args.workload)
     records = []
     if phase == "ttft":
         for index, request in enumerate(requests):
@@ -166,7 +175,7 @@ def run_hf(phase: str, args) -> dict:
 
     torch.set_num_threads(2)
     engine = KVCommEngine.from_pretrained(dtype=torch.float32)
-    requests = _workload(args.requests, args.offset)
+    requests = _workload(args.requests, args.offset, args.workload)
     records = []
 
     def graph(request, index):
@@ -237,8 +246,8 @@ def summarize(results: list[dict], warmup: int) -> dict:
     return table
 
 
-def print_tables(table: dict) -> None:
-    print("\n(b) on vLLM, one graph at a time: median TTFT per agent index (speed-up vs plain vLLM)")
+def print_tables(table: dict, workload: str = "b") -> None:
+    print(f"\n({workload}) on vLLM, one graph at a time: median TTFT per agent index (speed-up vs plain vLLM)")
     print(f"{'strategy':<11} " + " ".join(f"{'agent ' + str(k):>17}" for k in range(1, AGENTS + 1))
           + f" {'graph wall':>16} {'from cache':>10}")
     for strategy, row in table["ttft"].items():
@@ -272,6 +281,8 @@ def main(argv=None) -> None:
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--workload", choices=("b", "c"), default="b",
+                        help="b: the GSM8K debate; c: the RAG hand-off (ttft and fidelity phases)")
     parser.add_argument("--hf-python", default=".venv/bin/python", help="interpreter for the HF engine (needs accelerate)")
     parser.add_argument("--summarize", default=None, help="print the tables of an earlier run's JSON")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "strategy:phase", run in a child process
@@ -304,7 +315,7 @@ def main(argv=None) -> None:
             requests = args_requests if phase == "batch" else args.requests
             command = [python, "-m", "benchmarks.vllm_serving", "--one", f"{strategy}:{phase}",
                        "--requests", str(requests), "--offset", str(args.offset), "--batch", str(args.batch),
-                       "--reply-tokens", str(args.reply_tokens)]
+                       "--reply-tokens", str(args.reply_tokens), "--workload", args.workload]
             print(f"running {strategy} / {phase} ...", flush=True)
             started = time.perf_counter()
             # vLLM drops to 1 torch thread "for serving" unless OMP_NUM_THREADS says otherwise;
@@ -320,7 +331,7 @@ def main(argv=None) -> None:
     table = summarize(results, args.warmup)
     (out / "vllm_serving.json").write_text(json.dumps({"args": vars(args), "summary": table, "results": results},
                                                       indent=1, default=str))
-    print_tables(table)
+    print_tables(table, args.workload)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def engine_kwargs(kvcomm: Optional[dict[str, Any]] = None, shared_store: Optiona
         "kv_transfer_config": kv_transfer_config(kvcomm, shared_store, shared_namespace),
         "enable_prefix_caching": False,
         "distributed_executor_backend": "uni",
+        # the client's prefill-ahead copies are sent with a lower priority (a higher number):
+        # the requests waiting with them are prefilled first
+        "scheduling_policy": "priority",
     }
 
 

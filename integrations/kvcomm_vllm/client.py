@@ -46,6 +46,9 @@ __all__ = ["VLLMEngine"]
 
 logger = logging.getLogger(__name__)
 
+#: vLLM priority of a prefill-ahead copy (lower is served first; requests default to 0).
+COPY_PRIORITY = 1
+
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
@@ -98,7 +101,9 @@ class VLLMEngine:
         """A later reader's prefix and the shared text, prefilled (one token); a failure costs
         that reader's reuse, never a request."""
         try:
-            self._post("/v1/completions", _body(self.model_id, ids, reader, 1, 0.0, 1.0, None, None, True))
+            body = _body(self.model_id, ids, reader, 1, 0.0, 1.0, None, None, True)
+            body["priority"] = COPY_PRIORITY  # after the requests waiting with it (serve's priority policy)
+            self._post("/v1/completions", body)
         except Exception as error:  # noqa: BLE001 - a copy is an optimisation
             logger.warning("prefill-ahead copy for %s failed: %s", reader, error)
 

@@ -6,7 +6,7 @@
     bash scripts/run.sh serve-vllm                   # the same, setting up .venv-vllm first
 
 Everything after ``--`` goes to ``vllm serve`` as is. The settings the connector needs are
-added: the connector's ``--kv-transfer-config``, ``--no-enable-prefix-caching`` (approximate KV
+added: the connector's ``--kv-transfer-config``, ``--scheduling-policy priority`` (prefill-ahead copies after the requests waiting with them), ``--no-enable-prefix-caching`` (approximate KV
 must never be hashed as exact blocks), ``--distributed-executor-backend uni`` and
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the worker in the scheduler's process), and on CPU
 ``--enforce-eager`` (torch.compile warm-up takes minutes on 2 cores) and a 2 GiB KV cache unless
@@ -41,6 +41,8 @@ def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dty
                "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
                "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm, shared_store)),
                "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--max-logprobs", "-1",
+               # prefill-ahead copies (kvcomm_agents.ahead) go after the requests waiting with them
+               "--scheduling-policy", "priority",
                # the client's ttft_s and a streamed answer's cache_read come from these
                "--enable-per-request-metrics", "--enable-prompt-tokens-details"]
     if eager:
