@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["AheadRule", "PrefillAhead", "ALIGN_IDS", "MAX_PREFIX", "MAX_READERS", "MAX_CONTEXTS", "RECENT"]
+__all__ = ["AheadRule", "PrefillAhead", "remember_reader", "ALIGN_IDS", "MAX_PREFIX", "MAX_READERS", "MAX_CONTEXTS", "RECENT"]
 
 #: Ids before a text that key a rule (as :data:`kvcomm_agents.framing.ALIGN_IDS`: a role header
 #: alone never qualifies), and the shortest text copied.
@@ -53,6 +53,20 @@ class AheadRule:
     after: tuple[int, ...]
     reader: str
     prefix: tuple[int, ...]
+
+
+def remember_reader(rules: OrderedDict, after: tuple[int, ...], reader: str, rule, *, max_readers: int = MAX_READERS,
+                    max_contexts: int = MAX_CONTEXTS) -> None:
+    """``rules[after][reader] = rule``, the most recent last, keeping the latest ``max_readers``
+    readers per context and the latest ``max_contexts`` contexts (the caller holds its lock)."""
+    readers = rules.setdefault(after, OrderedDict())
+    readers[reader] = rule
+    readers.move_to_end(reader)
+    while len(readers) > max_readers:
+        readers.popitem(last=False)
+    rules.move_to_end(after)
+    while len(rules) > max_contexts:
+        rules.popitem(last=False)
 
 
 class PrefillAhead:
@@ -103,14 +117,7 @@ class PrefillAhead:
         return learned
 
     def _remember_rule(self, rule: AheadRule) -> AheadRule:
-        readers = self._rules.setdefault(rule.after, OrderedDict())
-        readers[rule.reader] = rule
-        readers.move_to_end(rule.reader)
-        while len(readers) > MAX_READERS:
-            readers.popitem(last=False)
-        self._rules.move_to_end(rule.after)
-        while len(self._rules) > MAX_CONTEXTS:
-            self._rules.popitem(last=False)
+        remember_reader(self._rules, rule.after, rule.reader, rule)
         return rule
 
     def clear(self) -> None:

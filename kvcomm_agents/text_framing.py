@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from .ahead import remember_reader
 from .anchors.versions import MIN_CONTEXT_MATCH, common_suffix, framed_receiver
 from .framed_decode import FramedDecode, TextCopy
 from .framing import ALIGN_IDS, COVERED
@@ -101,14 +102,7 @@ class TextFraming:
             return None  # a conversation before it, or its base already fits
         rule = TextRule(tuple(segment.context_ids[-ALIGN_IDS:]), agent, prefix)
         with self._lock:
-            readers = self._rules.setdefault(rule.after, OrderedDict())
-            readers[agent] = rule
-            readers.move_to_end(agent)
-            while len(readers) > MAX_READERS:
-                readers.popitem(last=False)
-            self._rules.move_to_end(rule.after)
-            while len(self._rules) > MAX_CONTEXTS:
-                self._rules.popitem(last=False)
+            remember_reader(self._rules, rule.after, agent, rule, max_readers=MAX_READERS, max_contexts=MAX_CONTEXTS)
         return rule
 
     def copies_for(self, plan: CallPlan, layout: PromptLayout, agent: str, store, fingerprint: str,
