@@ -166,7 +166,7 @@ def test_prefill_ahead_copies_serve_the_shared_question_to_a_later_reader_exactl
             book.learn(agent, ids, spans)
         return client.generate(ids, agent, max_tokens=16), spans[-1].stop
 
-    first, second, third = questions(9)[6:9]
+    first, second, third = questions(23)[20:23]  # questions no other test sends
     step("ahead_a", first)
     step("ahead_b", first)
     step("ahead_a", second)  # with the copy for B
