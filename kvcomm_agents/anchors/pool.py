@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
+import numpy as np
 import torch
 
 from ..kv.segments import Kind, KVSegment
@@ -20,15 +21,25 @@ from ..kv.segments import Kind, KVSegment
 __all__ = ["AnchorPool", "OffsetStack", "RecordedContext", "take", "top_p_members"]
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of ``shape``. On a CPU from zeroed pages the OS hands out on first touch (numpy's
+    ``calloc``): a pool's stacks are large (slots x layers x heads x tokens x head_dim) and
+    mostly written later, and ``torch.zeros`` writes every byte now (measured on the vLLM
+    connector's RAG hand-off: 28 stack growths took 8.2 s, 0.29 s each, on the request's path)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    raw = torch.from_numpy(np.zeros(count * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8))
+    return raw.view(dtype).view(shape)  # all-zero bytes are 0.0 in every float dtype
+
+
 def _zeros_like_grown(t: Optional[torch.Tensor], slots: int, tokens: int, like: torch.Tensor) -> torch.Tensor:
     """``[slots, L, H, tokens, D]`` zeros holding ``t``'s data in its leading corner."""
     shape = (slots, *like.shape[:2], tokens, like.shape[3])
-    if t is None:
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    out = torch.empty(shape, dtype=like.dtype, device=like.device)  # zeroed where t does not land
-    out[: t.shape[0], :, :, : t.shape[3]] = t
-    out[: t.shape[0], :, :, t.shape[3]:] = 0
-    out[t.shape[0]:] = 0
+    out = _zeros(shape, like.dtype, like.device)
+    if t is not None:
+        out[: t.shape[0], :, :, : t.shape[3]] = t
     return out
 
 
