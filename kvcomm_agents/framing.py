@@ -241,7 +241,7 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, se
     of the stored text its readers will find it in: the runs the store's token-run lookup gives
     for those ids (what a reader's planner finds, as long as no newer entry holds them), each
     under a framed pseudo-receiver (:func:`_lead_out_receiver`); the planner finds it there
-    even where it matched the same ids to another stored text (``KVCommAnchors.note_home``).
+    even where it matched the same ids to another stored text (``KVCommAnchors.homes``).
     Returns the versions recorded."""
     rule = framed.rules[index]
     if not rule.lead_out or not framed.led_out:
@@ -261,6 +261,6 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, se
         context = (before + rule.lead_out[:at])[-CONTEXT_TOKENS:]
         if anchors.record_version(receiver, text, real.window(at, at + length), first + at, context, rotator,
                                   min_match=MIN_CONTEXT_MATCH, segment_start=text_start):
-            anchors.note_home(rule.lead_out[at:at + length], text, text_start)
+            anchors.homes.note(rule.lead_out[at:at + length], text.id, text_start)
             done += 1
     return done

@@ -259,7 +259,7 @@ class _RunDecider:
         if not isinstance(occ, TokenMatch) or self.anchors is None or self.calibrating:
             return occ
         ids = occ.segment.token_ids[occ.segment_start:occ.segment_start + occ.length]
-        noted = self.anchors.home_of(ids)
+        noted = self.anchors.homes.of(ids)
         if noted is None or noted[0] == occ.segment.id:
             return occ
         segment = self.home(noted[0])

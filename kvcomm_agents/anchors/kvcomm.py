@@ -33,9 +33,7 @@ from .persist import load_pools, save_pools
 from .budget import fit_budget
 from .pool import AnchorPool
 from .tracker import OffsetTracker
-
-#: Texts whose version's home segment is remembered (:meth:`KVCommAnchors.note_home`).
-HOMES = 64
+from .versions import VersionHomes
 from .versions import best_recorded_version
 
 __all__ = ["KVCommAnchors", "ExactKV"]
@@ -89,7 +87,7 @@ class KVCommAnchors:
         self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
         self.temperature, self.activation_top_p = temperature, activation_top_p
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
-        self._homes: OrderedDict[tuple[int, ...], tuple[str, int]] = OrderedDict()  # note_home
+        self.homes = VersionHomes()  # where partial versions of short texts were recorded
         self._lock = threading.RLock()
         self._batch = threading.local()  # segments recorded inside this thread's recording() block
         self._freeze = freeze or BlockCount()
@@ -137,7 +135,7 @@ class KVCommAnchors:
     def clear(self) -> None:
         with self._lock:
             self._pools.clear()
-            self._homes.clear()
+            self.homes.clear()
             self.tracker.clear()
 
     @property
@@ -325,21 +323,6 @@ class KVCommAnchors:
                 return None
             context = stack.contexts.get(slot)
             return (0, 0) if context is None else (context.start, context.end)
-
-    def note_home(self, ids: Sequence[int], segment: KVSegment, start: int) -> None:
-        """Remember that a version of the text ``ids`` was recorded on ``segment`` from token
-        ``start`` (a lead-out, :mod:`kvcomm_agents.framing`): the same ids are found in many
-        stored texts, and the planner may have matched them to another (:meth:`home_of`)."""
-        with self._lock:
-            self._homes[tuple(ids)] = (segment.id, start)
-            self._homes.move_to_end(tuple(ids))
-            while len(self._homes) > HOMES:
-                self._homes.popitem(last=False)
-
-    def home_of(self, ids: Sequence[int]) -> Optional[tuple[str, int]]:
-        """``(segment id, start)`` where a version of exactly ``ids`` was last recorded, or None."""
-        with self._lock:
-            return self._homes.get(tuple(ids))
 
     def forget_version(self, receiver: str, segment: KVSegment) -> None:
         """Drop ``receiver``'s recorded offsets of ``segment`` (the slot stays an anchor)."""

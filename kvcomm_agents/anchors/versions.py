@@ -22,14 +22,16 @@ when a run starts inside the segment. Pure bookkeeping over ids, no tensors.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..kv.segments import CONTEXT_TOKENS, KVSegment
 from .pool import AnchorPool
 
-__all__ = ["RecordedVersion", "common_suffix", "best_recorded_version", "MIN_CONTEXT_MATCH", "READERS",
-           "framed_receiver", "is_framed"]
+__all__ = ["RecordedVersion", "VersionHomes", "common_suffix", "best_recorded_version", "MIN_CONTEXT_MATCH",
+           "READERS", "HOMES", "framed_receiver", "is_framed"]
 
 #: Ids of context a version must share with the new prompt (right before the segment) to be
 #: reused without the gate: twice the default ``min_match_tokens``, so that a shared role header
@@ -40,6 +42,37 @@ MIN_CONTEXT_MATCH = 16
 #: framing, computed by the sender (:mod:`kvcomm_agents.framing`). Never an agent's name in
 #: practice: it opens with a parenthesis and holds spaces.
 READERS = "(readers' framing"
+
+
+#: Texts whose version's home segment is remembered (:class:`VersionHomes`).
+HOMES = 64
+
+
+class VersionHomes:
+    """Where a version of a short text was recorded (a lead-out, :mod:`kvcomm_agents.framing`):
+    the same ids are held by many stored texts, and the planner's lookup may match them to
+    another one than the version went to (thread-safe; the latest :data:`HOMES` texts)."""
+
+    def __init__(self) -> None:
+        self._homes: OrderedDict[tuple[int, ...], tuple[str, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, ids: Sequence[int], segment_id: str, start: int) -> None:
+        """A version of ``ids`` was recorded on segment ``segment_id`` from its token ``start``."""
+        with self._lock:
+            self._homes[tuple(ids)] = (segment_id, start)
+            self._homes.move_to_end(tuple(ids))
+            while len(self._homes) > HOMES:
+                self._homes.popitem(last=False)
+
+    def of(self, ids: Sequence[int]) -> Optional[tuple[str, int]]:
+        """``(segment id, start)`` where a version of exactly ``ids`` was last recorded, or None."""
+        with self._lock:
+            return self._homes.get(tuple(ids))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._homes.clear()
 
 
 def framed_receiver(index: int) -> str:
