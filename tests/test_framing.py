@@ -276,3 +276,36 @@ def test_a_lead_out_is_learned_only_right_after_a_whole_reply_and_only_short():
     longer = ReaderFraming()
     longer.learn(plan(0, MAX_LEAD_OUT + 1))
     assert longer.rules(KIND[0])[0].lead_out == ()
+
+
+def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
+    """The same closing line is held by many stored texts; the token-run lookup may match a
+    reader's line to another one than the lead-out's version went to. The planner moves the run
+    there when only that one has a version fitting the text before it, and not otherwise."""
+    from kvcomm_agents.anchors import KVCommAnchors
+    from kvcomm_agents.kv.rope import RopeRotator
+    from kvcomm_agents.matching import TokenMatch
+    from kvcomm_agents.planner import _RunDecider
+    from kvcomm_agents.prompt import PromptLayout
+
+    from .anchors.synthetic import DIM
+
+    line = tuple(range(300, 312))  # the closing line's ids
+    matched = dataclasses.replace(segment(5, tokens=20, kind=("user", None)), token_ids=(1,) * 8 + line)
+    home = dataclasses.replace(segment(6, tokens=16, kind=("user", None)), token_ids=(2,) * 4 + line)
+    before = tuple(range(900, 920))  # the reader's ids before the line: the reply's tail
+    anchors = KVCommAnchors(estimator="mean", max_bytes=1 << 30)
+    rotator = RopeRotator(torch.ones(DIM // 2))
+    real = home.kv.window(4, 16)  # stands for the copy's KV of the line (any values do)
+    assert anchors.record_version(framed_receiver(0), home, real, 40, before[-16:], rotator, min_match=16,
+                                  segment_start=4)
+    anchors.homes.note(line, home.id, 4)
+    layout = PromptLayout.of_ids(before + line + (7,))
+    run = TokenMatch(matched, len(before), 8, len(line), 0)
+    decider = _RunDecider(layout, 0, KVCommConfig(), "reader", anchors,
+                          home=lambda segment_id: home if segment_id == home.id else None)
+    moved = decider._at_home(run)
+    assert moved.segment is home and moved.segment_start == 4 and moved.prompt_start == run.prompt_start
+    elsewhere = PromptLayout.of_ids(tuple(range(500, 520)) + line + (7,))  # other text before the line
+    assert _RunDecider(elsewhere, 0, KVCommConfig(), "reader", anchors,
+                       home=lambda segment_id: home)._at_home(run) is run
