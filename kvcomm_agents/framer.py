@@ -60,7 +60,8 @@ class Framer:
         rules = []
         if self.config.experimental.framed_replies and plan.observable_until() >= n:
             rules = [r for r in self.framings.rules(agent)
-                     if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens <= limit)]
+                     if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens + 1  # + the tail
+                                            + len(r.lead_out) <= limit)]
         texts = (self.texts.copies_for(plan, layout, agent, self.store, fingerprint, limit)
                  if self.config.experimental.framed_texts else [])
         if not rules and not texts:
