@@ -284,11 +284,13 @@ class _RunDecider:
         if not check or not self.config.experimental.recompute_head or self.config.method != "kvcomm":
             return False
         context = self.layout.ids[max(0, p0 - CONTEXT_TOKENS):p0].tolist()
-        for segment in (occ.segment, *self.twins(occ.segment)):
+
+        def framed_fits(segment: KVSegment) -> bool:
             verdict = self.anchors.recorded(self.agent, segment, (s0, end_s), context)
-            if verdict is not None and is_framed(verdict.source):
-                return True
-        return False
+            return verdict is not None and is_framed(verdict.source)
+
+        # the twins (a scan of the store) only when the matched segment's own version does not fit
+        return framed_fits(occ.segment) or any(framed_fits(twin) for twin in self.twins(occ.segment))
 
     def _with_version(self, occ, tokens: Optional[tuple[int, int]], context: list[int]):
         """``occ``, or ``occ`` on a twin of its segment (same text and ids, another producer:

@@ -219,3 +219,19 @@ def test_audits_record_the_reused_segments_as_anchors(llama, tokenizer):
     assert result.stats.mode == "reuse" and result.stats.audit_kl is not None
     assert [(d.gate.decision, d.gate.anchors) for d in result.stats.shared_decisions] == [("reuse", 2)]
     assert engine.anchors.anchors(("user", None)) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grown_stacks_keep_their_data_and_are_zero_elsewhere(dtype):
+    """Pool stacks come from lazily zeroed pages on a CPU (anchors/pool.py::_zeros): growing one
+    keeps what it held in its leading corner and reads zero everywhere else, in any float dtype."""
+    from kvcomm_agents.anchors.pool import _zeros_like_grown
+
+    like = torch.ones(3, 2, 5, 4, dtype=dtype)
+    first = _zeros_like_grown(None, 2, 5, like)
+    assert first.shape == (2, 3, 2, 5, 4) and first.dtype == dtype and not first.any()
+    first[1] = 7
+    grown = _zeros_like_grown(first, 4, 9, like)
+    assert grown.shape == (4, 3, 2, 9, 4)
+    assert bool((grown[1, :, :, :5] == 7).all()) and not grown[1, :, :, 5:].any()
+    assert not grown[0].any() and not grown[2:].any()
