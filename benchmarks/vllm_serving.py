@@ -14,7 +14,10 @@ speed is reported as ratios to plain vLLM measured in the same invocation.
   gives today), ``connector`` (KVCOMM, default settings: no estimated offsets, as nothing audits
   them on vLLM), ``connector-ahead`` (the connector with the client's prefill-ahead copies,
   ``kvcomm_agents.ahead``: what ``VLLMEngine`` sends by default; each agent step submits its
-  copies in the same ``generate`` batch, one token each), ``connector-unaudited``
+  copies in the same ``generate`` batch, one token each), ``connector-replies`` (those copies and
+  the client's reply copies, ``kvcomm_agents.reply_ahead``: each call is stepped as a stream and
+  every 16 new reply ids a ``prefix_only`` one-token request per learned reader is added, as
+  ``VLLMEngine`` sends them by default), ``connector-unaudited``
   (``kl_budget=None``: estimated offsets used unmeasured),
   ``hf`` (this SDK's HF engine, default).
 - ``batch``: 8 graphs at once (each agent step of all 8 graphs submitted together, so vLLM
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 AGENTS = 4
-STRATEGIES = ("vllm", "vllm-apc", "connector", "connector-ahead", "connector-unaudited", "hf")
+STRATEGIES = ("vllm", "vllm-apc", "connector", "connector-ahead", "connector-replies", "connector-unaudited", "hf")
 
 
 # ---- one strategy, in its own process -------------------------------------------------------
@@ -70,12 +73,17 @@ class _VLLM:
             kwargs.update(enable_prefix_caching=strategy == "vllm-apc", distributed_executor_backend="uni")
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.ahead = None
-        if strategy == "connector-ahead":
+        self.ahead = self.replies = None
+        if strategy in ("connector-ahead", "connector-replies"):
             from kvcomm_agents.ahead import PrefillAhead
 
             self.ahead = PrefillAhead()
+        if strategy == "connector-replies":
+            from kvcomm_agents.reply_ahead import ReplyAhead
+
+            self.replies = ReplyAhead()
         self._spans: dict[tuple, list] = {}
+        self._count = 0
 
     def ids(self, messages) -> list[int]:
         from kvcomm_agents.prompt import render_prompt
@@ -101,6 +109,8 @@ class _VLLM:
                 spans = self._spans.get(tuple(ids), [])
                 copies += self.ahead.copies_for(agent, ids, spans)
                 self.ahead.learn(agent, ids, spans)
+        if self.replies is not None:
+            return self._stepped(prompts, agents, copies, max_tokens, reuse, logprobs, params)
         batch = [{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": p} for _, p in copies]
         priority = {}
         if self.ahead is not None:  # the copies after the requests waiting with them, as the client sends them
@@ -110,6 +120,53 @@ class _VLLM:
         outs = self.llm.generate(batch, [params(a, max_tokens, logprobs) for a in agents] +
                                  [params(reader, 1) for reader, _ in copies], use_tqdm=False, **priority)
         return outs[:len(prompts)]
+
+
+    def _stepped(self, prompts, agents, copies, max_tokens, reuse, logprobs, params):
+        """:meth:`generate` stepped on the engine, as a streaming client sees it: the prompts'
+        outputs as they grow, and every :data:`~kvcomm_agents.reply_ahead.CHUNK` new reply ids
+        one ``prefix_only`` copy per learned reader of each prompt's reply (``VLLMEngine``'s
+        reply copies); copies still running when the prompts finish go on beside the next ones."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from kvcomm_agents.reply_ahead import CHUNK, copy_prompt
+        from kvcomm_vllm.client import COPY_PRIORITY
+
+        engine = self.llm.llm_engine
+        pending, bases = {}, {}
+        for ids, agent in zip(prompts, agents):
+            self._count += 1
+            key = f"main-{self._count}"
+            if reuse:
+                self.replies.learn(agent, ids)
+                bases[key] = self.replies.bases(agent, ids)
+            sampling = params(agent, max_tokens, logprobs)
+            sampling.output_kind = RequestOutputKind.CUMULATIVE
+            engine.add_request(key, {"prompt_token_ids": ids}, sampling)
+            pending[key] = (ids, agent, 0)
+        for reader, ids in copies:
+            self._count += 1
+            engine.add_request(f"copy-{self._count}", {"prompt_token_ids": ids}, params(reader, 1), priority=COPY_PRIORITY)
+        finished = {}
+        while len(finished) < len(prompts):
+            for out in engine.step():
+                if out.request_id not in pending:
+                    continue
+                ids, agent, sent = pending[out.request_id]
+                reply = self.tokenizer(out.outputs[0].text, add_special_tokens=False)["input_ids"]
+                if out.finished:
+                    finished[out.request_id] = out
+                    if reuse:
+                        self.replies.finished(agent, ids, reply)
+                elif len(reply) >= sent + CHUNK and bases.get(out.request_id):
+                    pending[out.request_id] = (ids, agent, len(reply))
+                    for reader, base in bases[out.request_id]:
+                        self._count += 1
+                        copy = params(reader, 1)
+                        copy.extra_args["kv_transfer_params"]["prefix_only"] = True
+                        engine.add_request(f"copy-{self._count}", {"prompt_token_ids": copy_prompt(base, reply)}, copy,
+                                           priority=COPY_PRIORITY)
+        return [finished[key] for key in pending]
 
 
 def _report(output) -> dict:

@@ -93,13 +93,15 @@ class KVCommBroker:
         freeze = BlockCount()
         self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze, can_audit=False)
         self.own_texts = OwnTextStore(c.experimental.own_text_max_bytes, freeze)
+        self._prefix_config = c.model_copy(update={"method": "exact_prefix", "experimental": c.experimental.model_copy(
+            update={"own_text": "in_context"})})
         self.capture = CallCapture(self.store, tokenizer, rotator, fingerprint, c, self.own_texts)
         self._requests: dict[str, BrokeredRequest] = {}
         self._lock = threading.RLock()
 
     # ---- the runtime's three moments ------------------------------------------------------
     def plan(self, request_id: str, prompt_ids: Sequence[int] | torch.Tensor, agent: str = "default", *,
-             reuse: bool = True, held: int = 0) -> Claim:
+             reuse: bool = True, held: int = 0, prefix_only: bool = False) -> Claim:
         """Plan a request once (later calls for the same id return the same claim).
 
         Args:
@@ -108,6 +110,9 @@ class KVCommBroker:
             agent: the receiving agent (anchors and own text are per receiver).
             reuse: False: the request runs dense (reason ``reuse_off``); what it computes is kept.
             held: prompt tokens the runtime already holds (its own exact prefix cache).
+            prefix_only: claim exact prefixes only (no token runs, versions or own text), so
+                that what the request computes is exact and kept as an exact prefix: a client's
+                copy of a later reader's prompt (:mod:`~kvcomm_agents.reply_ahead`).
         """
         with self._lock:
             known = self._requests.get(request_id)
@@ -117,7 +122,8 @@ class KVCommBroker:
             if not self.config.reuse:
                 plan = CallPlan(layout.ids, dense_reason="reuse_off")
             else:
-                plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self.config,
+                plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint,
+                                 config=self._prefix_config if prefix_only else self.config,
                                  agent=agent, refuse_reason=None if reuse else "reuse_off",
                                  anchors=self.anchors if self.config.method == "kvcomm" else None,
                                  own_texts=self.own_texts)

@@ -63,11 +63,13 @@ class Client:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=True)["input_ids"])
 
-    def generate(self, ids, agent: str, *, reuse: bool = True, max_tokens: int = 24, logprobs=None):
+    def generate(self, ids, agent: str, *, reuse: bool = True, max_tokens: int = 24, logprobs=None,
+                 prefix_only: bool = False):
         from vllm import SamplingParams
 
+        transfer = {"agent": agent, "reuse": reuse, **({"prefix_only": True} if prefix_only else {})}
         params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs,
-                                extra_args={"kv_transfer_params": {"agent": agent, "reuse": reuse}})
+                                extra_args={"kv_transfer_params": transfer})
         return self.llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)[0]
 
     def first_token_logprobs(self, ids, agent: str, *, reuse: bool = True):

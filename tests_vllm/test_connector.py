@@ -178,3 +178,44 @@ def test_prefill_ahead_copies_serve_the_shared_question_to_a_later_reader_exactl
     step("ahead_a", third, ahead=False)  # no copy
     unserved, question_end = step("ahead_b", third, ahead=False)
     assert unserved.kv_transfer_params["kvcomm"]["reused_tokens"] < question_end
+
+
+def test_reply_copies_serve_the_newest_reply_to_its_reader_exactly(client):
+    """The client's reply copies (kvcomm_agents.reply_ahead, what VLLMEngine sends by default while
+    a sender streams): once B was seen reading A's reply, A's next reply is copied into B's
+    prompt every CHUNK ids as prefix_only one-token requests. Each copy claims exact prefixes
+    only; B's own request is then claimed up to the reply's last chunk, and its greedy output is
+    vLLM dense's token for token. Without the copies the claim ends before the reply."""
+    from examples.tasks import debate_messages
+    from kvcomm_agents.reply_ahead import CHUNK, HOLD, ReplyAhead, copy_prompt
+
+    book = ReplyAhead()
+    encode = lambda text: client.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def graph(question, *, copies=True):
+        a_ids = client.ids(debate_messages(1, 2, question, []))
+        book.learn("reply_a", a_ids)
+        bases = book.bases("reply_a", a_ids)
+        reply = client.generate(a_ids, "reply_a", max_tokens=48).outputs[0].text
+        ids = encode(reply)
+        book.finished("reply_a", a_ids, ids)
+        claims = []
+        for end in range(CHUNK, len(ids) + 1, CHUNK) if copies else ():  # as the stream sends them
+            for reader, base in bases:
+                copy = client.generate(copy_prompt(base, ids[:end]), reader, max_tokens=1, prefix_only=True)
+                report = copy.kv_transfer_params["kvcomm"]
+                claims.append(report["reused_tokens"] == report["prefix_tokens"])
+        b_ids = client.ids(debate_messages(2, 2, question, [reply]))
+        book.learn("reply_b", b_ids)
+        return b_ids, client.generate(b_ids, "reply_b", max_tokens=16), claims, bases
+
+    first, second, third = questions(26)[23:26]  # questions no other test sends
+    graph(first)
+    b_ids, served, claims, bases = graph(second)
+    assert [reader for reader, _ in bases] == ["reply_b"] and claims and all(claims)  # exact prefixes only
+    reply_start = len(bases[0][1])
+    assert served.kv_transfer_params["kvcomm"]["reused_tokens"] >= len(b_ids) - (CHUNK + HOLD + 8) > reply_start
+    dense = client.generate(b_ids, "reply_b", reuse=False, max_tokens=16)
+    assert served.outputs[0].token_ids == dense.outputs[0].token_ids
+    b_ids, unserved, _, bases = graph(third, copies=False)
+    assert unserved.kv_transfer_params["kvcomm"]["reused_tokens"] <= len(bases[0][1])

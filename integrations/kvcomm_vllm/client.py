@@ -25,6 +25,14 @@ connector claims only what it can rebuild without holes, and shared text read af
 agent's system text is what it could not. Copies are not waited for; a failed copy costs that
 reader's reuse. Not on :class:`~kvcomm_vllm.fleet.FleetEngine` yet.
 
+**Replies ahead** (``reply_ahead=True``, the default; :mod:`kvcomm_agents.reply_ahead`): when
+earlier graphs showed which agents read an agent's reply, and after which ids, that agent's call
+is streamed, and every :data:`~kvcomm_agents.reply_ahead.CHUNK` new reply ids one one-token
+``prefix_only`` request per reader is sent: the reader's prompt as it will be, up to the reply so
+far. The server computes them beside the sender's decode steps and keeps each as an exact prefix,
+so the reader's own request claims up to the reply's last chunk. Such a call's stats come from
+the streamed answer (tokens from cache and the server's TTFT, no per-segment decisions).
+
 Standard library HTTP only; this module never imports vLLM (a client machine needs none).
 """
 
@@ -39,6 +47,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from kvcomm_agents.ahead import PrefillAhead
 from kvcomm_agents.plan import SegmentDecision
+from kvcomm_agents.reply_ahead import CHUNK, ReplyAhead, copy_prompt
 from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.results import CallStats, ChatResult
 
@@ -64,10 +73,12 @@ class VLLMEngine:
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, tokenizer: Any = None,
-                 model: Optional[str] = None, timeout: float = 600.0, prefill_ahead: bool = True):
+                 model: Optional[str] = None, timeout: float = 600.0, prefill_ahead: bool = True,
+                 reply_ahead: bool = True):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.ahead = PrefillAhead() if prefill_ahead else None
+        self.replies = ReplyAhead() if reply_ahead else None
         self.model_id = model or self._get("/v1/models")["data"][0]["id"]
         self.tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else \
             _load_tokenizer(tokenizer or self.model_id)
@@ -81,8 +92,15 @@ class VLLMEngine:
              reuse: Optional[bool] = None, tools: Optional[list] = None) -> ChatResult:
         """One agent call on the server; see :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`."""
         ids = self._prepare(messages, agent, tools, reuse)
-        return self.complete(ids, agent=agent, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             stop=stop, seed=seed, reuse=reuse)
+        options = dict(agent=agent, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop,
+                       seed=seed, reuse=reuse)
+        bases = self.replies.bases(agent, ids) if self.replies is not None and reuse is not False else []
+        if not bases:
+            result = self.complete(ids, **options)
+        else:  # streamed, so that the readers' copies go out while the reply is generated
+            *_, result = self._stream_with_copies(ids, bases, options)
+        self._finished(agent, ids, result)
+        return result
 
     def _prepare(self, messages: Sequence[dict], agent: str, tools: Optional[list], reuse: Optional[bool]) -> list[int]:
         """The prompt's ids; with ``prefill_ahead``, first send the copies of its new shared text
@@ -95,13 +113,37 @@ class VLLMEngine:
             for reader, prompt in self.ahead.copies_for(agent, ids, spans):
                 threading.Thread(target=self._send_copy, args=(reader, prompt), daemon=True).start()
             self.ahead.learn(agent, ids, spans)
+        if self.replies is not None and reuse is not False:
+            self.replies.learn(agent, ids)
         return ids
 
-    def _send_copy(self, reader: str, ids: list[int]) -> None:
-        """A later reader's prefix and the shared text, prefilled (one token); a failure costs
-        that reader's reuse, never a request."""
+    def _finished(self, agent: str, ids: list[int], result: ChatResult) -> None:
+        """Remember a call's prompt and reply (as a reader's prompt will tokenize its text)."""
+        if self.replies is not None and result.text:
+            self.replies.finished(agent, ids, self.tokenizer(result.text, add_special_tokens=False)["input_ids"])
+
+    def _stream_with_copies(self, ids: list[int], bases: list[tuple[str, list[int]]], options: dict) -> Iterator[Any]:
+        """:meth:`stream_ids`, sending each reader's copy of the reply so far every
+        :data:`~kvcomm_agents.reply_ahead.CHUNK` ids (:mod:`kvcomm_agents.reply_ahead`)."""
+        text, sent = "", 0
+        for piece in self.stream_ids(ids, **options):
+            if isinstance(piece, str):
+                text += piece
+                reply = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(reply) >= sent + CHUNK:
+                    sent = len(reply)
+                    for reader, base in bases:
+                        threading.Thread(target=self._send_copy, args=(reader, copy_prompt(base, reply), True),
+                                         daemon=True).start()
+            yield piece
+
+    def _send_copy(self, reader: str, ids: list[int], prefix_only: bool = False) -> None:
+        """A later reader's prefix and the shared text (or the reply so far), prefilled (one
+        token); a failure costs that reader's reuse, never a request."""
         try:
             body = _body(self.model_id, ids, reader, 1, 0.0, 1.0, None, None, True)
+            if prefix_only:
+                body["kv_transfer_params"]["prefix_only"] = True
             body["priority"] = COPY_PRIORITY  # after the requests waiting with it (serve's priority policy)
             self._post("/v1/completions", body)
         except Exception as error:  # noqa: BLE001 - a copy is an optimisation
@@ -129,7 +171,13 @@ class VLLMEngine:
         """Text pieces as the server generates them, then the :class:`~kvcomm_agents.ChatResult`
         (its stats without per-segment decisions; see the module's docstring)."""
         ids = self._prepare(messages, agent, tools, options.get("reuse"))
-        return self.stream_ids(ids, agent=agent, **options)
+        bases = self.replies.bases(agent, ids) if self.replies is not None and options.get("reuse") is not False else []
+        pieces = self._stream_with_copies(ids, bases, {"agent": agent, **options}) if bases else \
+            self.stream_ids(ids, agent=agent, **options)
+        for piece in pieces:
+            if not isinstance(piece, str):
+                self._finished(agent, ids, piece)
+            yield piece
 
     def stream_ids(self, ids: list[int], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
                    top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,

@@ -7,7 +7,9 @@ it). Per request, on token ids alone:
   prefix, shared token runs re-rotated with anchor offsets or recorded versions, the receiver's
   own text from its own-text KV) and claims the longest reusable prefix of it; vLLM computes the
   rest. The agent comes from the request's ``kv_transfer_params`` (``{"agent": "solver"}``;
-  ``{"reuse": false}`` runs it dense and records it).
+  ``{"reuse": false}`` runs it dense and records it; ``{"prefix_only": true}`` claims exact
+  prefixes only, so that what it computes is kept as an exact prefix: a client's copy of a later
+  reader's prompt, :mod:`kvcomm_agents.reply_ahead`).
 - **worker side** (:meth:`start_load_kv`): the claimed KV is aligned on the worker's device and
   written into the request's blocks with the backend's own cache-update op. A failed load marks
   the blocks for vLLM to recompute (``kv_load_failure_policy="recompute"``).
@@ -203,7 +205,7 @@ class KVCommConnector(KVConnectorBase_V1):
         reuse = params.get("reuse", True) is not False
         try:
             claim = self.broker.plan(request.request_id, request.prompt_token_ids, agent, reuse=reuse,
-                                     held=num_computed_tokens)
+                                     held=num_computed_tokens, prefix_only=params.get("prefix_only") is True)
         except Exception:  # noqa: BLE001 - a planning failure costs speed, never the request
             logger.exception("KVCOMM planning failed for request %s; it runs dense", request.request_id)
             self.broker.drop(request.request_id)
