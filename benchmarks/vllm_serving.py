@@ -13,8 +13,9 @@ speed is reported as ratios to plain vLLM measured in the same invocation.
   Strategies: ``vllm`` (prefix caching off), ``vllm-apc`` (vLLM's exact prefix cache, what vLLM
   gives today), ``connector`` (KVCOMM, default settings: no estimated offsets, as nothing audits
   them on vLLM), ``connector-ahead`` (the connector with the client's prefill-ahead copies,
-  ``kvcomm_agents.ahead``: what ``VLLMEngine`` sends by default; each agent step submits its
-  copies in the same ``generate`` batch, one token each), ``connector-replies`` (those copies and
+  ``kvcomm_agents.ahead``: what ``VLLMEngine`` sends by default; each call is stepped as a
+  stream and its copies, one token each, are added once its first token is out),
+  ``connector-replies`` (those copies and
   the client's reply copies, ``kvcomm_agents.reply_ahead``: each call is stepped as a stream and
   every 16 new reply ids a ``prefix_only`` one-token request per learned reader is added, as
   ``VLLMEngine`` sends them by default), ``connector-unaudited``
@@ -103,70 +104,74 @@ class _VLLM:
             return SamplingParams(max_tokens=tokens, temperature=0, logprobs=lp,
                                   extra_args={"kv_transfer_params": {"agent": agent, "reuse": reuse}})
 
-        copies = []
+        copies = [[] for _ in prompts]  # per prompt
         if self.ahead is not None and reuse:
-            for ids, agent in zip(prompts, agents):
+            for i, (ids, agent) in enumerate(zip(prompts, agents)):
                 spans = self._spans.get(tuple(ids), [])
-                copies += self.ahead.copies_for(agent, ids, spans)
+                copies[i] = self.ahead.copies_for(agent, ids, spans)
                 self.ahead.learn(agent, ids, spans)
-        if self.replies is not None:
+        if self.ahead is not None or self.replies is not None:
             return self._stepped(prompts, agents, copies, max_tokens, reuse, logprobs, params)
-        batch = [{"prompt_token_ids": p} for p in prompts] + [{"prompt_token_ids": p} for _, p in copies]
-        priority = {}
-        if self.ahead is not None:  # the copies after the requests waiting with them, as the client sends them
-            from kvcomm_vllm.client import COPY_PRIORITY
-
-            priority = {"priority": [0] * len(prompts) + [COPY_PRIORITY] * len(copies)}
-        outs = self.llm.generate(batch, [params(a, max_tokens, logprobs) for a in agents] +
-                                 [params(reader, 1) for reader, _ in copies], use_tqdm=False, **priority)
-        return outs[:len(prompts)]
-
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], [params(a, max_tokens, logprobs) for a in agents],
+                                 use_tqdm=False)
+        return outs
 
     def _stepped(self, prompts, agents, copies, max_tokens, reuse, logprobs, params):
-        """:meth:`generate` stepped on the engine, as a streaming client sees it: the prompts'
-        outputs as they grow, and every :data:`~kvcomm_agents.reply_ahead.CHUNK` new reply ids
-        one ``prefix_only`` copy per learned reader of each prompt's reply (``VLLMEngine``'s
-        reply copies); copies still running when the prompts finish go on beside the next ones."""
+        """:meth:`generate` stepped on the engine, as a streaming ``VLLMEngine`` sees it: each
+        prompt's prefill-ahead ``copies`` are added once its first token is out (they ride on its
+        decode steps, never on its prefill), and every :data:`~kvcomm_agents.reply_ahead.CHUNK`
+        new reply ids one ``prefix_only`` copy per learned reader of its reply. Copies still
+        running when the prompts finish go on beside the next ones."""
         from vllm.sampling_params import RequestOutputKind
 
         from kvcomm_agents.reply_ahead import CHUNK, copy_prompt
         from kvcomm_vllm.client import COPY_PRIORITY
 
         engine = self.llm.llm_engine
-        pending, bases = {}, {}
-        for ids, agent in zip(prompts, agents):
+
+        def add_copy(reader, ids, prefix_only=False):
+            self._count += 1
+            copy = params(reader, 1)
+            if prefix_only:
+                copy.extra_args["kv_transfer_params"]["prefix_only"] = True
+            engine.add_request(f"copy-{self._count}", {"prompt_token_ids": ids}, copy, priority=COPY_PRIORITY)
+
+        pending = {}  # request id -> [prompt ids, agent, reply ids sent so far, shared copies, reply bases]
+        order = []
+        for i, (ids, agent) in enumerate(zip(prompts, agents)):
             self._count += 1
             key = f"main-{self._count}"
-            if reuse:
+            bases = []
+            if reuse and self.replies is not None:
                 self.replies.learn(agent, ids)
-                bases[key] = self.replies.bases(agent, ids)
+                bases = self.replies.bases(agent, ids)
             sampling = params(agent, max_tokens, logprobs)
             sampling.output_kind = RequestOutputKind.CUMULATIVE
-            engine.add_request(key, {"prompt_token_ids": ids}, sampling)
-            pending[key] = (ids, agent, 0)
-        for reader, ids in copies:
-            self._count += 1
-            engine.add_request(f"copy-{self._count}", {"prompt_token_ids": ids}, params(reader, 1), priority=COPY_PRIORITY)
+            given = engine.add_request(key, {"prompt_token_ids": ids}, sampling)
+            pending[key] = [ids, agent, 0, copies[i], bases]
+            order.append(pending[key])
+            if given != key:  # vLLM may suffix the id; outputs carry one or the other
+                pending[given] = pending[key]
         finished = {}
         while len(finished) < len(prompts):
             for out in engine.step():
-                if out.request_id not in pending:
+                state = pending.get(out.request_id)
+                if state is None or id(state) in finished:
                     continue
-                ids, agent, sent = pending[out.request_id]
+                ids, agent, sent, shared, bases = state
+                for reader, copy in shared:  # after the first token
+                    add_copy(reader, copy)
+                state[3] = []
                 reply = self.tokenizer(out.outputs[0].text, add_special_tokens=False)["input_ids"]
                 if out.finished:
-                    finished[out.request_id] = out
-                    if reuse:
+                    finished[id(state)] = out
+                    if reuse and self.replies is not None:
                         self.replies.finished(agent, ids, reply)
-                elif len(reply) >= sent + CHUNK and bases.get(out.request_id):
-                    pending[out.request_id] = (ids, agent, len(reply))
-                    for reader, base in bases[out.request_id]:
-                        self._count += 1
-                        copy = params(reader, 1)
-                        copy.extra_args["kv_transfer_params"]["prefix_only"] = True
-                        engine.add_request(f"copy-{self._count}", {"prompt_token_ids": copy_prompt(base, reply)}, copy,
-                                           priority=COPY_PRIORITY)
-        return [finished[key] for key in pending]
+                elif bases and len(reply) >= sent + CHUNK:
+                    state[2] = len(reply)
+                    for reader, base in bases:
+                        add_copy(reader, copy_prompt(base, reply), prefix_only=True)
+        return [finished[id(state)] for state in order]
 
 
 def _report(output) -> dict:

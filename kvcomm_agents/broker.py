@@ -29,7 +29,7 @@ from .alignment import assemble
 from .anchors import KVCommAnchors
 from .budgets import default_budgets
 from .capture import CallCapture, KVAt
-from .claims import Claim, contiguous_claim
+from .claims import DENSE_TAIL, Claim, contiguous_claim
 from .config import KVCommConfig
 from .kv.block import KVBlock
 from .kv.blocks import BlockCount
@@ -127,7 +127,7 @@ class KVCommBroker:
                                  agent=agent, refuse_reason=None if reuse else "reuse_off",
                                  anchors=self.anchors if self.config.method == "kvcomm" else None,
                                  own_texts=self.own_texts)
-            claim = contiguous_claim(plan, held)
+            claim = contiguous_claim(plan, held, DENSE_TAIL)
             self._requests[request_id] = BrokeredRequest(agent, claim)
             return claim
 

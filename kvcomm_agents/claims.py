@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .plan import CallPlan
+from .plan import CallPlan, ReusedRun
 
-__all__ = ["Claim", "contiguous_claim"]
+__all__ = ["Claim", "contiguous_claim", "DENSE_TAIL"]
+
+#: Last prompt tokens a runtime without holes computes itself rather than load from reused runs
+#: (an exact prefix may still reach into them): the first reply token reads the prompt's last
+#: tokens most, and there estimated or re-rotated KV (a reply's tail found as a token run, the
+#: generation header from the receiver's own-text KV) moved the first-token distribution most
+#: on vLLM (``docs/scale-out.md``, "Replies ahead"). A named heuristic, measured, not tuned.
+DENSE_TAIL = 32
 
 
 @dataclass(frozen=True)
@@ -34,13 +41,16 @@ class Claim:
     dropped_tokens: int
 
 
-def contiguous_claim(plan: CallPlan, start: int = 0) -> Claim:
+def contiguous_claim(plan: CallPlan, start: int = 0, dense_tail: int = 0) -> Claim:
     """Cut ``plan`` at its first computed position at or after ``start``.
 
     Args:
         plan: a planner's plan (``plan.recompute`` must be None: a recomputed position is a hole).
         start: positions the engine already holds (its own exact prefix cache); the claim never
             ends before it.
+        dense_tail: the prompt's last ``dense_tail`` tokens are never served from reused runs
+            (:data:`DENSE_TAIL`): a shared run reaching into them is claimed up to them, an own-text
+            run there is computed whole; the exact prefix is kept whole.
 
     Returns:
         The claim: the kept plan and the number of prompt tokens it serves from reused KV.
@@ -48,28 +58,38 @@ def contiguous_claim(plan: CallPlan, start: int = 0) -> Claim:
     if plan.recompute is not None:
         raise ValueError("a plan with recomputed positions has holes; build it with recompute_head=0")
     end = max(plan.prefix_length, 0)
-    kept = []
+    limit = plan.num_prompt - dense_tail
+    kept: list[ReusedRun] = []
+    reason = "after_hole"
     for run in plan.runs:  # sorted and disjoint
         if run.prompt_start != end:
+            break
+        if run.prompt_end > limit:
+            reason = "dense_tail"  # every run after it lies in the tail too
+            if not run.own_text and run.prompt_start < limit:  # a shared run: its part before the tail
+                kept.append(_shortened(run, limit - run.prompt_start))
+                end = limit
             break
         kept.append(run)
         end = run.prompt_end
     length = max(end, min(start, plan.num_prompt - 1))
-    if len(kept) == len(plan.runs):
+    if kept == list(plan.runs):
         return Claim(plan, length, 0)
-    dropped_runs = plan.runs[len(kept):]
-    dropped = sum(run.length for run in dropped_runs)
     lost: dict[str, int] = {}
-    for run in dropped_runs:
+    for run in plan.runs:
         if not run.own_text:
             lost[run.segment.id] = lost.get(run.segment.id, 0) + run.length
+    for run in kept:
+        if not run.own_text:
+            lost[run.segment.id] -= run.length
+    dropped = sum(run.length for run in plan.runs) - sum(run.length for run in kept)
     decisions = []
     for decision in plan.decisions:
-        cut = lost.pop(decision.segment_id, 0) if decision.status == "reused" else 0
+        cut = max(lost.pop(decision.segment_id, 0), 0) if decision.status == "reused" else 0
         if cut:
             left = max(decision.reused_tokens - cut, 0)
             decision = decision.model_copy(update={"reused_tokens": left} if left else
-                                           {"reused_tokens": 0, "status": "prefilled", "reason": "after_hole"})
+                                           {"reused_tokens": 0, "status": "prefilled", "reason": reason})
         decisions.append(decision)
     kept_own = {run.prompt_start for run in kept if run.own_text}
     pieces = tuple(replace(piece, reused=False) if piece.reused and piece.start not in kept_own else piece
@@ -78,3 +98,12 @@ def contiguous_claim(plan: CallPlan, start: int = 0) -> Claim:
     if cut_plan.reused_tokens == 0 and cut_plan.dense_reason is None:
         cut_plan = replace(cut_plan, dense_reason="nothing_to_reuse")
     return Claim(cut_plan, length, dropped)
+
+
+def _shortened(run: ReusedRun, length: int) -> ReusedRun:
+    """``run``'s first ``length`` tokens (its offsets and spread sliced alike)."""
+    def first(tensor, dim):
+        return None if tensor is None else tensor.narrow(dim, 0, length)
+
+    return replace(run, length=length, key_offsets=first(run.key_offsets, 2), value_offsets=first(run.value_offsets, 2),
+                   spread=first(run.spread, 0))

@@ -41,6 +41,7 @@ DecisionReason = Literal[
     "calibration",  # prefilled: engine.calibrate / calibrating(): computed densely and recorded as an anchor
     "bad_reference",  # prefilled: the message's segment reference is malformed (another version, hand-written)
     "after_hole",  # prefilled: an engine without holes (vLLM) computes everything after the first computed token
+    "dense_tail",  # prefilled: an engine without holes computes the prompt's last tokens (claims.DENSE_TAIL)
 ]
 
 

@@ -19,7 +19,8 @@ shared text by token runs).
 
 **Prefill ahead** (``prefill_ahead=True``, the default; :mod:`kvcomm_agents.ahead`): a prompt
 whose new shared text (a task, documents) later agents were seen to read after their own system
-text sends, beside it, one one-token request per later reader (its prefix, then the text); the
+text is streamed, and once its first token arrived one one-token request per later reader (its
+prefix, then the text) is sent, so the copies ride on its decode steps, never on its prefill; the
 server keeps each as an exact prefix, so those readers' own requests are served from it. The
 connector claims only what it can rebuild without holes, and shared text read after another
 agent's system text is what it could not. Copies are not waited for; a failed copy costs that
@@ -31,7 +32,8 @@ is streamed, and every :data:`~kvcomm_agents.reply_ahead.CHUNK` new reply ids on
 ``prefix_only`` request per reader is sent: the reader's prompt as it will be, up to the reply so
 far. The server computes them beside the sender's decode steps and keeps each as an exact prefix,
 so the reader's own request claims up to the reply's last chunk. Such a call's stats come from
-the streamed answer (tokens from cache and the server's TTFT, no per-segment decisions).
+the streamed answer (tokens from cache and the server's TTFT, no per-segment decisions), as are
+those of a call that sends prefill-ahead copies.
 
 Standard library HTTP only; this module never imports vLLM (a client machine needs none).
 """
@@ -91,46 +93,53 @@ class VLLMEngine:
              top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
              reuse: Optional[bool] = None, tools: Optional[list] = None) -> ChatResult:
         """One agent call on the server; see :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`."""
-        ids = self._prepare(messages, agent, tools, reuse)
+        ids, copies, bases = self._prepare(messages, agent, tools, reuse)
         options = dict(agent=agent, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop,
                        seed=seed, reuse=reuse)
-        bases = self.replies.bases(agent, ids) if self.replies is not None and reuse is not False else []
-        if not bases:
+        if not copies and not bases:
             result = self.complete(ids, **options)
-        else:  # streamed, so that the readers' copies go out while the reply is generated
-            *_, result = self._stream_with_copies(ids, bases, options)
+        else:  # streamed, so that the copies go out after the first token and while the reply is generated
+            *_, result = self._stream_with_copies(ids, copies, bases, options)
         self._finished(agent, ids, result)
         return result
 
-    def _prepare(self, messages: Sequence[dict], agent: str, tools: Optional[list], reuse: Optional[bool]) -> list[int]:
-        """The prompt's ids; with ``prefill_ahead``, first send the copies of its new shared text
-        for its later readers (:mod:`kvcomm_agents.ahead`: one-token requests, not waited for,
-        batched by the server with this one) and learn from it."""
+    def _prepare(self, messages: Sequence[dict], agent: str, tools: Optional[list], reuse: Optional[bool]
+                 ) -> tuple[list[int], list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+        """The prompt's ids, the prefill-ahead copies of its new shared text for its later readers
+        (:mod:`kvcomm_agents.ahead`) and the ids before its reply in each learned reader's prompt
+        (:mod:`kvcomm_agents.reply_ahead`); learns from the prompt."""
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         ids = layout.ids.tolist()
+        copies, bases = [], []
         if self.ahead is not None and reuse is not False:
             spans = [layout.tokens_within(*span) for span in layout.content_spans if span is not None]
-            for reader, prompt in self.ahead.copies_for(agent, ids, spans):
-                threading.Thread(target=self._send_copy, args=(reader, prompt), daemon=True).start()
+            copies = self.ahead.copies_for(agent, ids, spans)
             self.ahead.learn(agent, ids, spans)
         if self.replies is not None and reuse is not False:
             self.replies.learn(agent, ids)
-        return ids
+            bases = self.replies.bases(agent, ids)
+        return ids, copies, bases
 
     def _finished(self, agent: str, ids: list[int], result: ChatResult) -> None:
         """Remember a call's prompt and reply (as a reader's prompt will tokenize its text)."""
         if self.replies is not None and result.text:
             self.replies.finished(agent, ids, self.tokenizer(result.text, add_special_tokens=False)["input_ids"])
 
-    def _stream_with_copies(self, ids: list[int], bases: list[tuple[str, list[int]]], options: dict) -> Iterator[Any]:
-        """:meth:`stream_ids`, sending each reader's copy of the reply so far every
-        :data:`~kvcomm_agents.reply_ahead.CHUNK` ids (:mod:`kvcomm_agents.reply_ahead`)."""
-        text, sent = "", 0
+    def _stream_with_copies(self, ids: list[int], copies: list[tuple[str, list[int]]],
+                            bases: list[tuple[str, list[int]]], options: dict) -> Iterator[Any]:
+        """:meth:`stream_ids`, sending the prefill-ahead ``copies`` once the first piece arrived (so
+        that they never share this request's prefill), and each reader's copy of the reply so far
+        every :data:`~kvcomm_agents.reply_ahead.CHUNK` ids. Copies are not waited for."""
+        text, sent, first = "", 0, True
         for piece in self.stream_ids(ids, **options):
             if isinstance(piece, str):
+                if first:
+                    first = False
+                    for reader, prompt in copies:
+                        threading.Thread(target=self._send_copy, args=(reader, prompt), daemon=True).start()
                 text += piece
-                reply = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                if len(reply) >= sent + CHUNK:
+                reply = self.tokenizer(text, add_special_tokens=False)["input_ids"] if bases else []
+                if bases and len(reply) >= sent + CHUNK:
                     sent = len(reply)
                     for reader, base in bases:
                         threading.Thread(target=self._send_copy, args=(reader, copy_prompt(base, reply), True),
@@ -170,9 +179,8 @@ class VLLMEngine:
                **options) -> Iterator[Any]:
         """Text pieces as the server generates them, then the :class:`~kvcomm_agents.ChatResult`
         (its stats without per-segment decisions; see the module's docstring)."""
-        ids = self._prepare(messages, agent, tools, options.get("reuse"))
-        bases = self.replies.bases(agent, ids) if self.replies is not None and options.get("reuse") is not False else []
-        pieces = self._stream_with_copies(ids, bases, {"agent": agent, **options}) if bases else \
+        ids, copies, bases = self._prepare(messages, agent, tools, options.get("reuse"))
+        pieces = self._stream_with_copies(ids, copies, bases, {"agent": agent, **options}) if copies or bases else \
             self.stream_ids(ids, agent=agent, **options)
         for piece in pieces:
             if not isinstance(piece, str):
