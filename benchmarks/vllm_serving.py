@@ -17,7 +17,7 @@ speed is reported as ratios to plain vLLM measured in the same invocation.
   stream and its copies, one token each, are added once its first token is out),
   ``connector-replies`` (those copies and
   the client's reply copies, ``kvcomm_agents.reply_ahead``: each call is stepped as a stream and
-  every 16 new reply ids a ``prefix_only`` one-token request per learned reader is added, as
+  every 32 new reply ids a ``prefix_only`` one-token request per learned reader is added, as
   ``VLLMEngine`` sends them by default), ``connector-unaudited``
   (``kl_budget=None``: estimated offsets used unmeasured),
   ``hf`` (this SDK's HF engine, default).

@@ -45,9 +45,11 @@ ALIGN_IDS = 16
 MAX_HEAD = 512
 #: Longest lead-in (ids between the repeated text and the reply).
 MAX_LEAD_IN = 40
-#: New reply ids between two copies for one reader (each copy costs one small prefill batched
-#: with the sender's decode steps; the reader computes at most this many reply ids itself).
-CHUNK = 16
+#: New reply ids between two copies for one reader (each copy is one more request, a small
+#: prefill batched with the sender's decode steps; the reader computes at most this many reply
+#: ids itself). On vLLM's CPU build (workload (b), one run each): 16 gave readers 2.7-5.1x plain
+#: vLLM and the whole graph 0.85x; 32 gave 3.0-4.5x and 1.03x (``docs/scale-out.md``).
+CHUNK = 32
 #: Last ids of the partial reply left out of a copy: a token at the end of a stream may merge
 #: with the text after it once the reader's prompt is tokenized whole.
 HOLD = 2

@@ -53,7 +53,7 @@ from kvcomm_agents.reply_ahead import CHUNK, ReplyAhead, copy_prompt
 from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.results import CallStats, ChatResult
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "prepare_prompt", "remember_reply"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,25 +105,10 @@ class VLLMEngine:
 
     def _prepare(self, messages: Sequence[dict], agent: str, tools: Optional[list], reuse: Optional[bool]
                  ) -> tuple[list[int], list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
-        """The prompt's ids, the prefill-ahead copies of its new shared text for its later readers
-        (:mod:`kvcomm_agents.ahead`) and the ids before its reply in each learned reader's prompt
-        (:mod:`kvcomm_agents.reply_ahead`); learns from the prompt."""
-        layout = render_prompt(self.tokenizer, messages, tools=tools)
-        ids = layout.ids.tolist()
-        copies, bases = [], []
-        if self.ahead is not None and reuse is not False:
-            spans = [layout.tokens_within(*span) for span in layout.content_spans if span is not None]
-            copies = self.ahead.copies_for(agent, ids, spans)
-            self.ahead.learn(agent, ids, spans)
-        if self.replies is not None and reuse is not False:
-            self.replies.learn(agent, ids)
-            bases = self.replies.bases(agent, ids)
-        return ids, copies, bases
+        return prepare_prompt(self.tokenizer, messages, agent, tools, reuse, self.ahead, self.replies)
 
     def _finished(self, agent: str, ids: list[int], result: ChatResult) -> None:
-        """Remember a call's prompt and reply (as a reader's prompt will tokenize its text)."""
-        if self.replies is not None and result.text:
-            self.replies.finished(agent, ids, self.tokenizer(result.text, add_special_tokens=False)["input_ids"])
+        remember_reply(self.tokenizer, self.replies, agent, ids, result)
 
     def _stream_with_copies(self, ids: list[int], copies: list[tuple[str, list[int]]],
                             bases: list[tuple[str, list[int]]], options: dict) -> Iterator[Any]:
@@ -246,6 +231,32 @@ class VLLMEngine:
                     raise RuntimeError(f"the server failed the request: "
                                        f"{error.get('message', error) if isinstance(error, dict) else error}")
                 yield chunk
+
+
+def prepare_prompt(tokenizer, messages: Sequence[dict], agent: str, tools: Optional[list], reuse: Optional[bool],
+                   ahead: Optional[PrefillAhead], replies: Optional[ReplyAhead]
+                   ) -> tuple[list[int], list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
+    """A prompt's ids, the prefill-ahead copies of its new shared text for its later readers
+    (:mod:`kvcomm_agents.ahead`) and the ids before its reply in each learned reader's prompt
+    (:mod:`kvcomm_agents.reply_ahead`); both books learn from the prompt (not when ``reuse`` is
+    False, nor without a book)."""
+    layout = render_prompt(tokenizer, messages, tools=tools)
+    ids = layout.ids.tolist()
+    copies, bases = [], []
+    if ahead is not None and reuse is not False:
+        spans = [layout.tokens_within(*span) for span in layout.content_spans if span is not None]
+        copies = ahead.copies_for(agent, ids, spans)
+        ahead.learn(agent, ids, spans)
+    if replies is not None and reuse is not False:
+        replies.learn(agent, ids)
+        bases = replies.bases(agent, ids)
+    return ids, copies, bases
+
+
+def remember_reply(tokenizer, replies: Optional[ReplyAhead], agent: str, ids: list[int], result: ChatResult) -> None:
+    """Remember a call's prompt and reply (as a reader's prompt will tokenize its text)."""
+    if replies is not None and result.text:
+        replies.finished(agent, ids, tokenizer(result.text, add_special_tokens=False)["input_ids"])
 
 
 def _body(model: str, ids: list[int], agent: str, max_new_tokens: int, temperature: float, top_p: float,

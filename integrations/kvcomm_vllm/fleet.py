@@ -24,11 +24,13 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from kvcomm_agents.ahead import PrefillAhead
 from kvcomm_agents.kv.run_index import TokenRunIndex, scan
 from kvcomm_agents.prompt import render_prompt
+from kvcomm_agents.reply_ahead import ReplyAhead, copy_prompt
 from kvcomm_agents.results import ChatResult
 
-from .client import VLLMEngine
+from .client import VLLMEngine, prepare_prompt, remember_reply
 
 __all__ = ["AffinityRouter", "FleetEngine"]
 
@@ -118,15 +120,22 @@ class FleetEngine:
         model: the served model id (default: the first replica's first).
         router: default: an :class:`AffinityRouter` over ``base_urls``.
         timeout: seconds per request.
+        prefill_ahead, reply_ahead: as for :class:`~.client.VLLMEngine`, learned over the whole
+            fleet; the copies go to the replica serving the sender's call and are recorded there,
+            so the router sends their reader to the replica that holds them.
     """
 
     def __init__(self, base_urls: Sequence[str], *, tokenizer: Any = None, model: Optional[str] = None,
-                 router: Optional[AffinityRouter] = None, timeout: float = 600.0):
+                 router: Optional[AffinityRouter] = None, timeout: float = 600.0, prefill_ahead: bool = True,
+                 reply_ahead: bool = True):
         if not base_urls:
             raise ValueError("a fleet needs at least one replica URL")
-        first = VLLMEngine(base_urls[0], tokenizer=tokenizer, model=model, timeout=timeout)
-        self.replicas = [first] + [VLLMEngine(url, tokenizer=first.tokenizer, model=first.model_id, timeout=timeout)
-                                   for url in base_urls[1:]]
+        books = dict(prefill_ahead=False, reply_ahead=False)  # the fleet learns; replicas only send
+        first = VLLMEngine(base_urls[0], tokenizer=tokenizer, model=model, timeout=timeout, **books)
+        self.replicas = [first] + [VLLMEngine(url, tokenizer=first.tokenizer, model=first.model_id, timeout=timeout,
+                                              **books) for url in base_urls[1:]]
+        self.ahead = PrefillAhead() if prefill_ahead else None
+        self.replies = ReplyAhead() if reply_ahead else None
         self.tokenizer = first.tokenizer
         self.router = router or AffinityRouter(len(self.replicas))
         if self.router.replicas != len(self.replicas):
@@ -139,24 +148,41 @@ class FleetEngine:
 
     def chat(self, messages: Sequence[dict], *, agent: str, tools: Optional[list] = None, **options) -> ChatResult:
         """One agent call on the replica holding most of its prompt; see
-        :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`."""
-        ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
-        replica = self.router.pick(ids)
-        with self.router.serving(replica):
-            result = self.replicas[replica].complete(ids, agent=agent, **options)
-        self.router.record(replica, ids + list(result.token_ids))
-        self.served[replica] += 1
+        :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`. Streamed when it sends copies."""
+        ids, copies, bases = prepare_prompt(self.tokenizer, messages, agent, tools, options.get("reuse"),
+                                            self.ahead, self.replies)
+        *_, result = self._serve(ids, copies, bases, agent, options, streamed=bool(copies or bases))
         return result
 
     def stream(self, messages: Sequence[dict], *, agent: str, tools: Optional[list] = None,
                **options) -> Iterator[Any]:
         """Text pieces from the replica holding most of the prompt, then the
         :class:`~kvcomm_agents.ChatResult`; see :meth:`.client.VLLMEngine.stream`."""
-        ids = render_prompt(self.tokenizer, messages, tools=tools).ids.tolist()
+        ids, copies, bases = prepare_prompt(self.tokenizer, messages, agent, tools, options.get("reuse"),
+                                            self.ahead, self.replies)
+        yield from self._serve(ids, copies, bases, agent, options, streamed=True)
+
+    def _serve(self, ids: list[int], copies: list, bases: list, agent: str, options: dict, *,
+               streamed: bool) -> Iterator[Any]:
+        """The call on the replica holding most of ``ids``, its copies (prefill ahead, replies
+        ahead) sent to the same replica and recorded there for the router."""
         replica = self.router.pick(ids)
+        engine = self.replicas[replica]
         with self.router.serving(replica):
-            for item in self.replicas[replica].stream_ids(ids, agent=agent, **options):
+            if not streamed:
+                pieces: Iterator[Any] = iter([engine.complete(ids, agent=agent, **options)])
+            elif copies or bases:
+                pieces = engine._stream_with_copies(ids, copies, bases, {"agent": agent, **options})
+            else:
+                pieces = engine.stream_ids(ids, agent=agent, **options)
+            for item in pieces:
                 if isinstance(item, ChatResult):
                     self.router.record(replica, ids + list(item.token_ids))
+                    for _, prompt in copies:
+                        self.router.record(replica, prompt)
+                    reply = self.tokenizer(item.text, add_special_tokens=False)["input_ids"] if bases else []
+                    for _, base in bases:
+                        self.router.record(replica, copy_prompt(base, reply))
+                    remember_reply(self.tokenizer, self.replies, agent, ids, item)
                     self.served[replica] += 1
                 yield item

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -165,3 +166,40 @@ def test_streamed_answers_arrive_piece_by_piece_with_the_servers_ttft_and_cache_
 
     with pytest.raises(RuntimeError, match="engine dead"):  # a failure inside the stream is an error, not a reply
         list(fleet.stream(question, agent="broken", max_new_tokens=3))
+
+
+def test_a_fleet_sends_reply_copies_to_the_senders_replica_and_routes_the_reader_there(tokenizer):
+    """Replies ahead on a fleet (kvcomm_agents.reply_ahead): learned over the fleet, each reply's
+    copies go to the replica serving the sender and are recorded there, so the router sends the
+    reader to that replica, where its prompt's start is held."""
+    from examples.tasks import debate_messages
+
+    from ..test_reply_ahead import QUESTIONS, _reply, _Streamer
+
+    servers, graph = [], [0]
+    for _ in range(2):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _Streamer)
+        server.bodies = []
+        server.reply = lambda agent: _reply(graph[0], int(agent.split("-")[1]) - 1)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        fleet = FleetEngine([f"http://127.0.0.1:{s.server_address[1]}" for s in servers], tokenizer=tokenizer,
+                            prefill_ahead=False)
+        for graph[0], question in enumerate(QUESTIONS):
+            replies: list[str] = []
+            for k in range(3):
+                messages = debate_messages(k + 1, 4, question, replies)
+                replies.append(fleet.chat(messages, agent=f"solver-{k + 1}", max_new_tokens=64).text)
+                time.sleep(0.1)  # the copies are not waited for
+        copies = [(i, b) for i, s in enumerate(servers) for b in s.bodies if b["kv_transfer_params"].get("prefix_only")]
+        assert copies
+        for replica, body in copies:  # the reader's own request went where its copies are
+            reader = body["kv_transfer_params"]["agent"]
+            mains = [i for i, s in enumerate(servers) for b in s.bodies
+                     if b["kv_transfer_params"]["agent"] == reader and not b["kv_transfer_params"].get("prefix_only")
+                     and b["prompt"][:len(body["prompt"])] == body["prompt"]]
+            assert mains == [replica]
+    finally:
+        for server in servers:
+            server.shutdown()
