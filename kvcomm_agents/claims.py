@@ -49,7 +49,9 @@ def contiguous_claim(plan: CallPlan, start: int = 0, dense_tail: int = 0) -> Cla
         start: positions the engine already holds (its own exact prefix cache); the claim never
             ends before it.
         dense_tail: the prompt's last ``dense_tail`` tokens are never served from reused runs
-            (:data:`DENSE_TAIL`): a shared run reaching into them is claimed up to them, an own-text
+            (:data:`DENSE_TAIL`): a shared run reaching into them is claimed up to them when that
+            part is at least as long as the tail (else computed whole: a few re-rotated tokens
+            right before the tail moved the first token as much as the tail itself), an own-text
             run there is computed whole; the exact prefix is kept whole.
 
     Returns:
@@ -66,8 +68,8 @@ def contiguous_claim(plan: CallPlan, start: int = 0, dense_tail: int = 0) -> Cla
             break
         if run.prompt_end > limit:
             reason = "dense_tail"  # every run after it lies in the tail too
-            if not run.own_text and run.prompt_start < limit:  # a shared run: its part before the tail
-                kept.append(_shortened(run, limit - run.prompt_start))
+            if not run.own_text and limit - run.prompt_start >= dense_tail:  # a shared run's part before
+                kept.append(_shortened(run, limit - run.prompt_start))  # the tail, when that is no shorter
                 end = limit
             break
         kept.append(run)

@@ -42,8 +42,10 @@ def test_shared_run_after_an_agents_own_prefix_is_claimed_rerotated(family, llam
     model = {"llama": llama, "qwen2": qwen2}[family]
     runtime = PrefixOnlyRuntime(model, tokenizer, method="rerotate")
     runtime.run(runtime.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": "Hello there."}]), "b")
-    runtime.run(runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]), "a")
-    prompt = runtime.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": QUESTION}])
+    # long enough that the part of it before the prompt's dense tail (claims.DENSE_TAIL) is claimed
+    question = QUESTION + " Then say how many are left after a week, and check the arithmetic twice, step by step."
+    runtime.run(runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": question}]), "a")
+    prompt = runtime.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": question}])
     _, _, report, claim, pre = runtime.run(prompt, "b")
     found = [d for d in report["decisions"] if d["status"] == "reused"]
     assert found and found[0]["reason"] == "tokens"

@@ -84,25 +84,26 @@ def test_recomputed_positions_are_refused():
 
 
 def test_the_dense_tail_is_computed_a_shared_run_claimed_up_to_it_and_an_exact_prefix_kept_whole():
-    first, second, own = _segment(10), _segment(12), _segment(3, ("a", "own_text"))
-    key = torch.arange(2 * 1 * 12 * 4, dtype=torch.float32).reshape(2, 1, 12, 4)
-    runs = (ReusedRun(first, 5, 0, 10), ReusedRun(second, 15, 0, 12, key_offsets=key, value_offsets=key + 1,
-                                                  spread=torch.arange(12.0)),
-            ReusedRun(own, 27, 0, 3, own_text=True))
-    decisions = (_decision(first, (5, 15), 10), _decision(second, (15, 27), 12))
-    plan = CallPlan(torch.arange(40), _prefix(5), runs, decisions)
-    assert contiguous_claim(plan, dense_tail=0).length == 30
-    claim = contiguous_claim(plan, dense_tail=20)  # the tail is 20..40: the second run up to 20
-    assert claim.length == 20 and claim.dropped_tokens == 7 + 3
+    first, second, own = _segment(10), _segment(20), _segment(3, ("a", "own_text"))
+    key = torch.arange(2 * 1 * 20 * 4, dtype=torch.float32).reshape(2, 1, 20, 4)
+    runs = (ReusedRun(first, 5, 0, 10), ReusedRun(second, 15, 0, 20, key_offsets=key, value_offsets=key + 1,
+                                                  spread=torch.arange(20.0)),
+            ReusedRun(own, 35, 0, 3, own_text=True))
+    decisions = (_decision(first, (5, 15), 10), _decision(second, (15, 35), 20))
+    plan = CallPlan(torch.arange(48), _prefix(5), runs, decisions)
+    assert contiguous_claim(plan, dense_tail=10).length == 38  # nothing reaches into 38..48
+    claim = contiguous_claim(plan, dense_tail=13)  # only the own-text run reaches into the tail: computed whole
+    assert claim.length == 35 and [r.own_text for r in claim.plan.runs] == [False, False]
+    claim = contiguous_claim(plan, dense_tail=16)  # tail 32..48: the second run up to 32 (17 >= 16 tokens)
+    assert claim.length == 32 and claim.dropped_tokens == 3 + 3
     shortened = claim.plan.runs[1]
-    assert shortened.length == 5 and shortened.key_offsets.shape[2] == 5 and shortened.spread.tolist() == [0, 1, 2, 3, 4]
-    torch.testing.assert_close(shortened.value_offsets, key[:, :, :5] + 1)
-    assert [(d.status, d.reused_tokens) for d in claim.plan.decisions] == [("reused", 10), ("reused", 5)]
-    assert claim.plan.reused_tokens == claim.length == 20
-    claim = contiguous_claim(plan, dense_tail=12)  # only the own-text run lies in the tail: computed whole
-    assert claim.length == 27 and [r.own_text for r in claim.plan.runs] == [False, False]
-    claim = contiguous_claim(plan, dense_tail=30)  # both shared runs in the tail
-    assert claim.length == 10 and [(d.status, d.reason) for d in claim.plan.decisions] == [
+    assert shortened.length == 17 and shortened.key_offsets.shape[2] == 17
+    assert shortened.spread.tolist() == list(range(17))
+    torch.testing.assert_close(shortened.value_offsets, key[:, :, :17] + 1)
+    assert [(d.status, d.reused_tokens) for d in claim.plan.decisions] == [("reused", 10), ("reused", 17)]
+    assert claim.plan.reused_tokens == claim.length
+    claim = contiguous_claim(plan, dense_tail=18)  # tail 30..48: 15 tokens of the run before it, fewer than 18
+    assert claim.length == 15 and [(d.status, d.reason) for d in claim.plan.decisions] == [
         ("reused", "tokens"), ("prefilled", "dense_tail")]
     long_prefix = CallPlan(torch.arange(40), _prefix(35))
     assert contiguous_claim(long_prefix, dense_tail=20).length == 35  # exact KV is never cut
