@@ -160,15 +160,15 @@ class PrefixOnlyRuntime:
                                                        return_dict=True)["input_ids"])
 
     def run(self, ids: list[int], agent: str, *, reuse: bool = True, new_tokens: int = 12,
-            forced: Optional[list[int]] = None):
+            forced: Optional[list[int]] = None, prefix_only: bool = False):
         """Prefill the claim's rest and decode greedily (or feed ``forced`` reply ids, e.g. the
-        reply another runtime generated). Returns ``(first-token logits, generated ids, report,
-        claim, prefill)``."""
+        reply another runtime generated); ``prefix_only`` as the connector's request parameter.
+        Returns ``(first-token logits, generated ids, report, claim, prefill)``."""
         if forced is not None:
             new_tokens = len(forced)
         self.count += 1
         rid = f"r{self.count}"
-        claim = self.broker.plan(rid, ids, agent, reuse=reuse)
+        claim = self.broker.plan(rid, ids, agent, reuse=reuse, prefix_only=prefix_only)
         block = self.broker.aligned(rid)
         n, length = len(ids), claim.length
         with torch.inference_mode():

@@ -120,3 +120,20 @@ def test_without_audits_estimated_offsets_are_held_back_unless_asked_for(llama, 
     assert not any(offsets == "estimated" for _, offsets in held), held
     assert any(reason == "over_kl_budget" for reason, _ in held), held
     assert any(offsets == "estimated" for _, offsets in unmeasured), unmeasured
+
+
+def test_a_prefix_only_request_claims_its_exact_prefix_only_and_is_kept_as_one(llama, tokenizer):
+    """The client's copies (kvcomm_agents.reply_ahead) ask for exact prefixes only: where the same
+    prompt would be claimed past B's own prefix with a re-rotated run, a prefix_only request
+    claims B's exact prefix and computes the rest; what it computed then serves as an exact
+    prefix of the same ids (the reader's own request)."""
+    runtime = PrefixOnlyRuntime(llama, tokenizer, method="rerotate")
+    question = QUESTION + " Then say how many are left after a week, and check the arithmetic twice, step by step."
+    runtime.run(runtime.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": "Hello there."}]), "b")
+    runtime.run(runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": question}]), "a")
+    prompt = runtime.ids([{"role": "system", "content": SYSTEM_B}, {"role": "user", "content": question}])
+    _, _, report, claim, _ = runtime.run(prompt, "b", new_tokens=1, prefix_only=True)
+    assert report["reused_tokens"] == report["prefix_tokens"] == claim.length > 0
+    assert not [d for d in report["decisions"] if d["status"] == "reused" and d["reason"] != "exact_prefix"]
+    _, _, report, claim, _ = runtime.run(prompt, "b", new_tokens=1)
+    assert report["prefix_tokens"] == claim.length == len(prompt) - 1  # the copy's prompt, exact
