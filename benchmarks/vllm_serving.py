@@ -154,6 +154,8 @@ class _VLLM:
                 pending[given] = pending[key]
         finished = {}
         while len(finished) < len(prompts):
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("a request ended without a final output (aborted?)")
             for out in engine.step():
                 state = pending.get(out.request_id)
                 if state is None or id(state) in finished:

@@ -75,7 +75,7 @@ def contiguous_claim(plan: CallPlan, start: int = 0, dense_tail: int = 0) -> Cla
         kept.append(run)
         end = run.prompt_end
     length = max(end, min(start, plan.num_prompt - 1))
-    if kept == list(plan.runs):
+    if len(kept) == len(plan.runs) and (not kept or kept[-1] is plan.runs[-1]):  # nothing cut or shortened
         return Claim(plan, length, 0)
     lost: dict[str, int] = {}
     for run in plan.runs:

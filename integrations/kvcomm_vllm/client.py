@@ -14,8 +14,9 @@ the client's wall time (``chat``) or the arrival of the first streamed piece (``
 ``stream`` yields text as the server generates it; vLLM's streamed answers carry no
 ``kv_transfer_params``, so a streamed result's stats take the tokens read from cache from the
 usage chunk (``prompt_tokens_details.cached_tokens``: the connector's claim) and have no per-segment
-decisions (use ``chat`` where they matter). Replies carry no segment reference (the server finds
-shared text by token runs).
+decisions; ``chat`` has them unless it sends copies (below: then it is streamed too), or with
+``VLLMEngine(prefill_ahead=False, reply_ahead=False)``. Replies carry no segment reference (the
+server finds shared text by token runs).
 
 **Prefill ahead** (``prefill_ahead=True``, the default; :mod:`kvcomm_agents.ahead`): a prompt
 whose new shared text (a task, documents) later agents were seen to read after their own system
@@ -24,7 +25,7 @@ prefix, then the text) is sent, so the copies ride on its decode steps, never on
 server keeps each as an exact prefix, so those readers' own requests are served from it. The
 connector claims only what it can rebuild without holes, and shared text read after another
 agent's system text is what it could not. Copies are not waited for; a failed copy costs that
-reader's reuse. Not on :class:`~kvcomm_vllm.fleet.FleetEngine` yet.
+reader's reuse, never the call. :class:`~kvcomm_vllm.fleet.FleetEngine` sends them too.
 
 **Replies ahead** (``reply_ahead=True``, the default; :mod:`kvcomm_agents.reply_ahead`): when
 earlier graphs showed which agents read an agent's reply, and after which ids, that agent's call
@@ -111,25 +112,48 @@ class VLLMEngine:
         remember_reply(self.tokenizer, self.replies, agent, ids, result)
 
     def _stream_with_copies(self, ids: list[int], copies: list[tuple[str, list[int]]],
-                            bases: list[tuple[str, list[int]]], options: dict) -> Iterator[Any]:
+                            bases: list[tuple[str, list[int]]], options: dict,
+                            sent: Optional[list[list[int]]] = None) -> Iterator[Any]:
         """:meth:`stream_ids`, sending the prefill-ahead ``copies`` once the first piece arrived (so
-        that they never share this request's prefill), and each reader's copy of the reply so far
-        every :data:`~kvcomm_agents.reply_ahead.CHUNK` ids. Copies are not waited for."""
-        text, sent, first = "", 0, True
-        for piece in self.stream_ids(ids, **options):
-            if isinstance(piece, str):
-                if first:
-                    first = False
+        that they never share this request's prefill; at the end when no piece came), and each
+        reader's copy of the reply so far every :data:`~kvcomm_agents.reply_ahead.CHUNK` ids.
+        Copies are not waited for, and nothing about them fails the call. ``sent`` collects the
+        prompts of the copies sent."""
+        text, done, pieces, shared_out = "", 0, 0, False
+
+        def send(reader: str, prompt: list[int], prefix_only: bool = False) -> None:
+            try:
+                threading.Thread(target=self._send_copy, args=(reader, prompt, prefix_only), daemon=True).start()
+                if sent is not None:
+                    sent.append(prompt)
+            except Exception as error:  # noqa: BLE001 - a copy is an optimisation
+                logger.warning("copy for %s not sent: %s", reader, error)
+
+        try:
+            for piece in self.stream_ids(ids, **options):
+                if not shared_out:
+                    shared_out = True
                     for reader, prompt in copies:
-                        threading.Thread(target=self._send_copy, args=(reader, prompt), daemon=True).start()
-                text += piece
-                reply = self.tokenizer(text, add_special_tokens=False)["input_ids"] if bases else []
-                if bases and len(reply) >= sent + CHUNK:
-                    sent = len(reply)
-                    for reader, base in bases:
-                        threading.Thread(target=self._send_copy, args=(reader, copy_prompt(base, reply), True),
-                                         daemon=True).start()
-            yield piece
+                        send(reader, prompt)
+                if isinstance(piece, str) and bases:
+                    text, pieces = text + piece, pieces + 1
+                    if pieces >= CHUNK:  # a piece holds at least one id: re-tokenize only then
+                        pieces = 0
+                        try:
+                            reply = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                        except Exception as error:  # noqa: BLE001
+                            logger.warning("reply copies stopped: %s", error)
+                            bases = []
+                            reply = []
+                        if len(reply) >= done + CHUNK:
+                            done = len(reply)
+                            for reader, base in bases:
+                                send(reader, copy_prompt(base, reply), True)
+                yield piece
+        finally:
+            if not shared_out:
+                for reader, prompt in copies:
+                    send(reader, prompt)
 
     def _send_copy(self, reader: str, ids: list[int], prefix_only: bool = False) -> None:
         """A later reader's prefix and the shared text (or the reply so far), prefilled (one
@@ -239,24 +263,31 @@ def prepare_prompt(tokenizer, messages: Sequence[dict], agent: str, tools: Optio
     """A prompt's ids, the prefill-ahead copies of its new shared text for its later readers
     (:mod:`kvcomm_agents.ahead`) and the ids before its reply in each learned reader's prompt
     (:mod:`kvcomm_agents.reply_ahead`); both books learn from the prompt (not when ``reuse`` is
-    False, nor without a book)."""
+    False, nor without a book). A failure in the books costs the copies, never the call."""
     layout = render_prompt(tokenizer, messages, tools=tools)
     ids = layout.ids.tolist()
     copies, bases = [], []
-    if ahead is not None and reuse is not False:
-        spans = [layout.tokens_within(*span) for span in layout.content_spans if span is not None]
-        copies = ahead.copies_for(agent, ids, spans)
-        ahead.learn(agent, ids, spans)
-    if replies is not None and reuse is not False:
-        replies.learn(agent, ids)
-        bases = replies.bases(agent, ids)
+    try:
+        if ahead is not None and reuse is not False:
+            spans = [layout.tokens_within(*span) for span in layout.content_spans if span is not None]
+            copies = ahead.copies_for(agent, ids, spans)
+            ahead.learn(agent, ids, spans)
+        if replies is not None and reuse is not False:
+            replies.learn(agent, ids)
+            bases = replies.bases(agent, ids)
+    except Exception as error:  # noqa: BLE001 - copies are an optimisation
+        logger.warning("no copies for this call: %s", error)
     return ids, copies, bases
 
 
 def remember_reply(tokenizer, replies: Optional[ReplyAhead], agent: str, ids: list[int], result: ChatResult) -> None:
-    """Remember a call's prompt and reply (as a reader's prompt will tokenize its text)."""
+    """Remember a call's prompt and reply (as a reader's prompt will tokenize its text); a
+    failure costs later copies, never the call."""
     if replies is not None and result.text:
-        replies.finished(agent, ids, tokenizer(result.text, add_special_tokens=False)["input_ids"])
+        try:
+            replies.finished(agent, ids, tokenizer(result.text, add_special_tokens=False)["input_ids"])
+        except Exception as error:  # noqa: BLE001
+            logger.warning("reply not remembered for copies: %s", error)
 
 
 def _body(model: str, ids: list[int], agent: str, max_new_tokens: int, temperature: float, top_p: float,

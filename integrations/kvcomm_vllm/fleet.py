@@ -27,7 +27,7 @@ import torch
 from kvcomm_agents.ahead import PrefillAhead
 from kvcomm_agents.kv.run_index import TokenRunIndex, scan
 from kvcomm_agents.prompt import render_prompt
-from kvcomm_agents.reply_ahead import ReplyAhead, copy_prompt
+from kvcomm_agents.reply_ahead import ReplyAhead
 from kvcomm_agents.results import ChatResult
 
 from .client import VLLMEngine, prepare_prompt, remember_reply
@@ -168,21 +168,19 @@ class FleetEngine:
         ahead) sent to the same replica and recorded there for the router."""
         replica = self.router.pick(ids)
         engine = self.replicas[replica]
+        sent: list[list[int]] = []  # the copies' prompts, as sent
         with self.router.serving(replica):
             if not streamed:
                 pieces: Iterator[Any] = iter([engine.complete(ids, agent=agent, **options)])
             elif copies or bases:
-                pieces = engine._stream_with_copies(ids, copies, bases, {"agent": agent, **options})
+                pieces = engine._stream_with_copies(ids, copies, bases, {"agent": agent, **options}, sent)
             else:
                 pieces = engine.stream_ids(ids, agent=agent, **options)
             for item in pieces:
                 if isinstance(item, ChatResult):
                     self.router.record(replica, ids + list(item.token_ids))
-                    for _, prompt in copies:
+                    for prompt in sent:  # the reader goes where its copies are
                         self.router.record(replica, prompt)
-                    reply = self.tokenizer(item.text, add_special_tokens=False)["input_ids"] if bases else []
-                    for _, base in bases:
-                        self.router.record(replica, copy_prompt(base, reply))
                     remember_reply(self.tokenizer, self.replies, agent, ids, item)
                     self.served[replica] += 1
                 yield item

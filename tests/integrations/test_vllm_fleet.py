@@ -171,8 +171,10 @@ def test_streamed_answers_arrive_piece_by_piece_with_the_servers_ttft_and_cache_
 def test_a_fleet_sends_reply_copies_to_the_senders_replica_and_routes_the_reader_there(tokenizer):
     """Replies ahead on a fleet (kvcomm_agents.reply_ahead): learned over the fleet, each reply's
     copies go to the replica serving the sender and are recorded there, so the router sends the
-    reader to that replica, where its prompt's start is held."""
+    reader to that replica, not back to the one that served its own start before."""
     from examples.tasks import debate_messages
+
+    from kvcomm_agents.prompt import render_prompt
 
     from ..test_reply_ahead import QUESTIONS, _reply, _Streamer
 
@@ -183,23 +185,28 @@ def test_a_fleet_sends_reply_copies_to_the_senders_replica_and_routes_the_reader
         server.reply = lambda agent: _reply(graph[0], int(agent.split("-")[1]) - 1)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
+
+    def served(reader, replica, **flags):
+        return [b for b in servers[replica].bodies if b["kv_transfer_params"]["agent"] == reader
+                and bool(b["kv_transfer_params"].get("prefix_only")) == flags.get("copy", False)]
+
     try:
         fleet = FleetEngine([f"http://127.0.0.1:{s.server_address[1]}" for s in servers], tokenizer=tokenizer,
                             prefill_ahead=False)
-        for graph[0], question in enumerate(QUESTIONS):
-            replies: list[str] = []
-            for k in range(3):
-                messages = debate_messages(k + 1, 4, question, replies)
-                replies.append(fleet.chat(messages, agent=f"solver-{k + 1}", max_new_tokens=64).text)
-                time.sleep(0.1)  # the copies are not waited for
-        copies = [(i, b) for i, s in enumerate(servers) for b in s.bodies if b["kv_transfer_params"].get("prefix_only")]
-        assert copies
-        for replica, body in copies:  # the reader's own request went where its copies are
-            reader = body["kv_transfer_params"]["agent"]
-            mains = [i for i, s in enumerate(servers) for b in s.bodies
-                     if b["kv_transfer_params"]["agent"] == reader and not b["kv_transfer_params"].get("prefix_only")
-                     and b["prompt"][:len(body["prompt"])] == body["prompt"]]
-            assert mains == [replica]
+        replies: list[str] = []
+        for k in range(2):  # graph 0: the rule is learned
+            replies.append(fleet.chat(debate_messages(k + 1, 4, QUESTIONS[0], replies), agent=f"solver-{k + 1}",
+                                      max_new_tokens=64).text)
+        home = 0 if served("solver-2", 0) else 1  # where the reader's own start is held
+        other = 1 - home
+        graph[0] = 1
+        first = debate_messages(1, 4, QUESTIONS[1], [])
+        fleet.router.record(other, render_prompt(tokenizer, first).ids.tolist())  # the sender goes elsewhere
+        reply = fleet.chat(first, agent="solver-1", max_new_tokens=64).text
+        time.sleep(0.2)  # the copies are not waited for
+        assert served("solver-1", other) and served("solver-2", other, copy=True)
+        fleet.chat(debate_messages(2, 4, QUESTIONS[1], [reply]), agent="solver-2", max_new_tokens=64)
+        assert len(served("solver-2", other)) == 1 and len(served("solver-2", home)) == 1  # followed its copies
     finally:
         for server in servers:
             server.shutdown()
