@@ -71,6 +71,15 @@ class CopyRule:
     drop: int
     lead_in: tuple[int, ...]
 
+    def repeats(self, sender_prompt: Sequence[int], reader_prompt: Sequence[int]) -> bool:
+        """Whether ``reader_prompt`` starts with this rule's base for ``sender_prompt`` up to its
+        lead-in: the reader's own start, then the text the sender read."""
+        base = self.base(sender_prompt)
+        if base is None:
+            return False
+        before = base[:len(base) - len(self.lead_in)]
+        return list(reader_prompt[:len(before)]) == before
+
     def base(self, prompt: Sequence[int]) -> Optional[list[int]]:
         """The reader's ids before the reply, for a sender ``prompt``; None when the prompt does
         not start with the sender's own ids or is too short."""
@@ -134,20 +143,27 @@ class ReplyAhead:
         self._lock = threading.Lock()
 
     def learn(self, reader: str, prompt: Sequence[int]) -> list[CopyRule]:
-        """Learn from ``reader``'s prompt which remembered replies it holds, and how."""
+        """Learn from ``reader``'s prompt which remembered replies it holds, and how. A rule is
+        dropped when the reader's prompt repeats the text the sender's latest call read (so it
+        is that call's reader, not another graph's) but no longer holds its reply: the graph
+        changed, and its copies would be computed for nothing."""
         learned = []
         with self._lock:
             calls = [(sender, call) for sender, call in self._calls.items() if sender != reader]
         for sender, (sender_prompt, reply) in calls:
             rule = learn_copy_rule(sender, sender_prompt, reply, reader, prompt)
-            if rule is not None:
+            with self._lock:
+                readers = self._rules.setdefault(sender, OrderedDict())
+                if rule is None:
+                    kept = readers.get(reader)
+                    if kept is not None and kept.repeats(sender_prompt, prompt):
+                        del readers[reader]  # the same text as the sender read, and no reply after it
+                    continue
                 learned.append(rule)
-                with self._lock:
-                    readers = self._rules.setdefault(sender, OrderedDict())
-                    readers[reader] = rule
-                    readers.move_to_end(reader)
-                    while len(readers) > MAX_READERS:
-                        readers.popitem(last=False)
+                readers[reader] = rule
+                readers.move_to_end(reader)
+                while len(readers) > MAX_READERS:
+                    readers.popitem(last=False)
         return learned
 
     def finished(self, sender: str, prompt: Sequence[int], reply_ids: Sequence[int]) -> None:

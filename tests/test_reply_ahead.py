@@ -153,3 +153,18 @@ def test_the_client_streams_a_senders_call_and_sends_each_readers_copies_as_pref
             assert max(map(len, mine)) >= len(real[k]) - (CHUNK + HOLD + 12)  # up to the reply's last chunk
     finally:
         server.shutdown()
+
+
+def test_a_rule_is_dropped_when_its_reader_stops_reading_the_senders_reply(tokenizer):
+    book = ReplyAhead()
+    sender = _ids(tokenizer, debate_messages(1, AGENTS, QUESTIONS[0], []))
+    book.finished("s1", sender, _encode(tokenizer, _reply(0, 0)))
+    book.learn("s2", _ids(tokenizer, debate_messages(2, AGENTS, QUESTIONS[0], [_reply(0, 0)])))
+    nxt = _ids(tokenizer, debate_messages(1, AGENTS, QUESTIONS[1], []))
+    assert [reader for reader, _ in book.bases("s1", nxt)] == ["s2"]
+    book.finished("s1", nxt, _encode(tokenizer, _reply(1, 0)))
+    # another graph's reader, without this call's reply (graphs run at once): the rule stays
+    book.learn("s2", _ids(tokenizer, debate_messages(2, AGENTS, QUESTIONS[0], [])))
+    assert [reader for reader, _ in book.bases("s1", nxt)] == ["s2"]
+    book.learn("s2", _ids(tokenizer, debate_messages(2, AGENTS, QUESTIONS[1], [])))  # s2 no longer reads s1
+    assert book.bases("s1", nxt) == []
