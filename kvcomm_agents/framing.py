@@ -53,6 +53,7 @@ from .anchors.versions import MIN_CONTEXT_MATCH, framed_receiver
 from .framed_decode import FramedDecode
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .plan import CallPlan
+from .reply_ahead import align_lead_in
 
 __all__ = ["FramingRule", "ReaderFraming", "learn_rule", "lead_out", "record_framed_versions", "ALIGN_IDS",
            "MAX_LEAD_IN", "MAX_LEAD_OUT", "MAX_RULES", "COVERED"]
@@ -99,19 +100,12 @@ def learn_rule(before: Sequence[int], sender_context: Sequence[int], *, align: i
     first token), given ``sender_context`` (the last ids of the prompt the reply was generated
     after); None when the reader's text does not repeat the sender's, or when the base context
     already fits (no lead-in, nothing dropped: the base is that version)."""
-    before, sender = tuple(before), tuple(sender_context)
-    if len(sender) < align:
+    aligned = align_lead_in(before, sender_context, align=align, max_lead_in=max_lead_in)
+    if aligned is None:
         return None
-    ends: dict[tuple[int, ...], int] = {}
-    for end in range(align, len(sender) + 1):
-        ends[sender[end - align:end]] = end  # the latest occurrence wins
-    for lead in range(0, min(max_lead_in, len(before) - align) + 1):
-        cut = len(before) - lead
-        end = ends.get(before[cut - align:cut])
-        if end is not None:
-            rule = FramingRule(len(sender) - end, before[cut:])
-            return None if rule.drop == 0 and not rule.lead_in else rule
-    return None
+    cut, end = aligned
+    rule = FramingRule(len(sender_context) - end, tuple(before)[cut:])
+    return None if rule.drop == 0 and not rule.lead_in else rule
 
 
 def lead_out(plan: CallPlan, reply_end: int) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["CopyRule", "ReplyAhead", "learn_copy_rule", "copy_prompt", "ALIGN_IDS", "CHUNK", "HOLD", "MAX_HEAD",
+__all__ = ["CopyRule", "ReplyAhead", "align_lead_in", "learn_copy_rule", "copy_prompt", "ALIGN_IDS", "CHUNK", "HOLD", "MAX_HEAD",
            "MAX_LEAD_IN", "MAX_READERS"]
 
 #: Ids a reply's start and the text before a lead-in must repeat to be recognised (as
@@ -100,33 +100,47 @@ def _find_last(haystack: Sequence[int], needle: Sequence[int]) -> int:
     return -1
 
 
+def align_lead_in(before: Sequence[int], sender: Sequence[int], *, align: int = ALIGN_IDS,
+                  max_lead_in: int = MAX_LEAD_IN) -> Optional[tuple[int, int]]:
+    """Where a reader's ids ``before`` a reply repeat the sender's prompt ``sender``: the shortest
+    lead-in ``before[cut:]`` after which ``before``'s last ``align`` ids occur in ``sender``,
+    ending at ``sender[:end]`` (its latest occurrence). ``(cut, end)``, or None when no lead-in
+    of at most ``max_lead_in`` ids has one. Shared by the HF engine's framed replies
+    (:func:`kvcomm_agents.framing.learn_rule`) and the client's copies (:func:`learn_copy_rule`)."""
+    before, sender = list(before), list(sender)
+    if len(sender) < align:
+        return None
+    ends: dict[tuple[int, ...], int] = {}
+    for end in range(align, len(sender) + 1):
+        ends[tuple(sender[end - align:end])] = end  # the latest occurrence wins
+    for lead in range(0, min(max_lead_in, len(before) - align) + 1):
+        cut = len(before) - lead
+        end = ends.get(tuple(before[cut - align:cut]))
+        if end is not None:
+            return cut, end
+    return None
+
+
 def learn_copy_rule(sender: str, sender_prompt: Sequence[int], reply_ids: Sequence[int], reader: str,
                     reader_prompt: Sequence[int]) -> Optional[CopyRule]:
     """The rule by which ``reader_prompt`` holds the reply ``reply_ids`` (the client's tokens of the
     reply's text) of a call on ``sender_prompt``; None when it does not hold it, or the text
     before it does not repeat the sender's prompt for at least :data:`ALIGN_IDS` ids."""
     p, q, r = list(sender_prompt), list(reader_prompt), list(reply_ids)
-    if len(r) < ALIGN_IDS or len(p) < ALIGN_IDS:
+    if len(r) < ALIGN_IDS:
         return None
     s = _find_last(q, r[:ALIGN_IDS])
-    if s < ALIGN_IDS:
+    aligned = align_lead_in(q[:s], p) if s >= ALIGN_IDS else None
+    if aligned is None:
         return None
-    ends: dict[tuple[int, ...], int] = {}
-    for end in range(ALIGN_IDS, len(p) + 1):
-        ends[tuple(p[end - ALIGN_IDS:end])] = end  # the latest occurrence wins
-    for lead in range(0, min(MAX_LEAD_IN, s - ALIGN_IDS) + 1):
-        cut = s - lead
-        end = ends.get(tuple(q[cut - ALIGN_IDS:cut]))
-        if end is None:
-            continue
-        common = ALIGN_IDS
-        while common < min(cut, end) and q[cut - common - 1] == p[end - common - 1]:
-            common += 1
-        head = cut - common
-        if head > MAX_HEAD:
-            return None
-        return CopyRule(sender, reader, tuple(p[:end - common]), tuple(q[:head]), len(p) - end, tuple(q[cut:s]))
-    return None
+    cut, end = aligned
+    common = ALIGN_IDS  # extended back to where the reader's own start and the sender's differ
+    while common < min(cut, end) and q[cut - common - 1] == p[end - common - 1]:
+        common += 1
+    head = cut - common
+    if head > MAX_HEAD:
+        return None
+    return CopyRule(sender, reader, tuple(p[:end - common]), tuple(q[:head]), len(p) - end, tuple(q[cut:s]))
 
 
 def copy_prompt(base: Sequence[int], reply_ids: Sequence[int]) -> list[int]:
