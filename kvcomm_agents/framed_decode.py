@@ -114,6 +114,7 @@ class FramedDecode:
         self.num_prompt, self.chunk, self.rate = num_prompt, max(1, chunk), max(1, rate)
         self.sent = 0  # reply tokens fed to the sender
         self.fed = 0  # reply tokens fed to the reply copies (the same in every framing)
+        self.reply_ids: list[int] = []  # those tokens
         self.pending: list[int] = []  # reply tokens the reply copies have not been fed yet
         self.led_out = False  # the reply framings' lead-outs were fed (after the whole reply)
         self.tail: tuple[int, ...] = ()  # reply ids fed to the copies before their lead-outs only (flush)
@@ -266,6 +267,7 @@ class FramedDecode:
         self.sent += len(tokens)
         if copies:
             self.fed += len(copies)
+            self.reply_ids += copies
             self.pending = []
         for text in self.texts:
             text.fed = min(len(text.ids), text.fed + take)

@@ -82,7 +82,9 @@ class Framer:
             self.framings.learn(plan)
         if self.config.experimental.framed_texts and plan.dense_reason != "reuse_off":
             self.texts.learn(plan, agent)
-        replied = reply is not None and bool(reply.context_ids) and bool(framing and framing.rules)
+        replied = bool(framing and framing.rules)  # a reply not kept (too short) still leads out
+        if reply is not None and not reply.context_ids:
+            reply = None
         if framing is None or not (replied or framing.texts):
             return 0, 0.0
         started = time.perf_counter()

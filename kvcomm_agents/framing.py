@@ -187,27 +187,28 @@ class ReaderFraming:
             self._rules.clear()
 
 
-def record_framed_versions(framed: FramedDecode, cache, plan: CallPlan, segment: KVSegment, anchors,
+def record_framed_versions(framed: FramedDecode, cache, plan: CallPlan, segment: Optional[KVSegment], anchors,
                            rotator, store=None, fingerprint: str = "", turn: int = 0) -> int:
     """Record the framed copies of ``segment`` (the reply of the call ``plan`` prefilled; its
-    ``T`` ids are the first reply tokens the sender was fed) as versions: framing ``i`` as
-    pseudo-receiver ``framed_receiver(i)``'s offsets; with ``store``, each framing's lead-out too
-    (:func:`_record_lead_out`). Call after :meth:`FramedDecode.flush`. Returns the versions
-    recorded."""
+    ``T`` ids are the first reply tokens the sender was fed; None when the reply was not kept,
+    too short) as versions: framing ``i`` as pseudo-receiver ``framed_receiver(i)``'s offsets;
+    with ``store``, each framing's lead-out too (:func:`_record_lead_out`; also for a reply
+    not kept: its readers compute the reply, then reuse the closing line). Call after
+    :meth:`FramedDecode.flush`. Returns the versions recorded."""
     done = 0
-    n = segment.num_tokens
+    n = segment.num_tokens if segment is not None else 0
     if n > framed.fed:
         return 0
     for index in range(len(framed.rules)):
-        start = framed.reply_start(index)
-        real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(start, start + n))
-        lead = len(framed.rules[index].lead_in)
-        done += anchors.record_version(framed_receiver(index), segment, real, start,
-                                       framed.context_ids(plan.prompt_ids, index), rotator,
-                                       min_match=MIN_CONTEXT_MATCH + lead)
-        if store is not None and n == framed.fed:
-            done += _record_lead_out(framed, cache, index, plan, segment, anchors, rotator, store, fingerprint,
-                                     turn + index)
+        if segment is not None:
+            start = framed.reply_start(index)
+            real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(start, start + n))
+            lead = len(framed.rules[index].lead_in)
+            done += anchors.record_version(framed_receiver(index), segment, real, start,
+                                           framed.context_ids(plan.prompt_ids, index), rotator,
+                                           min_match=MIN_CONTEXT_MATCH + lead)
+        if store is not None:
+            done += _record_lead_out(framed, cache, index, plan, anchors, rotator, store, fingerprint, turn + index)
     return done
 
 
@@ -229,7 +230,7 @@ def _lead_out_receiver(anchors, text: KVSegment, turn: int) -> Optional[str]:
     return name
 
 
-def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, segment: KVSegment, anchors, rotator,
+def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, anchors, rotator,
                      store, fingerprint: str, turn: int) -> int:
     """Record framing ``index``'s lead-out (fed right after the reply ``segment``) as a version
     of the stored text its readers will find it in: the runs the store's token-run lookup gives
@@ -243,10 +244,16 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, se
     ids = torch.tensor(rule.lead_out, dtype=torch.long)
     first = framed.lead_out_start(index)
     real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(first, first + len(ids)))
-    before = framed.context_ids(plan.prompt_ids, index) + segment.token_ids + framed.tail  # the copy's ids before it
+    # the copy's ids before it: every reply id it was fed (the stored reply may hold fewer: its
+    # trailing ids whose text tokenizes otherwise on its own are left out), then the tail
+    before = framed.context_ids(plan.prompt_ids, index) + tuple(framed.reply_ids) + framed.tail
+    # the line's leading whitespace is left out: readers split it into other ids where the reply
+    # ends in whitespace too (their runs start after it, :meth:`~.planner.Planner._at_home`)
+    skip = _leading_whitespace(rule.lead_out, anchors.whitespace)
     done = 0
-    for text, at, text_start, length in store.find_runs(ids, fingerprint, torch.ones(len(ids), dtype=torch.bool),
-                                                        len(ids)):
+    for text, at, text_start, length in store.find_runs(ids[skip:], fingerprint,
+                                                        torch.ones(len(ids) - skip, dtype=torch.bool), len(ids) - skip):
+        at += skip
         if text.ref.kind[1] == "assistant":
             continue  # a reply that repeats the closing line: not what readers read it as
         receiver = _lead_out_receiver(anchors, text, turn)
@@ -258,3 +265,14 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, se
             anchors.homes.note(rule.lead_out[at:at + length], text.id, text_start)
             done += 1
     return done
+
+
+def _leading_whitespace(ids: Sequence[int], whitespace) -> int:
+    """How many of ``ids``' first ids are whitespace only (``whitespace``:
+    :class:`~kvcomm_agents.whitespace.WhitespaceIds`, or None: none counted); never all of them."""
+    if whitespace is None:
+        return 0
+    n = 0
+    while n + 1 < len(ids) and int(ids[n]) in whitespace.texts:
+        n += 1
+    return n

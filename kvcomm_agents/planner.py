@@ -183,7 +183,10 @@ class _RunDecider:
         return self._decided, outcome
 
     def _decide(self, occ: Occurrence | TokenMatch) -> tuple[str, str, int, Optional[GateRecord]]:
+        found = occ
         occ = self._at_home(occ)
+        # leading whitespace ids _at_home left out: computed, counted as the run's head
+        skipped = occ.prompt_start - found.prompt_start if isinstance(occ, TokenMatch) else 0
         self._decided = occ
         if isinstance(occ, TokenMatch):
             runs = [(occ.prompt_start, occ.segment_start, occ.length)]
@@ -243,8 +246,9 @@ class _RunDecider:
             taken = 0 if continues_prefix else min(head, max(length, 0))
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
-                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken))
+                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken + skipped))
                 reused += length
+            skipped = 0
         reused += in_prefix
         if not reused:
             return "prefilled", "too_short", 0, gate
@@ -255,22 +259,46 @@ class _RunDecider:
         """A token run on the stored text where a version of exactly its ids was recorded (a
         lead-out, :mod:`.framing`), when that version fits the text before the run and the
         matched segment has none: the same short text is held by many stored texts, and the
-        lookup picks one of them."""
+        lookup picks one of them. A run that starts with whitespace ids is also tried without
+        them (a lead-out's version leaves its leading whitespace out: a reader whose previous
+        text ends in whitespace too reads it split into other ids); those ids are computed."""
         if not isinstance(occ, TokenMatch) or self.anchors is None or self.calibrating:
             return occ
+        moved = self._version_home(occ)
+        if moved is not None:
+            return moved
+        skip = 0
+        whitespace = self.anchors.whitespace
+        while (whitespace is not None and occ.length - skip - 1 >= self.config.min_match_tokens
+               and occ.segment.token_ids[occ.segment_start + skip] in whitespace.texts):
+            skip += 1
+        if skip and not self._fits(occ.segment, occ.prompt_start, occ.segment_start, occ.length):
+            trimmed = replace(occ, prompt_start=occ.prompt_start + skip, segment_start=occ.segment_start + skip,
+                              length=occ.length - skip)
+            moved = self._version_home(trimmed, own=True)
+            if moved is not None:
+                return moved
+        return occ
+
+    def _fits(self, segment: KVSegment, prompt_start: int, segment_start: int, length: int) -> bool:
+        """Whether a recorded version of ``segment``'s tokens ``segment_start..+length`` fits the
+        prompt's text before ``prompt_start``."""
+        context = self.layout.ids[max(0, prompt_start - CONTEXT_TOKENS):prompt_start].tolist()
+        return self.anchors.recorded(self.agent, segment, (segment_start, segment_start + length), context) is not None
+
+    def _version_home(self, occ: TokenMatch, own: bool = False) -> Optional[TokenMatch]:
+        """``occ`` moved to the stored text where a version of exactly its ids was noted
+        (``KVCommAnchors.homes``) when that version fits and ``occ``'s segment has none; with
+        ``own``, also ``occ`` itself where its segment's version fits. None otherwise."""
         ids = occ.segment.token_ids[occ.segment_start:occ.segment_start + occ.length]
         noted = self.anchors.homes.of(ids)
-        if noted is None or noted[0] == occ.segment.id:
+        segment = None if noted is None or noted[0] == occ.segment.id else self.home(noted[0])
+        if segment is not None and tuple(segment.token_ids[noted[1]:noted[1] + occ.length]) != tuple(ids):
+            segment = None
+        if (own or segment is not None) and self._fits(occ.segment, occ.prompt_start, occ.segment_start, occ.length):
             return occ
-        segment = self.home(noted[0])
-        if segment is None or tuple(segment.token_ids[noted[1]:noted[1] + occ.length]) != tuple(ids):
-            return occ
-        context = self.layout.ids[max(0, occ.prompt_start - CONTEXT_TOKENS):occ.prompt_start].tolist()
-        tokens = (occ.segment_start, occ.segment_start + occ.length)
-        if self.anchors.recorded(self.agent, occ.segment, tokens, context) is not None:
-            return occ
-        if self.anchors.recorded(self.agent, segment, (noted[1], noted[1] + occ.length), context) is None:
-            return occ
+        if segment is None or not self._fits(segment, occ.prompt_start, noted[1], occ.length):
+            return None
         return replace(occ, segment=segment, segment_start=noted[1])
 
     def _version_fits_from_start(self, occ, check: bool, p0: int, s0: int, end_s: int) -> bool:

@@ -252,6 +252,77 @@ def test_a_closing_line_after_the_reply_is_computed_in_the_copy_and_reused_exact
                                atol=tol(1e-4), rtol=0)
 
 
+def test_a_closing_line_after_a_reply_too_short_to_keep_is_still_reused(model, tokenizer):
+    """A reply shorter than a token run is not kept (its readers compute it), but the sender's
+    copy still fed it and the closing line after it: the line's version is recorded from the ids
+    fed, and the reader reuses the line after computing the reply."""
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    for r, reply in enumerate([REPLIES[0], "Nine."]):
+        question = f"{QUESTION} Say it for basket {'XY'[r]}."
+        reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sent = engine.replay(_one_message(question, []), agent="s1", reply_ids=reply_ids).result
+        messages = _one_message(question, [reply])
+        read = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id])
+    assert len(reply_ids) - 1 < engine.config.min_match_tokens and sent.stats.framed_versions >= 1
+    decisions = read.result.stats.decisions
+    assert not any(d.segment is not None and d.segment.kind == ("s1", "assistant") and d.status == "reused"
+                   for d in decisions), decisions
+    closing = decisions[-1]
+    assert closing.status == "reused" and closing.gate.offsets == "framed", decisions
+    torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="s2"),
+                               atol=tol(1e-4), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def merging():
+    """The embedded model's tokenizer (its pre-tokenizer merges a reply's trailing newline with the
+    reader's ``\n\n`` into other ids) and a seeded tiny Llama for it."""
+    from transformers import AutoTokenizer
+
+    from kvcomm_agents.embedded import embedded_model_dir
+    from kvcomm_agents.testing import tiny_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    return tiny_llama(tokenizer, seed=0).eval(), tokenizer
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("newlines", [1, 2])
+def test_a_closing_line_after_a_reply_ending_in_newlines_is_reused_though_its_ids_differ(merging, newlines):
+    """A reply cut short in newlines (generated one by one: ``'\n'`` ids), pasted before the
+    reader's ``\n\nCheck ...``: the reader's prompt tokenizes the newlines merged
+    (``'\n\n', '\n'`` or ``'\n\n\n', '\n'``), where the sender's copy fed the reply's ids,
+    then the lead-out (learned from a reply that did not end in a newline). The text is the same,
+    the ids before the line are not: the version is found with whitespace compared as text
+    (kvcomm_agents.whitespace), the run starting after the reader's whitespace ids (computed),
+    and the first token stays near dense's. With two newlines the stored reply holds fewer ids
+    than the copy was fed (its trailing ``'\n', '\n'`` tokenize otherwise on their own): the
+    lead-out is recorded from the ids fed, not the stored reply's."""
+    model, tokenizer = merging
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    newline = tokenizer.convert_tokens_to_ids("Ċ")
+    for r, (reply, extra) in enumerate([(REPLIES[0], 0), (REPLIES[1], newlines)]):
+        question = f"{QUESTION} Say it for basket {'XY'[r]}."
+        reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + [newline] * extra  # cut short
+        engine.replay(_one_message(question, []), agent="s1", reply_ids=reply_ids)
+        messages = _one_message(question, [tokenizer.decode(reply_ids)])
+        read = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id])
+    ids = render_prompt(tokenizer, messages).ids.tolist()
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    check = tokens.index("Check")
+    assert tokens[check - 2:check] == ["Ċ" * (newlines + 1), "Ċ"], tokens[check - 4:check + 1]  # merged
+    closing = read.result.stats.decisions[-1]
+    assert closing.segment.kind[1] != "assistant" and closing.span[0] == check, read.result.stats.decisions
+    assert closing.status == "reused" and closing.gate.offsets == "framed", closing
+    kl = first_token_kl(first_logits(dense, messages, agent="s2"), read.first_token_logits)
+    assert kl < 1e-3, kl
+    engine.anchors.whitespace = None  # mutation check: compared as ids, the version does not fit
+    again = engine.replay(messages, agent="s3", reply_ids=[tokenizer.eos_token_id]).result.stats.decisions[-1]
+    assert not (again.status == "reused" and again.gate is not None and again.gate.offsets == "framed"), again
+
+
 def test_a_lead_out_is_learned_only_right_after_a_whole_reply_and_only_short():
     """The shared text must start within LEAD_OUT_GAP ids of the reply's stored ids and be at
     most MAX_LEAD_OUT ids; a later rule without a lead-out keeps the framing's lead-out."""

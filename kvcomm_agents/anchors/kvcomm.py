@@ -34,6 +34,7 @@ from .budget import fit_budget
 from .pool import AnchorPool
 from .tracker import OffsetTracker
 from .versions import VersionHomes
+from ..whitespace import WhitespaceIds
 from .versions import best_recorded_version
 
 __all__ = ["KVCommAnchors", "ExactKV"]
@@ -88,6 +89,9 @@ class KVCommAnchors:
         self.temperature, self.activation_top_p = temperature, activation_top_p
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
         self.homes = VersionHomes()  # where partial versions of short texts were recorded
+        # the tokenizer's whitespace ids: version contexts compared as text where only whitespace
+        # was split into other ids (set by the engine; None compares ids)
+        self.whitespace: Optional[WhitespaceIds] = None
         self._lock = threading.RLock()
         self._batch = threading.local()  # segments recorded inside this thread's recording() block
         self._freeze = freeze or BlockCount()
@@ -201,7 +205,7 @@ class KVCommAnchors:
             return None
         with self._lock:
             version = best_recorded_version(self.pool(segment.ref.kind), receiver, segment, tokens[0], tokens[1],
-                                            context)
+                                            context, self.whitespace.canonical if self.whitespace else None)
         if version is None:
             return None
         if version.receiver is None:

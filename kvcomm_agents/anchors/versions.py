@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..kv.segments import CONTEXT_TOKENS, KVSegment
 from .pool import AnchorPool
@@ -114,17 +114,22 @@ def _context_at(context: Sequence[int], segment: KVSegment, from_token: int, at_
 
 
 def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, first: int, last: int,
-                          prompt_context: Sequence[int]) -> Optional[RecordedVersion]:
+                          prompt_context: Sequence[int],
+                          canonical: Optional[Callable[[Sequence[int]], tuple[int, ...]]] = None
+                          ) -> Optional[RecordedVersion]:
     """The version of ``segment`` to reuse for segment tokens ``first..last`` (exclusive)
     preceded by ``prompt_context`` (the new prompt's ids before token ``first``), or None when
     no version's context matches the new one for :data:`MIN_CONTEXT_MATCH` ids.
 
     Candidates: the base, and the recorded versions (any receiver's) whose offsets cover
     ``first..last`` and whose context is known. The longest match wins; ties go to the base,
-    then to ``receiver``'s own version, then to the first receiver recorded.
+    then to ``receiver``'s own version, then to the first receiver recorded. With
+    ``canonical`` (:meth:`~kvcomm_agents.whitespace.WhitespaceIds.canonical`) contexts are
+    compared in that form: whitespace split into other ids still matches.
     """
-    wanted = tuple(prompt_context)[-CONTEXT_TOKENS:]
-    base = common_suffix(wanted, _context_at(segment.context_ids, segment, 0, first))
+    same = canonical or tuple
+    wanted = same(tuple(prompt_context)[-CONTEXT_TOKENS:])
+    base = common_suffix(wanted, same(_context_at(segment.context_ids, segment, 0, first)))
     best = RecordedVersion(None, None, base, base)
     slot = pool.slot_of(segment.id) if pool is not None else None
     for name, stack in (pool.placeholder.items() if slot is not None else ()):
@@ -133,7 +138,7 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
             continue
         if recorded.start > first or recorded.end < last:
             continue
-        matched = common_suffix(wanted, _context_at(recorded.ids, segment, recorded.start, first))
+        matched = common_suffix(wanted, same(_context_at(recorded.ids, segment, recorded.start, first)))
         if matched < recorded.min_match:
             continue  # a framed copy: its lead-in alone does not make the text before it the same
         if matched > best.matched or (matched == best.matched and best.receiver is not None and name == receiver):

@@ -107,6 +107,7 @@ class SegmentStore:
         self._warned = False
         self._runs = TokenRunIndex(min_run)
         self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
+        self._view_entries: dict[str, str] = {}  # the entry id of each view id
         self.shared = shared
         self._remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
         self._cursor = None  # the tier's catalog cursor (opaque)
@@ -120,9 +121,14 @@ class SegmentStore:
         return self._insert(segment.id, segment)
 
     def get(self, segment_id: str) -> KVSegment | None:
-        """The segment with this id, or None if unknown or evicted. Marks it recently used."""
+        """The segment with this id (a prefix entry's segment view too, :meth:`find_runs`), or
+        None if unknown or evicted. Marks it recently used."""
         with self._lock:
             entry = self._entries.get(segment_id)
+            viewed = self._view_entries.get(segment_id)
+            if entry is None and viewed is not None and viewed in self._entries:
+                self._entries.move_to_end(viewed)
+                return self._segment_view(self._entries[viewed])
         if entry is None and self.shared is not None:
             self._sync()
             with self._lock:
@@ -308,6 +314,7 @@ class SegmentStore:
             view = self._views[entry.id] = KVSegment.create(
                 kind=self.PREFIX_KIND, text="", token_ids=ids, char_spans=[None] * len(ids), kv=entry.kv,
                 fingerprint=entry.fingerprint)
+            self._view_entries[view.id] = entry.id
         return view
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -481,7 +488,9 @@ class SegmentStore:
         entry = self._entries.pop(key)
         self._bytes -= entry.nbytes
         self._runs.remove(key)
-        self._views.pop(key, None)
+        view = self._views.pop(key, None)
+        if view is not None:
+            self._view_entries.pop(view.id, None)
         item = self._remote.get(key)
         if item is not None:  # the tier still holds it: findable again, fetched on use
             self._runs.add(_REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
