@@ -98,8 +98,10 @@ def _regression_sources(pool, stack, slots: list[int], slot: int, rotator) -> di
 
     def rows(o: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = lengths[o]
-        base = torch.cat([unrotated(pool.base_keys[o], n), pool.base_values[o, :, :, :n].float()], -1)
-        offset = torch.cat([unrotated(stack.keys[o], n), stack.values[o, :, :, :n].float()], -1)
+        base_k, base_v = pool.base(o)
+        off_k, off_v = (t[0] for t in stack.dense(torch.tensor([o]), n))
+        base = torch.cat([unrotated(base_k, n), base_v[:, :, :n].float()], -1)
+        offset = torch.cat([unrotated(off_k, n), off_v], -1)
         layers, heads = offset.shape[:2]
         shallow = offset[:1].permute(2, 0, 1, 3).reshape(1, 1, n, -1).expand(layers - 1, heads, n, -1)
         return base, offset, torch.cat([base[1:], shallow], -1)  # [L,H,n,2D], [L,H,n,2D], [L-1,H,n,2D+H*2D]
@@ -131,15 +133,15 @@ def score_pools(engine: KVCommEngine, regression: bool = False) -> list[dict]:
             sums: dict[str, list[float]] = {}
             for slot in slots:
                 length = int(pool.lengths[slot])
-                for part in ("keys", "values"):
-                    exact = getattr(stack, part)[slot, :, :, :length].float()
+                for index, part in enumerate(("keys", "values")):
+                    exact = stack.dense(torch.tensor([slot]), length)[index][0]
                     others = [o for o in slots if o != slot and int(pool.lengths[o]) >= length]
                     sources = {}
                     if len(others) >= 2:
-                        sources["mean"] = getattr(stack, part)[torch.tensor(others), :, :, :length].float().mean(0)
+                        sources["mean"] = stack.dense(torch.tensor(others), length)[index].mean(0)
                     for name, other in stacks:
                         if name != receiver and bool(pool.held_by(other)[slot]):
-                            sources[f"from {name}"] = getattr(other, part)[slot, :, :, :length].float()
+                            sources[f"from {name}"] = other.dense(torch.tensor([slot]), length)[index][0]
                     for source, estimate in sources.items():
                         num, den = _relative(estimate, exact)
                         acc = sums.setdefault(f"{source}|{part}", [0.0, 0.0])
@@ -147,8 +149,8 @@ def score_pools(engine: KVCommEngine, regression: bool = False) -> list[dict]:
                 if regression and len(slots) >= 3:
                     learned = _regression_sources(pool, stack, slots, slot, engine.info.rotator)
                     for source, (keys, values) in learned.items():
-                        for part, estimate in (("keys", keys), ("values", values)):
-                            exact = getattr(stack, part)[slot, :, :, :length].float()[-estimate.shape[0]:]
+                        for index, (part, estimate) in enumerate((("keys", keys), ("values", values))):
+                            exact = stack.dense(torch.tensor([slot]), length)[index][0][-estimate.shape[0]:]
                             num, den = _relative(estimate, exact)
                             acc = sums.setdefault(f"{source}|{part}", [0.0, 0.0])
                             acc[0], acc[1] = acc[0] + num, acc[1] + den

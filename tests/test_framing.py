@@ -171,8 +171,8 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     slot = pool.slot_of(segment.id)
     stack = pool.placeholder[framed_receiver(0)]
     n = segment.num_tokens
-    torch.testing.assert_close(stack.keys[slot, :, :, :n].float(), keys, atol=tol(2e-4), rtol=0)
-    torch.testing.assert_close(stack.values[slot, :, :, :n].float(), values, atol=tol(2e-4), rtol=0)
+    torch.testing.assert_close(stack.slot(slot)[0][:, :, :n], keys, atol=tol(2e-4), rtol=0)
+    torch.testing.assert_close(stack.slot(slot)[1][:, :, :n], values, atol=tol(2e-4), rtol=0)
 
 
 def test_a_reply_found_twice_teaches_the_framing_of_its_last_occurrence():

@@ -3,8 +3,8 @@
 The pool holding the most bytes among those that can spare an anchor gives up its oldest ones
 (the least-activated of its ``eviction_window`` oldest, :meth:`~.pool.AnchorPool.evict_one`),
 never its newest nor a segment just recorded, as many as bring all pools to :data:`HEADROOM` of
-the budget once its empty slots are dropped too (a pool's capacity runs ahead of its anchors),
-then compacts once (a compaction copies the pool). Where no pool can spare one, the largest
+the budget at its mean bytes per anchor (an evicted anchor's tensors go at once), then drops the
+emptied slots. Where no pool can spare one, the largest
 pool goes whole, the kinds just recorded into last. Before (measured in docs/benchmarks.md,
 "Shared text framed for its later readers"): the least recently recorded pool gave anchors up,
 which emptied small pools of replies while one pool of long documents held the budget.
@@ -21,7 +21,7 @@ from .pool import AnchorPool
 __all__ = ["fit_budget", "HEADROOM"]
 
 #: Share of the budget the pools are brought down to when they exceed it, so that a few more
-#: records fit before the next compaction (a named heuristic).
+#: records fit before the next eviction (a named heuristic).
 HEADROOM = 0.9
 
 
@@ -47,14 +47,13 @@ def fit_budget(pools: MutableMapping[Kind, AnchorPool], max_bytes: int,
             del pools[kind]
             continue
         kind, pool = max(shared, key=lambda item: item[1].nbytes)
-        per_slot = pool.nbytes / max(1, pool.capacity_slots)
-        compacted = _total(pools) - (pool.capacity_slots - len(pool)) * per_slot  # empty slots dropped
-        wanted = math.ceil((compacted - HEADROOM * max_bytes) / max(1.0, per_slot))
+        before = pool.nbytes
+        per_anchor = before / max(1, len(pool))
+        wanted = math.ceil((_total(pools) - HEADROOM * max_bytes) / max(1.0, per_anchor))
         keep = {segment_id for k, segment_id in protect if k == kind}
-        for _ in range(max(0, min(wanted, len(pool) - 1))):
+        for _ in range(max(1, min(wanted, len(pool) - 1))):
             if pool.evict_one(keep_newest=True, protect=keep) is None:
                 break
-        before = pool.nbytes
         pool.compact()
         if pool.nbytes >= before:
             stuck.add(kind)

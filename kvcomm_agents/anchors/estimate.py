@@ -14,7 +14,7 @@ from typing import Literal, Optional
 
 import torch
 
-from .pool import AnchorPool, take
+from .pool import AnchorPool
 
 __all__ = ["Estimator", "OffsetEstimate", "estimate_offsets"]
 
@@ -58,16 +58,17 @@ def estimate_offsets(
     disagreement per token (anchors covering the whole segment only)."""
     t = keys.shape[2]
     stack = pool.placeholder[source or receiver]
-    device = stack.keys.device
-    query_k, query_v = keys.float().to(device), values.float().to(device)
     if estimator == "mean" and bool((pool.lengths[slots] < t).any()):
-        est_k, est_v = _mean_any_length(take(stack.keys, slots), take(stack.values, slots), pool.lengths[slots], t)
-        return _with_own_text(OffsetEstimate(est_k, est_v), pool, receiver, slots, keys, query_k, query_v,
-                              estimator, temperature, piece)
-    k_off, v_off = take(stack.keys, slots)[:, :, :, :t].float(), take(stack.values, slots)[:, :, :, :t].float()
+        width = max(t, int(pool.lengths[slots].max()))
+        est_k, est_v = _mean_any_length(*stack.dense(slots, width), pool.lengths[slots], t)
+        device = est_k.device
+        return _with_own_text(OffsetEstimate(est_k, est_v), pool, receiver, slots, keys, keys.float().to(device),
+                              values.float().to(device), estimator, temperature, piece)
+    k_off, v_off = stack.dense(slots, t)
+    device = k_off.device
+    query_k, query_v = keys.float().to(device), values.float().to(device)
     if estimator == "weighted":
-        base_k = take(pool.base_keys, slots)[:, :, :, :t].float()
-        base_v = take(pool.base_values, slots)[:, :, :, :t].float()
+        base_k, base_v = pool.base_dense(slots, t)
         w_k = torch.softmax(-(base_k - query_k[None]).abs().mean(dim=(1, 2, 4)) / temperature, dim=0)  # [N, T]
         w_v = torch.softmax(-(base_v - query_v[None]).abs().mean(dim=(1, 2, 4)) / temperature, dim=0)
         est_k = torch.einsum("nt,nlhtd->lhtd", w_k, k_off)
@@ -119,13 +120,13 @@ def _with_own_text(result: OffsetEstimate, pool: AnchorPool, receiver: str, slot
     chosen = slots[pool.held_by(own)[slots]]
     if not chosen.numel():
         return result
-    pk, pv = take(own.keys, chosen).float(), take(own.values, chosen).float()
+    pk, pv = own.dense(chosen, own.width(chosen))
     if estimator == "weighted":
         # right-aligned: each anchor's last T tokens, nearest the following piece
         index = (pool.lengths[chosen] - t)[:, None] + torch.arange(t)[None]  # [N, T]
         gather = index.to(device)[:, None, None, :, None].expand(-1, *keys.shape[:2], -1, keys.shape[3])
-        near_k = take(pool.base_keys, chosen).float().gather(3, gather)
-        near_v = take(pool.base_values, chosen).float().gather(3, gather)
+        base_k, base_v = pool.base_dense(chosen, int(pool.lengths[chosen].max()))
+        near_k, near_v = base_k.gather(3, gather), base_v.gather(3, gather)
         u_k = torch.softmax(-(near_k - query_k[None]).norm(dim=3) / temperature, dim=0)  # [N, L, H, D]
         u_v = torch.softmax(-(near_v - query_v[None]).norm(dim=3) / temperature, dim=0)
         result.own_text_keys = torch.einsum("nlhd,nlhpd->lhpd", u_k, pk)

@@ -2,7 +2,8 @@
 
 A warm start: anchors learned in one process (or by ``engine.calibrate``) serve the first calls of
 the next one. The header records the format, the library version, the model fingerprint and the
-pools' bookkeeping; tensors are ``{pool}.base_keys``, ``{pool}.placeholder{j}.keys`` and so on.
+pools' bookkeeping; tensors are each slot's ``{pool}.base{slot}.keys`` / ``.values`` and each
+offset stack's ``{pool}.stack{j}.has`` and ``{pool}.stack{j}.part{slot}.keys`` / ``.values``.
 A file of another model, a corrupted file or one whose shapes do not fit the model is refused
 with :class:`~kvcomm_agents.errors.AnchorFileError` before anything of the engine changes.
 """
@@ -22,7 +23,7 @@ from .pool import AnchorPool, OffsetStack, RecordedContext
 
 __all__ = ["FORMAT", "save_pools", "load_pools"]
 
-FORMAT = "kvcomm-anchors/1"
+FORMAT = "kvcomm-anchors/2"  # /1: dense [slots, L-1, H, tokens, D] stacks
 
 
 def _put(tensors: dict, name: str, t: Optional[torch.Tensor]) -> None:
@@ -38,14 +39,17 @@ def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -
         name = f"pool{p}"
         _put(tensors, f"{name}.lengths", pool.lengths)
         _put(tensors, f"{name}.activations", pool.activations)
-        _put(tensors, f"{name}.base_keys", pool.base_keys)
-        _put(tensors, f"{name}.base_values", pool.base_values)
+        for slot, base in enumerate(pool.bases):
+            if base is not None:
+                _put(tensors, f"{name}.base{slot}.keys", base[0])
+                _put(tensors, f"{name}.base{slot}.values", base[1])
         stacks = [("placeholder", key, stack) for key, stack in pool.placeholder.items()]
         stacks += [("own_text", key, stack) for key, stack in pool.own_text.items()]
         for j, (_, _, stack) in enumerate(stacks):
-            _put(tensors, f"{name}.stack{j}.keys", stack.keys)
-            _put(tensors, f"{name}.stack{j}.values", stack.values)
             _put(tensors, f"{name}.stack{j}.has", stack.has)
+            for slot, (keys, values) in stack.parts.items():
+                _put(tensors, f"{name}.stack{j}.part{slot}.keys", keys)
+                _put(tensors, f"{name}.stack{j}.part{slot}.values", values)
         described.append({
             "kind": list(pool.kind), "segment_ids": pool.segment_ids, "created": pool.created, "clock": pool._clock,
             "stacks": [[role, list(key) if isinstance(key, tuple) else key] for role, key, _ in stacks],
@@ -74,6 +78,9 @@ def load_pools(path: str | os.PathLike, *, fingerprint: str, shape: tuple[int, i
         raise AnchorFileError(f"{path}: no such anchor file") from None
     except (SafetensorError, OSError, ValueError, json.JSONDecodeError) as error:
         raise AnchorFileError(f"{path} is not a readable anchor file ({error})") from error
+    if isinstance(meta, dict) and meta.get("format") == "kvcomm-anchors/1":
+        raise AnchorFileError(f"{path} is a kvcomm-anchors/1 file (dense offset stacks, before per-slot storage); "
+                              f"this version reads {FORMAT}: write it again with save_anchors")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise AnchorFileError(f"{path} is not a {FORMAT} file")
     if meta.get("fingerprint") != fingerprint:
@@ -102,18 +109,26 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
     pool.activations = tensors[f"{name}.activations"].to(torch.long)
     if pool.lengths.shape != (slots,) or pool.activations.shape != (slots,):
         raise ValueError("bookkeeping of another size than the pool")
-    if f"{name}.base_keys" in tensors:
-        pool.base_keys = _checked(tensors[f"{name}.base_keys"], shape, device, dtype)
-        pool.base_values = _checked(tensors[f"{name}.base_values"], shape, device, dtype)
-        if pool.base_keys.shape[0] < slots or pool.base_values.shape != pool.base_keys.shape:
-            raise ValueError("base KV of another size than the pool")
+    pool.bases = [None] * slots
+    for slot, segment_id in enumerate(pool.segment_ids):
+        if segment_id is None:
+            continue
+        keys = _checked(tensors[f"{name}.base{slot}.keys"], shape, device, dtype)
+        values = _checked(tensors[f"{name}.base{slot}.values"], shape, device, dtype)
+        if values.shape != keys.shape or keys.shape[2] != int(pool.lengths[slot]):
+            raise ValueError("base KV of another size than its anchor")
+        pool.bases[slot] = (keys, values)
     contexts = desc.get("contexts") or [{} for _ in desc["stacks"]]  # files before recorded versions: none
     for j, (role, key) in enumerate(desc["stacks"]):
         has = tensors[f"{name}.stack{j}.has"].to(torch.bool)
-        keys = tensors.get(f"{name}.stack{j}.keys")
-        stack = OffsetStack(None if keys is None else _checked(keys, shape, device, torch.float32),
-                            None if keys is None else _checked(tensors[f"{name}.stack{j}.values"], shape, device,
-                                                               torch.float32), has)
+        parts = {}
+        for slot in has.nonzero().flatten().tolist():
+            keys = _checked(tensors[f"{name}.stack{j}.part{slot}.keys"], shape, device, torch.float32)
+            values = _checked(tensors[f"{name}.stack{j}.part{slot}.values"], shape, device, torch.float32)
+            if values.shape != keys.shape or slot >= slots:
+                raise ValueError("offsets of another size than their anchor")
+            parts[slot] = (keys, values)
+        stack = OffsetStack(parts, has)
         stack.contexts = {int(slot): RecordedContext(int(c[0]), int(c[1]), tuple(int(i) for i in c[2]),
                                                      int(c[3]) if len(c) > 3 else 0)
                           for slot, c in contexts[j].items()}
@@ -127,10 +142,10 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
 
 
 def _checked(t: torch.Tensor, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A ``[slots, L-1, H, tokens, D]`` tensor of this model's shape and of ``dtype`` (the model's
-    for base KV, float32 for offsets), on ``device``."""
-    if t.dim() != 5 or (t.shape[1], t.shape[2], t.shape[4]) != shape:
-        raise ValueError(f"a tensor of shape {tuple(t.shape)} where [*, {shape[0]}, {shape[1]}, *, {shape[2]}] fits")
+    """A ``[L-1, H, tokens, D]`` tensor of this model's shape and of ``dtype`` (the model's for
+    base KV, float32 for offsets), on ``device``."""
+    if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != shape:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} where [{shape[0]}, {shape[1]}, *, {shape[2]}] fits")
     if t.dtype != dtype:
         raise ValueError(f"a {t.dtype} tensor where the model's anchors are {dtype}")
     return t.to(device)

@@ -1,10 +1,14 @@
 """Storage of one KVCOMM anchor pool: a segment kind's anchors, their offsets, their eviction.
 
-Everything of a pool lives in stacked tensors ``[slots, L-1, kv_heads, tokens, head_dim]`` that
-grow (slots by doubling up to ``max_anchors``, tokens by a quarter in steps of 64, up to the
-longest anchor), so matching is a
-handful of vectorised reductions with no per-call gathers of anchor tensors. What an anchor is:
-:mod:`kvcomm_agents.anchors`.
+Each anchor slot holds its own tensors, sized to what was observed: the anchor's base KV
+``[L-1, kv_heads, length, head_dim]``, and per receiver (an :class:`OffsetStack`) the offsets of
+the tokens it observed, ``[L-1, kv_heads, end, head_dim]`` (zeros before the first one). Memory
+is what the anchors hold, not slots x the longest anchor x receivers: the dense stacks this
+replaced (``[slots, L-1, H, longest, D]`` per receiver, grown and compacted by copying) spent
+4.4 s of 5.6 s of the vLLM connector's anchor bookkeeping on growth and compaction copies on
+the RAG hand-off, and held each receiver's offsets at the longest document's length. Matching
+reads the consulted slots' tensors (:meth:`OffsetStack.dense`, :meth:`AnchorPool.base_dense`).
+What an anchor is: :mod:`kvcomm_agents.anchors`.
 """
 
 from __future__ import annotations
@@ -13,86 +17,110 @@ import math
 from dataclasses import dataclass, field
 from typing import Collection, Optional
 
-import numpy as np
 import torch
 
 from ..kv.segments import Kind, KVSegment
 
-__all__ = ["AnchorPool", "OffsetStack", "RecordedContext", "take", "top_p_members"]
+__all__ = ["AnchorPool", "OffsetStack", "RecordedContext", "top_p_members"]
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros of ``shape``. On a CPU from zeroed pages the OS hands out on first touch (numpy's
-    ``calloc``): a pool's stacks are large (slots x layers x heads x tokens x head_dim) and
-    mostly written later, and ``torch.zeros`` writes every byte now (measured on the vLLM
-    connector's RAG hand-off: 28 stack growths took 8.2 s, 0.29 s each, on the request's path)."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    raw = torch.from_numpy(np.zeros(count * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8))
-    return raw.view(dtype).view(shape)  # all-zero bytes are 0.0 in every float dtype
-
-
-def _zeros_like_grown(t: Optional[torch.Tensor], slots: int, tokens: int, like: torch.Tensor) -> torch.Tensor:
-    """``[slots, L, H, tokens, D]`` zeros holding ``t``'s data in its leading corner."""
-    shape = (slots, *like.shape[:2], tokens, like.shape[3])
-    out = _zeros(shape, like.dtype, like.device)
-    if t is not None:
-        out[: t.shape[0], :, :, : t.shape[3]] = t
-    return out
+def _padded(parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]], width: int,
+            dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, L-1, H, width, D]`` keys and values from per-slot ``[L-1, H, n, D]`` tensors (their
+    first ``width`` tokens; zeros past a tensor's end, and for a missing one)."""
+    like = next(p[0] for p in parts if p is not None)
+    dtype = dtype or like.dtype
+    shape = (len(parts), like.shape[0], like.shape[1], width, like.shape[3])
+    keys = torch.zeros(shape, dtype=dtype, device=like.device)
+    values = torch.zeros(shape, dtype=dtype, device=like.device)
+    for i, part in enumerate(parts):
+        if part is not None:
+            n = min(width, part[0].shape[2])
+            keys[i, :, :, :n] = part[0][:, :, :n]
+            values[i, :, :, :n] = part[1][:, :, :n]
+    return keys, values
 
 
 @dataclass(eq=False)
 class OffsetStack:
-    """Offsets of one receiver (and, for own text, one piece) for every anchor slot.
+    """Offsets of one receiver (and, for own text, one piece) for the anchor slots it observed.
 
     Attributes:
-        keys, values: ``[slots, L-1, kv_heads, tokens, head_dim]`` canonical-frame offsets.
+        parts: per slot, canonical-frame offsets ``(keys, values)``, each ``[L-1, kv_heads, end,
+            head_dim]`` float32: tokens ``0..end`` of the anchor (zeros where not observed).
         has: ``[slots]`` bool, which slots hold offsets.
         contexts: per slot, the :class:`RecordedContext` its offsets were observed in (absent
             where unknown or mixed from several passes).
     """
 
-    keys: Optional[torch.Tensor] = None
-    values: Optional[torch.Tensor] = None
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     has: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     contexts: dict[int, "RecordedContext"] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+        return sum(t.numel() * t.element_size() for part in self.parts.values() for t in part)
 
-    def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor, slots: int, tokens: int,
+    def slot(self, slot: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The slot's ``(keys, values)`` ``[L-1, H, end, D]``, or None where it holds none."""
+        return self.parts.get(slot) if self.holds(slot) else None
+
+    def holds(self, slot: int) -> bool:
+        return slot < self.has.numel() and bool(self.has[slot])
+
+    def width(self, slots: torch.Tensor) -> int:
+        """The longest ``end`` among ``slots``."""
+        return max((self.parts[int(s)][0].shape[2] for s in slots if int(s) in self.parts), default=0)
+
+    def dense(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, L-1, H, width, D]`` float32 offsets of ``slots`` (zero padded)."""
+        return _padded([self.slot(int(s)) for s in slots], width, torch.float32)
+
+    def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor, slots: int,
               context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
-        """Store ``[L-1, H, n, D]`` offsets of tokens ``start..start+n`` in ``slot`` (the stack
-        grows to at least ``slots`` x ``tokens``, the pool's capacity). ``context``: the ids
-        before token ``start`` in the pass that observed them (None: unknown)."""
+        """Store ``[L-1, H, n, D]`` offsets of tokens ``start..start+n`` in ``slot`` (of a pool
+        of ``slots`` slots). ``context``: the ids before token ``start`` in the pass that
+        observed them (None: unknown)."""
         n = keys.shape[2]
-        fresh = slot >= self.has.numel() or not bool(self.has[slot])
+        fresh = not self.holds(slot)
         old = None if fresh else self.contexts.get(slot)
         if context is not None and (fresh or (old is not None and start <= old.start and start + n >= old.end)):
             self.contexts[slot] = RecordedContext(start, start + n, tuple(context), min_match)
         elif not fresh or context is None:
             self.contexts.pop(slot, None)  # offsets of several passes (or of an unknown one)
-        tokens = max(tokens, start + n)
-        cap_slots, cap_tokens = (self.keys.shape[0], self.keys.shape[3]) if self.keys is not None else (0, 0)
-        if slots > cap_slots or tokens > cap_tokens:
-            self.keys = _zeros_like_grown(self.keys, max(slots, cap_slots), max(tokens, cap_tokens), keys)
-            self.values = _zeros_like_grown(self.values, max(slots, cap_slots), max(tokens, cap_tokens), values)
         if self.has.numel() < slots:
             self.has = torch.cat([self.has, torch.zeros(slots - self.has.numel(), dtype=torch.bool)])
-        if not self.has[slot]:
-            self.keys[slot].zero_()
-            self.values[slot].zero_()
-        self.keys[slot, :, :, start : start + n] = keys.to(self.keys.dtype)
-        self.values[slot, :, :, start : start + n] = values.to(self.values.dtype)
+        held = None if fresh else self.parts.get(slot)
+        end = max(start + n, held[0].shape[2] if held is not None else 0)
+        if held is not None and held[0].shape[2] >= end:
+            part = held
+        else:
+            shape = (*keys.shape[:2], end, keys.shape[3])
+            part = (torch.zeros(shape, dtype=torch.float32, device=keys.device),
+                    torch.zeros(shape, dtype=torch.float32, device=keys.device))
+            if held is not None:
+                part[0][:, :, :held[0].shape[2]] = held[0]
+                part[1][:, :, :held[1].shape[2]] = held[1]
+        part[0][:, :, start:start + n] = keys.to(torch.float32)
+        part[1][:, :, start:start + n] = values.to(torch.float32)
+        self.parts[slot] = part
         self.has[slot] = True
 
     def clear_slot(self, slot: int) -> None:
         if slot < self.has.numel():
             self.has[slot] = False
+        self.parts.pop(slot, None)
         self.contexts.pop(slot, None)
+
+    def renumber(self, moved: dict[int, int], slots: int) -> None:
+        """Slots renumbered ``old -> new`` (the others dropped); the pool now has ``slots``."""
+        has = torch.zeros(slots, dtype=torch.bool)
+        for old, new in moved.items():
+            if self.holds(old):
+                has[new] = True
+        self.parts = {moved[old]: part for old, part in self.parts.items() if old in moved and self.holds(old)}
+        self.contexts = {moved[old]: c for old, c in self.contexts.items() if old in moved}
+        self.has = has
 
 
 @dataclass(frozen=True)
@@ -106,14 +134,6 @@ class RecordedContext:
     end: int
     ids: tuple[int, ...]
     min_match: int = 0
-
-
-def take(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``t[slots]``, as a view (no copy) when the slots are ``0..N-1``, the usual case."""
-    n = slots.numel()
-    if n and int(slots[0]) == 0 and int(slots[-1]) == n - 1 and n <= t.shape[0]:
-        return t[:n]
-    return t[slots.to(t.device)]
 
 
 def top_p_members(weights: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -142,8 +162,7 @@ class AnchorPool:
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.activations = torch.zeros(0, dtype=torch.long)
         self.created: list[int] = []
-        self.base_keys: Optional[torch.Tensor] = None  # [slots, L-1, H, tokens, D]
-        self.base_values: Optional[torch.Tensor] = None
+        self.bases: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []  # per slot: [L-1, H, length, D] x 2
         self.placeholder: dict[str, OffsetStack] = {}
         self.own_text: dict[tuple[str, str], OffsetStack] = {}
         self._clock = 0
@@ -160,7 +179,7 @@ class AnchorPool:
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for t in (self.base_keys, self.base_values) if t is not None]
+        tensors = [t for base in self.bases if base is not None for t in base]
         return sum(t.numel() * t.element_size() for t in tensors) + sum(
             s.nbytes for s in (*self.placeholder.values(), *self.own_text.values())
         )
@@ -172,21 +191,8 @@ class AnchorPool:
             return existing
         slot = self._free_slot()
         keys, values = segment.kv.upper_layers()  # [L-1, H, T, D]
-        slots = len(self.segment_ids)
         tokens = keys.shape[2]
-        cap_tokens = self.base_keys.shape[3] if self.base_keys is not None else 0
-        cap_slots = self.base_keys.shape[0] if self.base_keys is not None else 0
-        if slots > cap_slots or tokens > cap_tokens:
-            new_slots = min(self.max_anchors, max(slots, 2 * cap_slots))
-            # tokens grow by a quarter, in steps of 64: a pool holds its longest anchor's length
-            # for every slot and every receiver, so doubling would waste up to half the budget
-            new_tokens = -(-max(tokens, cap_tokens + cap_tokens // 4) // 64) * 64 if tokens > cap_tokens else cap_tokens
-            self.base_keys = _zeros_like_grown(self.base_keys, new_slots, new_tokens, keys)
-            self.base_values = _zeros_like_grown(self.base_values, new_slots, new_tokens, values)
-        self.base_keys[slot].zero_()
-        self.base_values[slot].zero_()
-        self.base_keys[slot, :, :, :tokens] = keys
-        self.base_values[slot, :, :, :tokens] = values
+        self.bases[slot] = (keys.clone(), values.clone())  # the store may evict the segment
         self.segment_ids[slot] = segment.id
         self.lengths[slot] = tokens
         self.activations[slot] = 0
@@ -201,6 +207,7 @@ class AnchorPool:
             return self.segment_ids.index(None)
         if len(self.segment_ids) < self.max_anchors:
             self.segment_ids.append(None)
+            self.bases.append(None)
             self.created.append(0)
             self.lengths = torch.cat([self.lengths, torch.zeros(1, dtype=torch.long)])
             self.activations = torch.cat([self.activations, torch.zeros(1, dtype=torch.long)])
@@ -219,6 +226,7 @@ class AnchorPool:
         oldest = sorted(occupied, key=lambda i: self.created[i])[: self.eviction_window]
         victim = min(oldest, key=lambda i: (int(self.activations[i]), self.created[i]))
         self.segment_ids[victim] = None
+        self.bases[victim] = None
         self.lengths[victim] = 0
         for stack in (*self.placeholder.values(), *self.own_text.values()):
             stack.clear_slot(victim)
@@ -230,21 +238,20 @@ class AnchorPool:
         after ``context`` (the ids before token ``start``; None: unknown); ``min_match``: see
         :class:`RecordedContext`."""
         stack = self.placeholder.setdefault(receiver, OffsetStack())
-        stack.write(slot, start, keys, values, *self._capacity, context=context, min_match=min_match)
+        stack.write(slot, start, keys, values, len(self.segment_ids), context=context, min_match=min_match)
 
     def record_own_text(self, slot: int, receiver: str, piece: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Offsets ``[L-1, H, P, D]`` of the receiver's own-text piece ``piece`` after the segment."""
         stack = self.own_text.setdefault((receiver, piece), OffsetStack())
-        stack.write(slot, 0, keys, values, self._capacity[0], 0)
+        stack.write(slot, 0, keys, values, len(self.segment_ids))
 
-    @property
-    def capacity_slots(self) -> int:
-        """Slots the pool's tensors hold (occupied or not)."""
-        return self.base_keys.shape[0] if self.base_keys is not None else 0
+    def base(self, slot: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The anchor's base ``(keys, values)`` ``[L-1, H, length, D]`` (None: an empty slot)."""
+        return self.bases[slot] if slot < len(self.bases) else None
 
-    @property
-    def _capacity(self) -> tuple[int, int]:
-        return self.base_keys.shape[0], self.base_keys.shape[3]
+    def base_dense(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, L-1, H, width, D]`` float32 base KV of ``slots`` (zero padded)."""
+        return _padded([self.base(int(s)) for s in slots], width, torch.float32)
 
     # ---- matching -------------------------------------------------------------------------
     def candidates(self, receiver: str, length: int, exclude: Optional[int] = None,
@@ -270,35 +277,27 @@ class AnchorPool:
         tokens; an anchor shorter than ``T`` is compared over its ``n`` tokens and its distance
         scaled by ``sqrt(T / n)`` (the same per-token scale)."""
         t = values.shape[2]
-        base = take(self.base_values, slots)[:, :, :, :t].float()
-        query = values.float().to(base.device)[None, :, :, : base.shape[3]]
-        covered = torch.clamp(self.lengths[slots], max=t).clamp_min(1)
-        mask = (torch.arange(base.shape[3])[None] < covered[:, None]).to(base.device)  # [N, t']
-        diff = (base - query) * mask[:, None, None, :, None]
-        return (diff.flatten(1).norm(dim=1).cpu() * torch.sqrt(t / covered.float()))
+        out = torch.zeros(slots.numel())
+        for i, slot in enumerate(slots.tolist()):
+            base = self.bases[slot][1]
+            n = max(1, min(t, base.shape[2]))
+            query = values[:, :, :n].to(base.device, torch.float32)
+            out[i] = float((base[:, :, :n].float() - query).norm()) * math.sqrt(t / n)
+        return out
 
     def credit(self, slots: torch.Tensor, weights: torch.Tensor, top_p: float) -> None:
         """Raise the activation count of the anchors among the nearest (top-p of ``weights``)."""
         self.activations[slots[top_p_members(weights, top_p)]] += 1
 
     def compact(self) -> None:
-        """Drop the storage of emptied slots (occupied ones keep their order), so that an
-        eviction for the byte budget actually frees bytes."""
+        """Drop emptied slots (occupied ones keep their order): the bookkeeping shrinks with them
+        (their tensors went when they were emptied)."""
         keep = [i for i, sid in enumerate(self.segment_ids) if sid is not None]
         index = torch.tensor(keep, dtype=torch.long)
         self.segment_ids = [self.segment_ids[i] for i in keep]
         self.created = [self.created[i] for i in keep]
+        self.bases = [self.bases[i] for i in keep]
         self.lengths, self.activations = self.lengths[index], self.activations[index]
-        n = len(keep)
-        # indexing with a tensor copies already: no clone
-        self.base_keys = self.base_keys[index] if n else None
-        self.base_values = self.base_values[index] if n else None
+        moved = {old: new for new, old in enumerate(keep)}
         for stack in (*self.placeholder.values(), *self.own_text.values()):
-            if stack.keys is None:
-                continue
-            kept = index[index < stack.keys.shape[0]]  # ascending: a prefix of the new slots
-            has = torch.zeros(n, dtype=torch.bool)
-            has[: kept.numel()] = stack.has[kept]
-            stack.keys, stack.values, stack.has = stack.keys[kept], stack.values[kept], has
-            moved = {old: new for new, old in enumerate(keep)}
-            stack.contexts = {moved[old]: c for old, c in stack.contexts.items() if old in moved}
+            stack.renumber(moved, len(keep))

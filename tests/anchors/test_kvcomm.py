@@ -30,11 +30,11 @@ def test_observations_are_recorded_in_the_canonical_frame():
     observe(reg, "s2", seg, k_off, v_off, at=11, piece=("piece", own, own_k, own_v))
     pool = reg.pool(KIND)
     slot = pool.slot_of(seg.id)
-    torch.testing.assert_close(pool.placeholder["s2"].keys[slot, :, :, :6], k_off, atol=1e-5, rtol=0)
-    torch.testing.assert_close(pool.placeholder["s2"].values[slot, :, :, :6], v_off, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool.placeholder["s2"].slot(slot)[0][:, :, :6], k_off, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pool.placeholder["s2"].slot(slot)[1][:, :, :6], v_off, atol=1e-5, rtol=0)
     stack = pool.own_text[("s2", "piece")]
-    torch.testing.assert_close(stack.keys[slot], own_k, atol=1e-5, rtol=0)
-    torch.testing.assert_close(stack.values[slot], own_v, atol=1e-5, rtol=0)
+    torch.testing.assert_close(stack.slot(slot)[0], own_k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(stack.slot(slot)[1], own_v, atol=1e-5, rtol=0)
     assert reg.anchors(KIND) == 1 and reg.anchors(("other", None)) == 0
 
 
@@ -124,7 +124,7 @@ def test_pools_never_exceed_their_limits():
     own = segment(99, tokens=2, kind=("s2", "own_text"))
     for i in range(11):
         observe(reg, "s2", segment(i), *offsets(i), piece=("p", own, *offsets(i, tokens=2)))
-        assert len(reg.pool(KIND)) <= 4 and reg.pool(KIND).base_keys.shape[0] <= 4
+        assert len(reg.pool(KIND)) <= 4 and len(reg.pool(KIND).bases) <= 4
     assert reg.pool(KIND).own_text[("s2", "p")].has.sum() == 4
     one = reg.nbytes()
     reg.max_bytes = one // 2
@@ -222,16 +222,24 @@ def test_audits_record_the_reused_segments_as_anchors(llama, tokenizer):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grown_stacks_keep_their_data_and_are_zero_elsewhere(dtype):
-    """Pool stacks come from lazily zeroed pages on a CPU (anchors/pool.py::_zeros): growing one
-    keeps what it held in its leading corner and reads zero everywhere else, in any float dtype."""
-    from kvcomm_agents.anchors.pool import _zeros_like_grown
+def test_a_slot_grows_to_what_was_observed_keeping_its_data_and_zero_elsewhere(dtype):
+    """Each slot holds its own offsets, as long as the last token observed: a later pass over
+    further tokens extends the slot's tensors, keeps what they held, and reads zero where nothing
+    was observed; another slot's size is its own (no padding to the longest), in any dtype."""
+    from kvcomm_agents.anchors.pool import OffsetStack
 
-    like = torch.ones(3, 2, 5, 4, dtype=dtype)
-    first = _zeros_like_grown(None, 2, 5, like)
-    assert first.shape == (2, 3, 2, 5, 4) and first.dtype == dtype and not first.any()
-    first[1] = 7
-    grown = _zeros_like_grown(first, 4, 9, like)
-    assert grown.shape == (4, 3, 2, 9, 4)
-    assert bool((grown[1, :, :, :5] == 7).all()) and not grown[1, :, :, 5:].any()
-    assert not grown[0].any() and not grown[2:].any()
+    stack = OffsetStack()
+    stack.write(1, 2, torch.full((3, 2, 3, 4), 7.0, dtype=dtype), torch.ones(3, 2, 3, 4, dtype=dtype), slots=2)
+    keys, values = stack.slot(1)
+    assert keys.shape == (3, 2, 5, 4) and keys.dtype == torch.float32 and not keys[:, :, :2].any()
+    assert bool((keys[:, :, 2:] == 7).all()) and stack.slot(0) is None
+    stack.write(1, 6, torch.full((3, 2, 3, 4), 5.0, dtype=dtype), torch.ones(3, 2, 3, 4, dtype=dtype), slots=2)
+    keys, _ = stack.slot(1)
+    assert keys.shape == (3, 2, 9, 4) and bool((keys[:, :, 2:5] == 7).all()) and not keys[:, :, 5].any()
+    assert bool((keys[:, :, 6:] == 5).all())
+    stack.write(0, 0, torch.ones(3, 2, 1, 4, dtype=dtype), torch.ones(3, 2, 1, 4, dtype=dtype), slots=2)
+    assert stack.slot(0)[0].shape[2] == 1 and stack.nbytes == 2 * 4 * 3 * 2 * 4 * (9 + 1)
+    dense, _ = stack.dense(torch.tensor([0, 1]), 9)
+    assert dense.shape == (2, 3, 2, 9, 4) and not dense[0, :, :, 1:].any()
+    stack.clear_slot(1)
+    assert stack.slot(1) is None and stack.nbytes == 2 * 4 * 3 * 2 * 4

@@ -33,8 +33,9 @@ def _state(engine: KVCommEngine) -> dict:
     out = {}
     for kind, pool in engine.anchors._pools.items():
         out[kind] = (pool.segment_ids, pool.created, pool.lengths.tolist(), pool.activations.tolist(),
-                     pool.base_keys, pool.base_values,
-                     {r: (s.keys, s.values, s.has.tolist()) for r, s in pool.placeholder.items()})
+                     [b for base in pool.bases if base is not None for b in base],
+                     {r: (sorted(s.parts), [t for part in s.parts.values() for t in part], s.has.tolist())
+                      for r, s in pool.placeholder.items()})
     return out
 
 
@@ -42,12 +43,13 @@ def _assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for kind in a:
         for x, y in zip(a[kind], b[kind]):
-            if isinstance(x, torch.Tensor):
-                assert torch.equal(x, y)
+            if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+                assert len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y))
             elif isinstance(x, dict):
                 assert x.keys() == y.keys()
                 for r in x:
-                    assert torch.equal(x[r][0], y[r][0]) and torch.equal(x[r][1], y[r][1]) and x[r][2] == y[r][2]
+                    assert x[r][0] == y[r][0] and x[r][2] == y[r][2]
+                    assert len(x[r][1]) == len(y[r][1]) and all(torch.equal(p, q) for p, q in zip(x[r][1], y[r][1]))
             else:
                 assert x == y
 

@@ -10,7 +10,6 @@ import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.anchors.estimate import estimate_offsets
-from kvcomm_agents.anchors.pool import take
 from kvcomm_agents.config import ExperimentalSettings
 from kvcomm_agents.planner import _least_sure
 from kvcomm_agents.plan import ReusedRun
@@ -51,10 +50,9 @@ def test_the_spread_is_the_anchors_variance_and_the_top_tokens_are_picked(model,
     pool = engine.anchors.pool(USER)
     slots = torch.tensor([0, 1])
     t = int(pool.lengths[slots].min())
-    base = pool.base_keys[0][:, :, :t]
+    base = pool.base(0)[0][:, :, :t]
     got = estimate_offsets(pool, "s2", base, base, slots, "mean", 1.0, spread=True)
-    k = take(pool.placeholder["s2"].keys, slots)[:, :, :, :t].float()
-    v = take(pool.placeholder["s2"].values, slots)[:, :, :, :t].float()
+    k, v = pool.placeholder["s2"].dense(slots, t)
     expected = k.var(dim=0).mean(dim=(0, 1, 3)) + v.var(dim=0).mean(dim=(0, 1, 3))
     torch.testing.assert_close(got.spread, expected)
     assert estimate_offsets(pool, "s2", base, base, slots, "mean", 1.0).spread is None  # only when asked

@@ -99,8 +99,9 @@ def test_harmful_offsets_are_turned_off_after_paired_audits(model, tokenizer):
         assert ask(question).result.stats.shared_decisions[0].gate.decision == "new_anchor"
     pool = engine.anchors.pool(USER)
     with torch.inference_mode():
-        pool.placeholder["s2"].keys.mul_(30.0)
-        pool.placeholder["s2"].values.mul_(30.0)
+        for keys, values in pool.placeholder["s2"].parts.values():
+            keys.mul_(30.0)
+            values.mul_(30.0)
     audited = [ask(question).result.stats for question in questions[2:4]]
     for stats in audited:  # reused with the (harmful) estimated offsets, and audited
         (decision,) = stats.shared_decisions
