@@ -91,7 +91,8 @@ class KVCommBroker:
         self.store = SegmentStore(c.store_max_bytes if c.store_max_bytes is not None else store_budget,
                                   min_run=c.min_match_tokens, shared=shared)
         freeze = BlockCount()
-        self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze, can_audit=False)
+        self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze, can_audit=False,
+                                                 tokenizer=tokenizer)
         self.own_texts = OwnTextStore(c.experimental.own_text_max_bytes, freeze)
         self._prefix_config = c.model_copy(update={"method": "exact_prefix", "experimental": c.experimental.model_copy(
             update={"own_text": "in_context"})})

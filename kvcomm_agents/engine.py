@@ -23,7 +23,6 @@ from .alignment import assemble
 from .audit import CallAuditor
 from .budgets import default_budgets
 from .anchors import KVCommAnchors
-from .whitespace import WhitespaceIds
 from .capture import CallCapture
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
@@ -106,8 +105,8 @@ class KVCommEngine:
             shared=shared)
         self._lock = threading.RLock()
         self._freeze = BlockCount()
-        self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze)
-        self._anchors.whitespace = WhitespaceIds.of(tokenizer) if c.method == "kvcomm" else None
+        self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze,
+                                                  tokenizer=tokenizer)
         self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
         self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)

@@ -90,7 +90,7 @@ class KVCommAnchors:
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
         self.homes = VersionHomes()  # where partial versions of short texts were recorded
         # the tokenizer's whitespace ids: version contexts compared as text where only whitespace
-        # was split into other ids (set by the engine; None compares ids)
+        # was split into other ids (from_config's tokenizer; None compares ids)
         self.whitespace: Optional[WhitespaceIds] = None
         self._lock = threading.RLock()
         self._batch = threading.local()  # segments recorded inside this thread's recording() block
@@ -101,9 +101,10 @@ class KVCommAnchors:
 
     @classmethod
     def from_config(cls, config, *, default_max_bytes: int, freeze: Optional[BlockCount] = None,
-                    can_audit: bool = True) -> "KVCommAnchors":
+                    can_audit: bool = True, tokenizer=None) -> "KVCommAnchors":
         """The anchors a :class:`~kvcomm_agents.config.KVCommConfig` asks for;
-        ``default_max_bytes`` applies when ``config.anchor_max_bytes`` is None. The KL budget is
+        ``default_max_bytes`` applies when ``config.anchor_max_bytes`` is None; with
+        ``tokenizer``, version contexts compare its whitespace as text (:attr:`whitespace`). The KL budget is
         off without audits (``audit_every=0``): nothing would ever measure it. ``can_audit=False``
         (a runtime with no dense shadow pass, :mod:`kvcomm_agents.broker`): the budget holds and
         nothing probes, so estimated offsets are never used (set ``kl_budget=None`` to use
@@ -121,6 +122,8 @@ class KVCommAnchors:
         if not can_audit:
             anchors.tracker.probe_every = 0
         anchors.spread = x.recompute_spread > 0
+        if tokenizer is not None and c.method == "kvcomm":
+            anchors.whitespace = WhitespaceIds.of(tokenizer)
         return anchors
 
     # ---- inspection -----------------------------------------------------------------------
