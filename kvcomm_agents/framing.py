@@ -114,13 +114,19 @@ def lead_out(plan: CallPlan, reply_end: int) -> tuple[int, ...]:
     ``reply_end`` (the prompt position after the reply's stored ids; the ids between are the
     reply's last token, which is never fed and so not stored), when at most :data:`MAX_LEAD_OUT`
     ids; () otherwise."""
-    spans = sorted((item.prompt_start - getattr(item, "head", 0), item.prompt_start + item.length)
+    spans = sorted((_found_at(item), item.prompt_start + item.length)
                    for item in (*plan.runs, *plan.observations)
                    if not getattr(item, "own_text", False) and item.segment.ref.kind[1] != "assistant"
-                   and reply_end <= item.prompt_start - getattr(item, "head", 0) <= reply_end + LEAD_OUT_GAP)
+                   and reply_end <= _found_at(item) <= reply_end + LEAD_OUT_GAP)
     if not spans or spans[0][1] - spans[0][0] > MAX_LEAD_OUT:
         return ()
     return tuple(plan.prompt_ids[spans[0][0]:spans[0][1]].tolist())
+
+
+def _found_at(item) -> int:
+    """Where a run's occurrence starts in the prompt (its computed head and skipped whitespace
+    included); an observation's own start."""
+    return getattr(item, "found_start", item.prompt_start)
 
 
 class ReaderFraming:

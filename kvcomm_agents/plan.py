@@ -99,7 +99,14 @@ class ReusedRun:
     own_text: bool = False  # a piece of the receiver's own text, not a shared segment
     verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
     offsets_on: bool = True  # apply key_offsets/value_offsets (False: kept only for an audit's flipped pass)
-    head: int = 0  # prompt tokens right before the run computed in context as part of it (experimental.recompute_head; leading whitespace ids a version leaves out)
+    head: int = 0  # segment tokens right before the run computed in context (experimental.recompute_head)
+    skipped: int = 0  # prompt ids before those, computed as part of the run: leading whitespace a version leaves out (planner._at_home)
+
+    @property
+    def found_start(self) -> int:
+        """Prompt position where the occurrence this run serves was found (its computed head
+        and skipped whitespace included)."""
+        return self.prompt_start - self.head - self.skipped
     spread: Optional[torch.Tensor] = None  # [length]: the anchors' disagreement per token (experimental.recompute_spread)
 
     @property

@@ -132,7 +132,7 @@ def _own_text(
     own-text KV when there is one (``own_texts`` given). Returns the runs (own-text runs added)
     and the pieces."""
     n = int(layout.ids.numel())
-    ends = [(run.prompt_start - run.head, run.prompt_end, run, None) for run in runs]
+    ends = [(run.found_start, run.prompt_end, run, None) for run in runs]
     ends += [(seen.prompt_start, seen.prompt_start + seen.length, None, seen) for seen in observations]
     ends.sort(key=lambda item: item[0])
     pieces, new_runs = [], []
@@ -185,7 +185,7 @@ class _RunDecider:
     def _decide(self, occ: Occurrence | TokenMatch) -> tuple[str, str, int, Optional[GateRecord]]:
         found = occ
         occ = self._at_home(occ)
-        # leading whitespace ids _at_home left out: computed, counted as the run's head
+        # leading whitespace ids _at_home left out: computed, kept on the run (ReusedRun.skipped)
         skipped = occ.prompt_start - found.prompt_start if isinstance(occ, TokenMatch) else 0
         self._decided = occ
         if isinstance(occ, TokenMatch):
@@ -246,7 +246,7 @@ class _RunDecider:
             taken = 0 if continues_prefix else min(head, max(length, 0))
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
-                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken + skipped))
+                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))
                 reused += length
             skipped = 0
         reused += in_prefix
@@ -268,7 +268,9 @@ class _RunDecider:
         if moved is not None:
             return moved
         skip = 0
-        whitespace = self.anchors.whitespace
+        # only where lead-outs are recorded (framed replies): a runtime without holes (the vLLM
+        # broker) would end its claim at the skipped ids
+        whitespace = self.anchors.whitespace if self.config.experimental.framed_replies else None
         while (whitespace is not None and occ.length - skip - 1 >= self.config.min_match_tokens
                and occ.segment.token_ids[occ.segment_start + skip] in whitespace.texts):
             skip += 1

@@ -15,6 +15,7 @@ whitespace between them. Pure bookkeeping over ids; the tokenizer is read once, 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Optional, Sequence
 
@@ -34,6 +35,8 @@ class WhitespaceIds:
 
     def __init__(self, texts: dict[int, str]) -> None:
         self.texts = dict(texts)
+        self._values: dict[str, int] = {}  # whitespace text -> the value standing for it
+        self._lock = threading.Lock()
 
     @classmethod
     def of(cls, tokenizer) -> Optional["WhitespaceIds"]:
@@ -53,22 +56,28 @@ class WhitespaceIds:
     @classmethod
     def from_tokenizer(cls, tokenizer) -> Optional["WhitespaceIds"]:
         """The whitespace ids of ``tokenizer`` (special tokens excluded), or None when it has none
-        or cannot decode single ids."""
+        or cannot decode ids. Each id is decoded after a fixed word and that word's text cut off:
+        SentencePiece tokenizers drop a leading space of a text's first piece (``'▁▁'`` alone
+        decodes to one space)."""
         try:
             vocab = len(tokenizer)
             special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-            pieces = tokenizer.batch_decode([[i] for i in range(vocab)], skip_special_tokens=False,
-                                            clean_up_tokenization_spaces=False)
+            lead = tokenizer("a", add_special_tokens=False)["input_ids"]
+            options = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            before = tokenizer.decode(lead, **options)
+            pieces = tokenizer.batch_decode([lead + [i] for i in range(vocab)], **options)
         except Exception:  # a tokenizer without these: contexts are compared as ids
             return None
-        texts = {i: text for i, text in enumerate(pieces)
+        texts = {i: text[len(before):] for i, text in enumerate(pieces) if text.startswith(before)}
+        texts = {i: text for i, text in texts.items()
                  if text and not text.strip() and i not in special and "\ufffd" not in text}
         return cls(texts) if texts else None
 
-    def canonical(self, ids: Sequence[int]) -> tuple[int, ...]:
+    def canonical(self, ids: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``ids`` with each maximal run of whitespace ids replaced by one value standing for its
-        text (a negative number, never an id)."""
+        text (a negative number, never an id), and how many ids each value stands for."""
         out: list[int] = []
+        counts: list[int] = []
         run: list[str] = []
         for i in ids:
             text = self.texts.get(int(i))
@@ -76,14 +85,17 @@ class WhitespaceIds:
                 run.append(text)
                 continue
             if run:
-                out.append(_text_value("".join(run)))
+                out.append(self._value("".join(run)))
+                counts.append(len(run))
                 run = []
             out.append(int(i))
+            counts.append(1)
         if run:
-            out.append(_text_value("".join(run)))
-        return tuple(out)
+            out.append(self._value("".join(run)))
+            counts.append(len(run))
+        return tuple(out), tuple(counts)
 
-
-def _text_value(text: str) -> int:
-    """A negative value standing for whitespace ``text`` (equal texts, equal values)."""
-    return -1 - (hash(text) & 0x3FFFFFFFFFFFFFFF)
+    def _value(self, text: str) -> int:
+        """The negative value standing for whitespace ``text``: one per text, in the order met."""
+        with self._lock:
+            return self._values.setdefault(text, -1 - len(self._values))

@@ -22,13 +22,14 @@ def test_the_same_text_split_into_other_whitespace_ids_is_one_canonical_form(tok
     split = _ids(tokenizer, "the basket\n") + _ids(tokenizer, "  ")
     assert merged != split  # the premise: the same text, other ids
     assert tokenizer.decode(merged) == tokenizer.decode(split)
-    assert whitespace.canonical(merged) == whitespace.canonical(split)
+    assert whitespace.canonical(merged)[0] == whitespace.canonical(split)[0]
     # other whitespace, or other words, stay apart
-    assert whitespace.canonical(_ids(tokenizer, "the basket\n\n  ")) != whitespace.canonical(merged)
-    assert whitespace.canonical(_ids(tokenizer, "the bucket\n  ")) != whitespace.canonical(merged)
+    assert whitespace.canonical(_ids(tokenizer, "the basket\n\n  "))[0] != whitespace.canonical(merged)[0]
+    assert whitespace.canonical(_ids(tokenizer, "the bucket\n  "))[0] != whitespace.canonical(merged)[0]
     # ids that are not whitespace are kept as they are
     words = _ids(tokenizer, "basket")
-    assert whitespace.canonical(words) == tuple(words)
+    assert whitespace.canonical(words) == (tuple(words), (1,) * len(words))
+    assert sum(whitespace.canonical(split)[1]) == len(split)  # each value counts the ids it stands for
 
 
 def test_a_version_whose_context_differs_only_in_whitespace_ids_fits_with_the_canonical_form(tokenizer):
@@ -48,3 +49,22 @@ def test_a_version_whose_context_differs_only_in_whitespace_ids_fits_with_the_ca
     assert best_recorded_version(pool, "reader", seg, 0, 6, reader_context) is None
     best = best_recorded_version(pool, "reader", seg, 0, 6, reader_context, whitespace.canonical)
     assert best is not None and best.receiver == "copy" and best.matched >= MIN_CONTEXT_MATCH
+
+
+def test_a_match_is_counted_in_the_prompts_ids_not_in_canonical_values(tokenizer):
+    """A context full of whitespace ids (here pairs of newlines, each pair one canonical value)
+    that repeats the version's ids exactly matches for every id: the thresholds (16 ids, a framed
+    copy's 16 + its lead-in) are counted in ids, so canonical comparison never loses a match that
+    comparing ids finds."""
+    whitespace = WhitespaceIds.of(tokenizer)
+    newline = _ids(tokenizer, "\n")[0]
+    word = _ids(tokenizer, "basket")
+    context = tuple((word + [newline, newline]) * 16)[-64:]
+    seg = dataclasses.replace(segment(1, tokens=6), context_ids=(7, 7, 7))
+    pool = AnchorPool(KIND, max_anchors=4, eviction_window=2)
+    slot = pool.add(seg)
+    k, v = offsets(1)
+    pool.record(slot, "copy", 0, k, v, context, min_match=56)
+    by_ids = best_recorded_version(pool, "reader", seg, 0, 6, context)
+    by_text = best_recorded_version(pool, "reader", seg, 0, 6, context, whitespace.canonical)
+    assert by_ids is not None and by_text is not None and by_text.matched == by_ids.matched == len(context)

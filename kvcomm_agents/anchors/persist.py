@@ -112,6 +112,8 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
     pool.bases = [None] * slots
     for slot, segment_id in enumerate(pool.segment_ids):
         if segment_id is None:
+            if int(pool.lengths[slot]):
+                raise ValueError("an empty slot with a length")
             continue
         keys = _checked(tensors[f"{name}.base{slot}.keys"], shape, device, dtype)
         values = _checked(tensors[f"{name}.base{slot}.values"], shape, device, dtype)
@@ -122,10 +124,14 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
     for j, (role, key) in enumerate(desc["stacks"]):
         has = tensors[f"{name}.stack{j}.has"].to(torch.bool)
         parts = {}
+        if has.dim() != 1 or has.numel() > slots:
+            raise ValueError("an offset mask of another size than the pool")
         for slot in has.nonzero().flatten().tolist():
+            if pool.segment_ids[slot] is None:
+                raise ValueError("offsets of an empty slot")
             keys = _checked(tensors[f"{name}.stack{j}.part{slot}.keys"], shape, device, torch.float32)
             values = _checked(tensors[f"{name}.stack{j}.part{slot}.values"], shape, device, torch.float32)
-            if values.shape != keys.shape or slot >= slots:
+            if values.shape != keys.shape:
                 raise ValueError("offsets of another size than their anchor")
             parts[slot] = (keys, values)
         stack = OffsetStack(parts, has)

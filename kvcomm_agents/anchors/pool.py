@@ -277,13 +277,15 @@ class AnchorPool:
         tokens; an anchor shorter than ``T`` is compared over its ``n`` tokens and its distance
         scaled by ``sqrt(T / n)`` (the same per-token scale)."""
         t = values.shape[2]
-        out = torch.zeros(slots.numel())
-        for i, slot in enumerate(slots.tolist()):
+        norms, scales = [], []
+        for slot in slots.tolist():
             base = self.bases[slot][1]
             n = max(1, min(t, base.shape[2]))
-            query = values[:, :, :n].to(base.device, torch.float32)
-            out[i] = float((base[:, :, :n].float() - query).norm()) * math.sqrt(t / n)
-        return out
+            norms.append((base[:, :, :n].float() - values[:, :, :n].to(base.device, torch.float32)).norm())
+            scales.append(math.sqrt(t / n))
+        if not norms:
+            return torch.zeros(0)
+        return torch.stack([x.to(norms[0].device) for x in norms]).cpu() * torch.tensor(scales)
 
     def credit(self, slots: torch.Tensor, weights: torch.Tensor, top_p: float) -> None:
         """Raise the activation count of the anchors among the nearest (top-p of ``weights``)."""

@@ -115,7 +115,7 @@ def _context_at(context: Sequence[int], segment: KVSegment, from_token: int, at_
 
 def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, first: int, last: int,
                           prompt_context: Sequence[int],
-                          canonical: Optional[Callable[[Sequence[int]], tuple[int, ...]]] = None
+                          canonical: Optional[Callable[[Sequence[int]], tuple[tuple[int, ...], tuple[int, ...]]]] = None
                           ) -> Optional[RecordedVersion]:
     """The version of ``segment`` to reuse for segment tokens ``first..last`` (exclusive)
     preceded by ``prompt_context`` (the new prompt's ids before token ``first``), or None when
@@ -125,11 +125,17 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
     ``first..last`` and whose context is known. The longest match wins; ties go to the base,
     then to ``receiver``'s own version, then to the first receiver recorded. With
     ``canonical`` (:meth:`~kvcomm_agents.whitespace.WhitespaceIds.canonical`) contexts are
-    compared in that form: whitespace split into other ids still matches.
+    compared in that form (whitespace split into other ids still matches); a match is counted
+    in the new prompt's ids either way.
     """
-    same = canonical or tuple
-    wanted = same(tuple(prompt_context)[-CONTEXT_TOKENS:])
-    base = common_suffix(wanted, same(_context_at(segment.context_ids, segment, 0, first)))
+    same = canonical or (lambda ids: (tuple(ids), (1,) * len(ids)))
+    wanted, counts = same(tuple(prompt_context)[-CONTEXT_TOKENS:])
+
+    def matched_ids(context: tuple[int, ...]) -> int:  # the prompt's ids the match covers
+        shared = common_suffix(wanted, same(context)[0])
+        return sum(counts[len(counts) - shared:]) if shared else 0
+
+    base = matched_ids(_context_at(segment.context_ids, segment, 0, first))
     best = RecordedVersion(None, None, base, base)
     slot = pool.slot_of(segment.id) if pool is not None else None
     for name, stack in (pool.placeholder.items() if slot is not None else ()):
@@ -138,7 +144,7 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
             continue
         if recorded.start > first or recorded.end < last:
             continue
-        matched = common_suffix(wanted, same(_context_at(recorded.ids, segment, recorded.start, first)))
+        matched = matched_ids(_context_at(recorded.ids, segment, recorded.start, first))
         if matched < recorded.min_match:
             continue  # a framed copy: its lead-in alone does not make the text before it the same
         if matched > best.matched or (matched == best.matched and best.receiver is not None and name == receiver):

@@ -34,7 +34,7 @@ def _state(engine: KVCommEngine) -> dict:
     for kind, pool in engine.anchors._pools.items():
         out[kind] = (pool.segment_ids, pool.created, pool.lengths.tolist(), pool.activations.tolist(),
                      [b for base in pool.bases if base is not None for b in base],
-                     {r: (sorted(s.parts), [t for part in s.parts.values() for t in part], s.has.tolist())
+                     {r: (sorted(s.parts), [t for slot in sorted(s.parts) for t in s.parts[slot]], s.has.tolist())
                       for r, s in pool.placeholder.items()})
     return out
 
@@ -151,3 +151,26 @@ def test_a_file_from_before_recorded_versions_loads_and_a_malformed_context_is_r
 
     with pytest.raises(AnchorFileError, match="corrupted"):
         fresh.load_anchors(_rewritten(path, tmp_path, malform))
+
+
+def test_an_old_format_file_and_offsets_of_an_empty_slot_are_refused(llama, tokenizer, tmp_path):
+    """A kvcomm-anchors/1 file (dense stacks) is refused with a message saying to write it again;
+    a file whose offsets sit in an empty slot is refused as corrupted (never a later TypeError)."""
+    source = _learned(llama, tokenizer)
+    path = tmp_path / "anchors.safetensors"
+    source.save_anchors(path)
+    fresh = KVCommEngine(llama, tokenizer, config=CONFIG)
+
+    def old_format(meta):
+        meta["format"] = "kvcomm-anchors/1"
+
+    with pytest.raises(AnchorFileError, match="write it again"):
+        fresh.load_anchors(_rewritten(path, tmp_path, old_format))
+
+    def emptied(meta):
+        for pool in meta["pools"]:
+            pool["segment_ids"] = [None for _ in pool["segment_ids"]]
+
+    with pytest.raises(AnchorFileError, match="corrupted"):
+        fresh.load_anchors(_rewritten(path, tmp_path, emptied))
+    assert not fresh.anchors._pools  # nothing changed
