@@ -50,6 +50,7 @@ def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -
             for slot, (keys, values) in stack.parts.items():
                 _put(tensors, f"{name}.stack{j}.part{slot}.keys", keys)
                 _put(tensors, f"{name}.stack{j}.part{slot}.values", values)
+                _put(tensors, f"{name}.stack{j}.part{slot}.start", torch.tensor([stack.starts.get(slot, 0)]))
         described.append({
             "kind": list(pool.kind), "segment_ids": pool.segment_ids, "created": pool.created, "clock": pool._clock,
             "stacks": [[role, list(key) if isinstance(key, tuple) else key] for role, key, _ in stacks],
@@ -123,7 +124,7 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
     contexts = desc.get("contexts") or [{} for _ in desc["stacks"]]  # files before recorded versions: none
     for j, (role, key) in enumerate(desc["stacks"]):
         has = tensors[f"{name}.stack{j}.has"].to(torch.bool)
-        parts = {}
+        parts, starts = {}, {}
         if has.dim() != 1 or has.numel() > slots:
             raise ValueError("an offset mask of another size than the pool")
         for slot in has.nonzero().flatten().tolist():
@@ -133,8 +134,11 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
             values = _checked(tensors[f"{name}.stack{j}.part{slot}.values"], shape, device, torch.float32)
             if values.shape != keys.shape:
                 raise ValueError("offsets of another size than their anchor")
-            parts[slot] = (keys, values)
-        stack = OffsetStack(parts, has)
+            first = int(tensors[f"{name}.stack{j}.part{slot}.start"].reshape(-1)[0])
+            if first < 0:
+                raise ValueError("offsets before their anchor's first token")
+            parts[slot], starts[slot] = (keys, values), first
+        stack = OffsetStack(parts, has, starts=starts)
         stack.contexts = {int(slot): RecordedContext(int(c[0]), int(c[1]), tuple(int(i) for i in c[2]),
                                                      int(c[3]) if len(c) > 3 else 0)
                           for slot, c in contexts[j].items()}

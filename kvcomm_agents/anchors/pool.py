@@ -46,8 +46,9 @@ class OffsetStack:
     """Offsets of one receiver (and, for own text, one piece) for the anchor slots it observed.
 
     Attributes:
-        parts: per slot, canonical-frame offsets ``(keys, values)``, each ``[L-1, kv_heads, end,
-            head_dim]`` float32: tokens ``0..end`` of the anchor (zeros where not observed).
+        parts: per slot, canonical-frame offsets ``(keys, values)``, each ``[L-1, kv_heads, n,
+            head_dim]`` float32: anchor tokens ``starts[slot]..starts[slot] + n`` (zeros where a
+            gap between passes was not observed).
         has: ``[slots]`` bool, which slots hold offsets.
         contexts: per slot, the :class:`RecordedContext` its offsets were observed in (absent
             where unknown or mixed from several passes).
@@ -56,31 +57,59 @@ class OffsetStack:
     parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     has: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     contexts: dict[int, "RecordedContext"] = field(default_factory=dict)
+    starts: dict[int, int] = field(default_factory=dict)  # per slot: the anchor token parts[slot] starts at
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for part in self.parts.values() for t in part)
 
     def slot(self, slot: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The slot's ``(keys, values)`` ``[L-1, H, end, D]``, or None where it holds none."""
-        return self.parts.get(slot) if self.holds(slot) else None
+        """The slot's ``(keys, values)`` ``[L-1, H, end, D]`` from anchor token 0 (zeros before
+        the first observed token), or None where it holds none."""
+        if not self.holds(slot) or slot not in self.parts:
+            return None
+        first = self.starts.get(slot, 0)
+        if not first:
+            return self.parts[slot]
+        keys, values = self.dense(torch.tensor([slot]), first + self.parts[slot][0].shape[2])
+        return keys[0], values[0]
 
     def holds(self, slot: int) -> bool:
         return slot < self.has.numel() and bool(self.has[slot])
 
+    def end(self, slot: int) -> int:
+        """The anchor token after the slot's last observed one (0 where it holds none)."""
+        part = self.parts.get(slot)
+        return self.starts.get(slot, 0) + part[0].shape[2] if part is not None else 0
+
     def width(self, slots: torch.Tensor) -> int:
         """The longest ``end`` among ``slots``."""
-        return max((self.parts[int(s)][0].shape[2] for s in slots if int(s) in self.parts), default=0)
+        return max((self.end(int(s)) for s in slots), default=0)
 
     def dense(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, L-1, H, width, D]`` float32 offsets of ``slots`` (zero padded)."""
-        return _padded([self.slot(int(s)) for s in slots], width, torch.float32)
+        """``[N, L-1, H, width, D]`` float32 offsets of ``slots`` (zeros where not observed)."""
+        held = [(int(s), self.parts[int(s)]) for s in slots if self.holds(int(s)) and int(s) in self.parts]
+        if not held:
+            raise ValueError("none of these slots holds offsets")
+        like = held[0][1][0]
+        shape = (slots.numel(), like.shape[0], like.shape[1], width, like.shape[3])
+        keys = torch.zeros(shape, dtype=torch.float32, device=like.device)
+        values = torch.zeros(shape, dtype=torch.float32, device=like.device)
+        row = {int(s): i for i, s in enumerate(slots.tolist())}
+        for slot, (k, v) in held:
+            first = self.starts.get(slot, 0)
+            n = min(k.shape[2], width - first)
+            if n > 0:
+                keys[row[slot], :, :, first:first + n] = k[:, :, :n]
+                values[row[slot], :, :, first:first + n] = v[:, :, :n]
+        return keys, values
 
     def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor, slots: int,
               context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
         """Store ``[L-1, H, n, D]`` offsets of tokens ``start..start+n`` in ``slot`` (of a pool
         of ``slots`` slots). ``context``: the ids before token ``start`` in the pass that
-        observed them (None: unknown)."""
+        observed them (None: unknown). The slot holds the tokens from its first observed one to
+        its last (zeros between passes that left a gap)."""
         n = keys.shape[2]
         fresh = not self.holds(slot)
         old = None if fresh else self.contexts.get(slot)
@@ -91,25 +120,30 @@ class OffsetStack:
         if self.has.numel() < slots:
             self.has = torch.cat([self.has, torch.zeros(slots - self.has.numel(), dtype=torch.bool)])
         held = None if fresh else self.parts.get(slot)
-        end = max(start + n, held[0].shape[2] if held is not None else 0)
-        if held is not None and held[0].shape[2] >= end:
+        held_first = self.starts.get(slot, 0) if held is not None else start
+        first = min(start, held_first)
+        end = max(start + n, self.end(slot) if held is not None else 0)
+        if held is not None and first == held_first and held[0].shape[2] >= end - first:
             part = held
         else:
-            shape = (*keys.shape[:2], end, keys.shape[3])
+            shape = (*keys.shape[:2], end - first, keys.shape[3])
             part = (torch.zeros(shape, dtype=torch.float32, device=keys.device),
                     torch.zeros(shape, dtype=torch.float32, device=keys.device))
             if held is not None:
-                part[0][:, :, :held[0].shape[2]] = held[0]
-                part[1][:, :, :held[1].shape[2]] = held[1]
-        part[0][:, :, start:start + n] = keys.to(torch.float32)
-        part[1][:, :, start:start + n] = values.to(torch.float32)
+                at = held_first - first
+                part[0][:, :, at:at + held[0].shape[2]] = held[0]
+                part[1][:, :, at:at + held[1].shape[2]] = held[1]
+        part[0][:, :, start - first:start - first + n] = keys.to(torch.float32)
+        part[1][:, :, start - first:start - first + n] = values.to(torch.float32)
         self.parts[slot] = part
+        self.starts[slot] = first
         self.has[slot] = True
 
     def clear_slot(self, slot: int) -> None:
         if slot < self.has.numel():
             self.has[slot] = False
         self.parts.pop(slot, None)
+        self.starts.pop(slot, None)
         self.contexts.pop(slot, None)
 
     def renumber(self, moved: dict[int, int], slots: int) -> None:
@@ -118,7 +152,9 @@ class OffsetStack:
         for old, new in moved.items():
             if self.holds(old):
                 has[new] = True
-        self.parts = {moved[old]: part for old, part in self.parts.items() if old in moved and self.holds(old)}
+        kept = [old for old in self.parts if old in moved and self.holds(old)]
+        self.parts = {moved[old]: self.parts[old] for old in kept}
+        self.starts = {moved[old]: self.starts.get(old, 0) for old in kept}
         self.contexts = {moved[old]: c for old, c in self.contexts.items() if old in moved}
         self.has = has
 

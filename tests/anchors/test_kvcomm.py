@@ -238,8 +238,13 @@ def test_a_slot_grows_to_what_was_observed_keeping_its_data_and_zero_elsewhere(d
     assert keys.shape == (3, 2, 9, 4) and bool((keys[:, :, 2:5] == 7).all()) and not keys[:, :, 5].any()
     assert bool((keys[:, :, 6:] == 5).all())
     stack.write(0, 0, torch.ones(3, 2, 1, 4, dtype=dtype), torch.ones(3, 2, 1, 4, dtype=dtype), slots=2)
-    assert stack.slot(0)[0].shape[2] == 1 and stack.nbytes == 2 * 4 * 3 * 2 * 4 * (9 + 1)
+    # stored from the first observed token: slot 1 holds tokens 2..9, slot 0 token 0
+    assert stack.slot(0)[0].shape[2] == 1 and stack.nbytes == 2 * 4 * 3 * 2 * 4 * (7 + 1)
+    assert stack.starts == {1: 2, 0: 0}
     dense, _ = stack.dense(torch.tensor([0, 1]), 9)
     assert dense.shape == (2, 3, 2, 9, 4) and not dense[0, :, :, 1:].any()
     stack.clear_slot(1)
     assert stack.slot(1) is None and stack.nbytes == 2 * 4 * 3 * 2 * 4
+    stack.write(0, 5, torch.ones(3, 2, 2, 4, dtype=dtype), torch.ones(3, 2, 2, 4, dtype=dtype), slots=2)
+    keys, _ = stack.slot(0)  # a later pass after a gap: one part from token 0 to 7, zeros between
+    assert keys.shape[2] == 7 and not keys[:, :, 1:5].any() and bool((keys[:, :, 5:] == 1).all())
