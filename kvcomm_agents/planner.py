@@ -267,13 +267,11 @@ class _RunDecider:
         moved = self._version_home(occ)
         if moved is not None:
             return moved
-        skip = 0
         # only where lead-outs are recorded (framed replies): a runtime without holes (the vLLM
         # broker) would end its claim at the skipped ids
         whitespace = self.anchors.whitespace if self.config.experimental.framed_replies else None
-        while (whitespace is not None and occ.length - skip - 1 >= self.config.min_match_tokens
-               and occ.segment.token_ids[occ.segment_start + skip] in whitespace.texts):
-            skip += 1
+        ids = occ.segment.token_ids[occ.segment_start:occ.segment_start + occ.length]
+        skip = whitespace.leading(ids, keep=self.config.min_match_tokens) if whitespace is not None else 0
         if skip and not self._fits(occ.segment, occ.prompt_start, occ.segment_start, occ.length):
             trimmed = replace(occ, prompt_start=occ.prompt_start + skip, segment_start=occ.segment_start + skip,
                               length=occ.length - skip)

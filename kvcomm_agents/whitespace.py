@@ -95,6 +95,13 @@ class WhitespaceIds:
             counts.append(len(run))
         return tuple(out), tuple(counts)
 
+    def leading(self, ids: Sequence[int], keep: int = 1) -> int:
+        """How many of ``ids``' first ids are whitespace, leaving at least ``keep`` ids after them."""
+        n = 0
+        while n < len(ids) - keep and int(ids[n]) in self.texts:
+            n += 1
+        return n
+
     def _value(self, text: str) -> int:
         """The negative value standing for whitespace ``text``: one per text, in the order met."""
         with self._lock:

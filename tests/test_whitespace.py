@@ -30,6 +30,10 @@ def test_the_same_text_split_into_other_whitespace_ids_is_one_canonical_form(tok
     words = _ids(tokenizer, "basket")
     assert whitespace.canonical(words) == (tuple(words), (1,) * len(words))
     assert sum(whitespace.canonical(split)[1]) == len(split)  # each value counts the ids it stands for
+    newline = _ids(tokenizer, "\n")[0]
+    assert whitespace.leading([newline, newline] + words) == 2
+    assert whitespace.leading([newline, newline]) == 1  # never all of them
+    assert whitespace.leading([newline] * 3 + words, keep=len(words) + 2) == 1
 
 
 def test_a_version_whose_context_differs_only_in_whitespace_ids_fits_with_the_canonical_form(tokenizer):

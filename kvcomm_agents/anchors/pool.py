@@ -24,20 +24,25 @@ from ..kv.segments import Kind, KVSegment
 __all__ = ["AnchorPool", "OffsetStack", "RecordedContext", "top_p_members"]
 
 
-def _padded(parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]], width: int,
-            dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, L-1, H, width, D]`` keys and values from per-slot ``[L-1, H, n, D]`` tensors (their
-    first ``width`` tokens; zeros past a tensor's end, and for a missing one)."""
-    like = next(p[0] for p in parts if p is not None)
-    dtype = dtype or like.dtype
+def _padded(parts: list[Optional[tuple[int, torch.Tensor, torch.Tensor]]],
+            width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, L-1, H, width, D]`` float32 keys and values from per-slot ``(first, keys, values)``,
+    each ``[L-1, H, n, D]`` holding tokens ``first..first+n`` (zeros elsewhere, and for a
+    missing part). Raises ValueError when every part is missing."""
+    held = [part for part in parts if part is not None]
+    if not held:
+        raise ValueError("none of these slots holds tensors")
+    like = held[0][1]
     shape = (len(parts), like.shape[0], like.shape[1], width, like.shape[3])
-    keys = torch.zeros(shape, dtype=dtype, device=like.device)
-    values = torch.zeros(shape, dtype=dtype, device=like.device)
+    keys = torch.zeros(shape, dtype=torch.float32, device=like.device)
+    values = torch.zeros(shape, dtype=torch.float32, device=like.device)
     for i, part in enumerate(parts):
         if part is not None:
-            n = min(width, part[0].shape[2])
-            keys[i, :, :, :n] = part[0][:, :, :n]
-            values[i, :, :, :n] = part[1][:, :, :n]
+            first, k, v = part
+            n = min(k.shape[2], width - first)
+            if n > 0:
+                keys[i, :, :, first:first + n] = k[:, :, :n]
+                values[i, :, :, first:first + n] = v[:, :, :n]
     return keys, values
 
 
@@ -88,21 +93,8 @@ class OffsetStack:
 
     def dense(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N, L-1, H, width, D]`` float32 offsets of ``slots`` (zeros where not observed)."""
-        held = [(int(s), self.parts[int(s)]) for s in slots if self.holds(int(s)) and int(s) in self.parts]
-        if not held:
-            raise ValueError("none of these slots holds offsets")
-        like = held[0][1][0]
-        shape = (slots.numel(), like.shape[0], like.shape[1], width, like.shape[3])
-        keys = torch.zeros(shape, dtype=torch.float32, device=like.device)
-        values = torch.zeros(shape, dtype=torch.float32, device=like.device)
-        row = {int(s): i for i, s in enumerate(slots.tolist())}
-        for slot, (k, v) in held:
-            first = self.starts.get(slot, 0)
-            n = min(k.shape[2], width - first)
-            if n > 0:
-                keys[row[slot], :, :, first:first + n] = k[:, :, :n]
-                values[row[slot], :, :, first:first + n] = v[:, :, :n]
-        return keys, values
+        return _padded([(self.starts.get(int(s), 0), *self.parts[int(s)])
+                        if self.holds(int(s)) and int(s) in self.parts else None for s in slots], width)
 
     def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor, slots: int,
               context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
@@ -287,7 +279,7 @@ class AnchorPool:
 
     def base_dense(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N, L-1, H, width, D]`` float32 base KV of ``slots`` (zero padded)."""
-        return _padded([self.base(int(s)) for s in slots], width, torch.float32)
+        return _padded([(0, *self.base(int(s))) if self.base(int(s)) is not None else None for s in slots], width)
 
     # ---- matching -------------------------------------------------------------------------
     def candidates(self, receiver: str, length: int, exclude: Optional[int] = None,
