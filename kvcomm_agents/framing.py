@@ -255,7 +255,7 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, an
     before = framed.context_ids(plan.prompt_ids, index) + tuple(framed.reply_ids) + framed.tail
     # the line's leading whitespace is left out: readers split it into other ids where the reply
     # ends in whitespace too (their runs start after it, :meth:`~.planner.Planner._at_home`)
-    skip = anchors.whitespace.leading(rule.lead_out) if anchors.whitespace is not None else 0
+    skip = anchors.texts.leading(rule.lead_out) if anchors.texts is not None else 0
     done = 0
     for text, at, text_start, length in store.find_runs(ids[skip:], fingerprint,
                                                         torch.ones(len(ids) - skip, dtype=torch.bool), len(ids) - skip):

@@ -207,8 +207,8 @@ class _RunDecider:
         if beyond_prefix and self.anchors is not None:
             reason = None
             # versions are matched from the first reused token (after the computed head) and only
-            # for runs that follow the segment without gaps (one context holds for all of them)
-            contiguous = all(b[0] - a[0] == b[1] - a[1] == a[2] for a, b in zip(beyond_prefix, beyond_prefix[1:]))
+            # for runs that follow the segment's text without gaps (one context holds for all)
+            contiguous = self._contiguous(occ.segment, beyond_prefix)
             p0, s0, length0, continues0 = beyond_prefix[0]
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
@@ -255,6 +255,21 @@ class _RunDecider:
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
 
+    def _contiguous(self, segment: KVSegment, runs: list[tuple[int, int, int, bool]]) -> bool:
+        """Whether ``runs`` (prompt start, segment start, length, ...) follow each other through
+        the segment: without gaps, or (given the tokenizer's texts) with gaps where the prompt
+        holds the segment's text in other ids, a split the model generated and the tokenizer
+        reads otherwise (``'group', 'by'`` pasted and read as ``'groupby'``: the ids in the gap
+        are computed; the text before every run is the segment's)."""
+        texts = self.anchors.texts if self.anchors is not None else None
+        for (p, s, length, _), (p2, s2, _, _) in zip(runs, runs[1:]):
+            if p2 - p == s2 - s == length:
+                continue
+            if texts is None or p2 < p + length or s2 < s + length or not texts.same_text(
+                    self.layout.ids[p + length:p2].tolist(), segment.token_ids[s + length:s2]):
+                return False
+        return True
+
     def _at_home(self, occ):
         """A token run on the stored text where a version of exactly its ids was recorded (a
         lead-out, :mod:`.framing`), when that version fits the text before the run and the
@@ -269,7 +284,7 @@ class _RunDecider:
             return moved
         # only where lead-outs are recorded (framed replies): a runtime without holes (the vLLM
         # broker) would end its claim at the skipped ids
-        whitespace = self.anchors.whitespace if self.config.experimental.framed_replies else None
+        whitespace = self.anchors.texts if self.config.experimental.framed_replies else None
         ids = occ.segment.token_ids[occ.segment_start:occ.segment_start + occ.length]
         skip = whitespace.leading(ids, keep=self.config.min_match_tokens) if whitespace is not None else 0
         if skip and not self._fits(occ.segment, occ.prompt_start, occ.segment_start, occ.length):

@@ -296,7 +296,7 @@ def test_a_closing_line_after_a_reply_ending_in_newlines_is_reused_though_its_id
     (``'\n\n', '\n'`` or ``'\n\n\n', '\n'``), where the sender's copy fed the reply's ids,
     then the lead-out (learned from a reply that did not end in a newline). The text is the same,
     the ids before the line are not: the version is found with whitespace compared as text
-    (kvcomm_agents.whitespace), the run starting after the reader's whitespace ids (computed),
+    (kvcomm_agents.token_texts), the run starting after the reader's whitespace ids (computed),
     and the first token stays near dense's (closer than re-rotation only). With two newlines the stored reply holds fewer ids
     than the copy was fed (its trailing ``'\n', '\n'`` tokenize otherwise on their own): the
     lead-out is recorded from the ids fed, not the stored reply's."""
@@ -326,7 +326,7 @@ def test_a_closing_line_after_a_reply_ending_in_newlines_is_reused_though_its_id
     # near dense (the closing line's version was computed after the same text, other whitespace
     # ids) and closer than re-rotation only on both families
     assert kl < 1e-2 and kl < first_token_kl(reference, rerotated.first_token_logits), kl
-    engine.anchors.whitespace = None  # mutation check: compared as ids, the version does not fit
+    engine.anchors.texts = None  # mutation check: compared as ids, the version does not fit
     again = engine.replay(messages, agent="s3", reply_ids=[tokenizer.eos_token_id]).result.stats.decisions[-1]
     assert not (again.status == "reused" and again.gate is not None and again.gate.offsets == "framed"), again
 
@@ -388,3 +388,45 @@ def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
     elsewhere = PromptLayout.of_ids(tuple(range(500, 520)) + line + (7,))  # other text before the line
     assert _RunDecider(elsewhere, 0, KVCommConfig(), "reader", anchors,
                        home=lambda segment_id: home)._at_home(run) is run
+
+
+@pytest.mark.embedded
+def test_a_reply_the_model_split_into_other_ids_is_still_reused_from_its_framed_version(merging):
+    """A sender generates a word in ids the tokenizer would not make (``'ta', 'ble'``); the
+    reader pastes the reply's text, read back as ``'table'``: its reused runs leave a gap there
+    (computed). The text before every run is still the sender's copy's, so the framed version
+    serves all of them (runs compared through the gap as text, kvcomm_agents.token_texts), the
+    first token stays closer to dense than re-rotation only's, and with ids compared the reply is
+    judged new (mutation check)."""
+    model, tokenizer = merging
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate", audit_every=0))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    text = f"{REPLIES[1]} {REPLIES[0]}"  # runs of at least min_match_tokens on both sides
+    cut = text.index("table") + 2
+    split = ids(text[:cut]) + ids(text[cut:])
+    assert split != ids(text) and tokenizer.decode(split) == text  # the premise
+    for r, reply_ids in enumerate([ids(REPLIES[0]), split]):
+        question = f"{QUESTION} Say it for basket {'XY'[r]}."
+        sender = [{"role": "system", "content": "You are a solver."}, {"role": "user", "content": question}]
+        messages = _reader("You are a solver.", question, tokenizer.decode(reply_ids))
+        reads = []
+        for each in (engine, rerotate):
+            each.replay(sender, agent="s1", reply_ids=reply_ids + [tokenizer.eos_token_id])
+            reads.append(each.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]))
+        read, rerotated = reads
+    decision = next(d for d in read.result.stats.shared_decisions if d.segment.kind == ("s1", "assistant"))
+    assert decision.status == "reused" and decision.gate.offsets == "framed", decision
+    spans = [s for s in read.result.stats.reused_spans if decision.span[0] <= s[0] < decision.span[1]]
+    assert len(spans) >= 2, spans  # runs on both sides of the gap
+    reference = first_logits(dense, messages, agent="s2")
+    kl = first_token_kl(reference, read.first_token_logits)
+    assert kl < first_token_kl(reference, rerotated.first_token_logits), kl
+    engine.anchors.texts = None  # mutation check: compared as ids, the runs are not one text
+    again = engine.replay(messages, agent="s3", reply_ids=[tokenizer.eos_token_id]).result.stats
+    after = next(d for d in again.shared_decisions if d.segment.kind == ("s1", "assistant"))
+    assert after.gate is None or after.gate.offsets != "framed", after

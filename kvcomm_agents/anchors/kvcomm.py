@@ -34,7 +34,7 @@ from .budget import fit_budget
 from .pool import AnchorPool
 from .tracker import OffsetTracker
 from .versions import VersionHomes
-from ..whitespace import WhitespaceIds
+from ..token_texts import TokenTexts
 from .versions import best_recorded_version
 
 __all__ = ["KVCommAnchors", "ExactKV"]
@@ -89,9 +89,9 @@ class KVCommAnchors:
         self.temperature, self.activation_top_p = temperature, activation_top_p
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
         self.homes = VersionHomes()  # where partial versions of short texts were recorded
-        # the tokenizer's whitespace ids: version contexts compared as text where only whitespace
-        # was split into other ids (from_config's tokenizer; None compares ids)
-        self.whitespace: Optional[WhitespaceIds] = None
+        # the tokenizer's id texts: version contexts compared as text, the same text split into
+        # other ids still matching (from_config's tokenizer; None compares ids)
+        self.texts: Optional[TokenTexts] = None
         self._lock = threading.RLock()
         self._batch = threading.local()  # segments recorded inside this thread's recording() block
         self._freeze = freeze or BlockCount()
@@ -104,7 +104,7 @@ class KVCommAnchors:
                     can_audit: bool = True, tokenizer=None) -> "KVCommAnchors":
         """The anchors a :class:`~kvcomm_agents.config.KVCommConfig` asks for;
         ``default_max_bytes`` applies when ``config.anchor_max_bytes`` is None; with
-        ``tokenizer``, version contexts compare its whitespace as text (:attr:`whitespace`). The KL budget is
+        ``tokenizer``, version contexts are compared as its text (:attr:`texts`). The KL budget is
         off without audits (``audit_every=0``): nothing would ever measure it. ``can_audit=False``
         (a runtime with no dense shadow pass, :mod:`kvcomm_agents.broker`): the budget holds and
         nothing probes, so estimated offsets are never used (set ``kl_budget=None`` to use
@@ -123,7 +123,7 @@ class KVCommAnchors:
             anchors.tracker.probe_every = 0
         anchors.spread = x.recompute_spread > 0
         if tokenizer is not None and c.method == "kvcomm":
-            anchors.whitespace = WhitespaceIds.of(tokenizer)
+            anchors.texts = TokenTexts.of(tokenizer)
         return anchors
 
     # ---- inspection -----------------------------------------------------------------------
@@ -208,7 +208,7 @@ class KVCommAnchors:
             return None
         with self._lock:
             version = best_recorded_version(self.pool(segment.ref.kind), receiver, segment, tokens[0], tokens[1],
-                                            context, self.whitespace.canonical if self.whitespace else None)
+                                            context, self.texts.matched if self.texts else None)
         if version is None:
             return None
         if version.receiver is None:

@@ -17,7 +17,8 @@ the reply, are off by 0.001-0.08; the mean of other anchors' offsets (KVCOMM's e
 
 Contexts are compared as the longest common suffix of their last ids (at most
 :data:`~kvcomm_agents.kv.segments.CONTEXT_TOKENS`), extended through the segment's own ids
-when a run starts inside the segment. Pure bookkeeping over ids, no tensors.
+when a run starts inside the segment; with a tokenizer's texts, as the common suffix of their
+text (:mod:`kvcomm_agents.token_texts`). Pure bookkeeping over ids, no tensors.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def _context_at(context: Sequence[int], segment: KVSegment, from_token: int, at_
 
 def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, first: int, last: int,
                           prompt_context: Sequence[int],
-                          canonical: Optional[Callable[[Sequence[int]], tuple[tuple[int, ...], tuple[int, ...]]]] = None
+                          matched: Optional[Callable[[Sequence[int], Sequence[int]], int]] = None
                           ) -> Optional[RecordedVersion]:
     """The version of ``segment`` to reuse for segment tokens ``first..last`` (exclusive)
     preceded by ``prompt_context`` (the new prompt's ids before token ``first``), or None when
@@ -123,17 +124,16 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
 
     Candidates: the base, and the recorded versions (any receiver's) whose offsets cover
     ``first..last`` and whose context is known. The longest match wins; ties go to the base,
-    then to ``receiver``'s own version, then to the first receiver recorded. With
-    ``canonical`` (:meth:`~kvcomm_agents.whitespace.WhitespaceIds.canonical`) contexts are
-    compared in that form (whitespace split into other ids still matches); a match is counted
-    in the new prompt's ids either way.
+    then to ``receiver``'s own version, then to the first receiver recorded. ``matched(context,
+    other)``: how many of ``context``'s last ids ``other`` matches (by default the common id
+    suffix; :meth:`~kvcomm_agents.token_texts.TokenTexts.matched` compares text, so the same
+    text split into other ids still matches); a match is counted in the new prompt's ids.
     """
-    same = canonical or (lambda ids: (tuple(ids), (1,) * len(ids)))
-    wanted, counts = same(tuple(prompt_context)[-CONTEXT_TOKENS:])
+    wanted = tuple(prompt_context)[-CONTEXT_TOKENS:]
+    compare = matched or common_suffix
 
     def matched_ids(context: tuple[int, ...]) -> int:  # the prompt's ids the match covers
-        shared = common_suffix(wanted, same(context)[0])
-        return sum(counts[len(counts) - shared:]) if shared else 0
+        return compare(wanted, context)
 
     base = matched_ids(_context_at(segment.context_ids, segment, 0, first))
     best = RecordedVersion(None, None, base, base)
