@@ -17,6 +17,7 @@ probe), at most one in ``tracker.warmup_gap`` of the receiver's calls.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,7 +31,17 @@ from .fidelity import first_token_kl
 from .kv.rope import RopeRotator
 from .plan import CallPlan
 
-__all__ = ["CallAuditor"]
+__all__ = ["CallAuditor", "Audit"]
+
+
+@dataclass(frozen=True)
+class Audit:
+    """One audited call: ``KL(dense || served)`` on its first token, in nats, and the dense
+    prefill of its prompt ids (exact KV: a call whose prompt KV was estimated feeds its reply's
+    framed copies there, :meth:`kvcomm_agents.framer.Framer.after_audit`)."""
+
+    kl: float
+    dense: hf.Prefill
 
 
 class CallAuditor:
@@ -51,8 +62,8 @@ class CallAuditor:
         self.anchors, self.capture = anchors, capture
         self.reused_calls = 0
 
-    def audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[float]:
-        """Audit a reused call if it is due; returns ``KL(dense || served)`` in nats, or None.
+    def audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[Audit]:
+        """Audit a reused call if it is due; returns the :class:`Audit`, or None.
 
         Args:
             plan: the call's plan as it was prefilled.
@@ -84,4 +95,4 @@ class CallAuditor:
             tracker.record(agent, kind, on, off)
         self.capture.observe(plan.as_observed(), agent, hf.kv_reader(dense.cache, dense.slot_positions),
                              self.anchors if kvcomm else None)
-        return kl
+        return Audit(kl, dense)

@@ -457,12 +457,16 @@ class KVCommEngine:
         reply's versions in its readers' framing (:mod:`.framing`)."""
         with self._lock, torch.inference_mode():
             segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
-            audit_kl = self._auditor.audit(call.plan, call.pre.logits, agent)
-            reply = self._store.get(segment.id) if segment is not None and call.framing is not None else None
+            audit = self._auditor.audit(call.plan, call.pre.logits, agent)
+            reply = self._store.get(segment.id) if segment is not None else None
             tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
             call.framed = self._framer.after_call(self.model, call.plan, call.layout, agent, self.fingerprint,
                                                   call.framing, call.pre.cache, reply, tail)
-            return segment, audit_kl
+            if audit is not None and (call.framing is None or not call.framing.rules):
+                done, seconds = self._framer.after_audit(self.model, call.plan, agent, self.fingerprint, audit.dense,
+                                                         reply, text.ids[:-1], tail)
+                call.framed = (call.framed[0] + done, call.framed[1] + seconds)
+            return segment, audit.kl if audit is not None else None
 
     def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
         plan, cache = call.plan, call.pre.cache

@@ -57,17 +57,48 @@ class Framer:
                 or plan.dense_reason == "reuse_off" or calibrating):
             return None
         n, limit = plan.num_prompt, self.info.max_positions
-        rules = []
-        if self.config.experimental.framed_replies and plan.observable_until() >= n:
-            rules = [r for r in self.framings.rules(agent)
-                     if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens + 1  # + the tail
-                                            + len(r.lead_out) <= limit)]
+        rules = self._rules(agent, n, new_tokens) if plan.observable_until() >= n else []
         texts = (self.texts.copies_for(plan, layout, agent, self.store, fingerprint, limit)
                  if self.config.experimental.framed_texts else [])
         if not rules and not texts:
             return None
         return FramedDecode(rules, slot_positions, n, chunk=copy_chunk(device), texts=texts,
                             rate=text_rate(device, len(texts)))
+
+    def _rules(self, agent: str, n: int, new_tokens: int) -> list:
+        """The reply framings learned for ``agent``'s replies that fit the model's positions after
+        an ``n``-id prompt and ``new_tokens`` reply ids."""
+        if not self.config.experimental.framed_replies:
+            return []
+        limit = self.info.max_positions
+        return [r for r in self.framings.rules(agent)
+                if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens + 1  # + the tail
+                                       + len(r.lead_out) <= limit)]
+
+    def after_audit(self, model, plan: CallPlan, agent: str, fingerprint: str, dense, reply: Optional[KVSegment],
+                    fed: Sequence[int], tail: Sequence[int] = ()) -> tuple[int, float]:
+        """The reply copies of a call whose prompt KV held estimated offsets (none rode on its
+        decode: they would carry the estimate), fed after the call over its audit's dense prefill
+        ``dense`` (:class:`~kvcomm_agents.audit.Audit`: exact KV of the same prompt ids) and
+        recorded as versions: as exact as a call without estimates makes them. A KL-budget
+        probe is always audited, so the readers of a probe's reply still find it computed in
+        their framing. ``fed``: the reply ids the sender was fed; ``tail``: as
+        :meth:`after_call`'s. Returns (versions recorded, seconds)."""
+        n = plan.num_prompt
+        if (not self.on or self.anchors.frozen or self.info.sliding_window is not None or not fed
+                or plan.observable_until() >= n):
+            return 0, 0.0
+        rules = self._rules(agent, n, len(fed))
+        if not rules:
+            return 0, 0.0
+        started = time.perf_counter()
+        framing = FramedDecode(rules, dense.slot_positions, n, chunk=len(fed))
+        framing.pending = list(fed)  # the whole reply, in one forward with the lead-outs
+        framing.flush(model, dense.cache, tail)
+        with self.anchors.recording():
+            done = record_framed_versions(framing, dense.cache, plan, reply, self.anchors, self.info.rotator,
+                                          self.store, fingerprint, next(self._turns))
+        return done, time.perf_counter() - started
 
     def after_call(self, model, plan: CallPlan, layout: PromptLayout, agent: str, fingerprint: str,
                    framing: Optional[FramedDecode], cache, reply: Optional[KVSegment],

@@ -430,3 +430,45 @@ def test_a_reply_the_model_split_into_other_ids_is_still_reused_from_its_framed_
     again = engine.replay(messages, agent="s3", reply_ids=[tokenizer.eos_token_id]).result.stats
     after = next(d for d in again.shared_decisions if d.segment.kind == ("s1", "assistant"))
     assert after.gate is None or after.gate.offsets != "framed", after
+
+
+def test_a_reply_generated_over_estimated_prompt_kv_is_copied_over_the_audits_dense_prefill(model, tokenizer,
+                                                                                            monkeypatch):
+    """A sender whose prompt reuses a document with estimated offsets feeds no copies while it
+    decodes (they would carry the estimate); its audit's dense prefill of the same ids is exact,
+    so the copies are fed there after the call (Framer.after_audit) and the reader finds the
+    reply computed in its framing: it reuses it, its first token near dense's. Without that step
+    the reader finds no version of the reply and computes it (mutation check)."""
+    from kvcomm_agents.framer import Framer
+
+    doc = ("Notes: apples are counted in whole numbers; eating an apple removes it from the basket "
+           "for good, and nothing else changes the count.")
+
+    replies = REPLIES + ["Nine apples are left once three of the twelve are eaten. The final number is 9."]
+
+    def run(engine):
+        for r, text in enumerate(replies):  # three requests, each reply new
+            question = f"{QUESTION} Say it for basket {'XYZ'[r]}."
+            reply_ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            shared = [{"role": "system", "content": "You are a solver."}, {"role": "user", "content": question},
+                      {"role": "user", "content": doc}]
+            sent = engine.replay(shared, agent="s1", reply_ids=reply_ids).result
+            messages = shared + [{"role": "user", "content": f"Solver one said:\n{text}"}]
+            read = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id])
+        return sent, read, messages
+
+    config = KVCommConfig(audit_every=1, kl_budget=None)
+    sent, read, messages = run(KVCommEngine(model, tokenizer, config=config))
+    doc_decision = sent.stats.shared_decisions[0]
+    assert doc_decision.status == "reused" and doc_decision.gate.offsets not in ("base", "recorded", "framed")
+    assert sent.stats.audit_kl is not None and sent.stats.framed_versions >= 1
+    reply = next(d for d in read.result.stats.shared_decisions if d.segment.kind == ("s1", "assistant"))
+    assert reply.status == "reused" and reply.gate.offsets == "framed", reply
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    assert first_token_kl(first_logits(dense, messages, agent="s2"), read.first_token_logits) < 1e-4
+    reused = read.result.stats.reused_tokens
+    monkeypatch.setattr(Framer, "after_audit", lambda self, *args, **kwargs: (0, 0.0))
+    _, read, _ = run(KVCommEngine(model, tokenizer, config=config))
+    reply = next(d for d in read.result.stats.shared_decisions if d.segment.kind == ("s1", "assistant"))
+    assert reply.gate is None or reply.gate.offsets != "framed", reply
+    assert read.result.stats.reused_tokens < reused
