@@ -1,10 +1,8 @@
 """``KVCommEngine``: run a local causal LM for many agents, reusing KV across their prompts.
 
-One call: render the prompt -> plan (exact prefix, re-rotated shared segments, the rest
-computed; :mod:`.planner`) -> align the reused KV (:mod:`.alignment`) -> one prefill forward and
-the decode loop (:mod:`.engines.hf`) -> keep the reply's KV and any new user/tool message as
-segments, and the anchors' observations (:mod:`.capture`, :mod:`.anchors`) -> now and then, a
-dense audit of the call (:mod:`.audit`).
+The engine holds the model, the segment store, the anchors and the rest of the state several
+agents share, checks each request and renders its prompt; the steps of one call (plan, align,
+prefill, decode, keep, audit, stats) are :mod:`.call`'s.
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .alignment import assemble
 from .audit import CallAuditor
+from .call import CallSteps
 from .budgets import default_budgets
 from .anchors import KVCommAnchors
 from .capture import CallCapture
@@ -29,7 +26,6 @@ from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .errors import InvalidMessagesError, InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
-from .framed_decode import FramedDecode
 from .framer import Framer
 from .identity import WeightsWatch
 from .kv.blocks import BlockCount
@@ -39,9 +35,8 @@ from .kv.shared import SharedSegments
 from .kv.store import SegmentStore
 from .models import load_model
 from .plan import CallPlan
-from .planner import plan_call
-from .prompt import PromptLayout, normalize_messages, render_prompt
-from .results import CallStats, ChatResult
+from .prompt import PromptLayout, render_prompt
+from .results import ChatResult
 from .support import inspect_model, model_fingerprint
 
 __all__ = ["KVCommEngine", "PlanHook"]
@@ -51,22 +46,6 @@ Messages = Sequence[Mapping[str, Any]]
 #: Called with each call's plan between planning and prefill; returns the plan to prefill (a
 #: baseline's variant, e.g. the benchmark's CacheBlend-style recompute). Runs under the engine lock.
 PlanHook = Callable[["KVCommEngine", CallPlan], CallPlan]
-
-
-@dataclass
-class _Prepared:
-    """A call up to its first token: the prompt, its plan, the filled cache, the timings."""
-
-    layout: PromptLayout
-    plan: CallPlan
-    pre: hf.Prefill
-    started: float
-    plan_s: float
-    hook_s: float
-    align_s: float
-    prefill_s: float
-    framing: Optional[FramedDecode] = None  # the reply's framed copies, fed with the sender's forwards
-    framed: tuple[int, float] = (0, 0.0)  # framed versions recorded after the reply, seconds
 
 
 class KVCommEngine:
@@ -112,6 +91,7 @@ class KVCommEngine:
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
         self._framer = Framer(self.config, self._anchors, self.info, self._store)
+        self._calls = CallSteps(self)
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -297,15 +277,15 @@ class KVCommEngine:
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         self._check_length(layout, max_new_tokens, "max_new_tokens")
-        with self._prepared(layout, agent, reuse, max_new_tokens, started) as call:
+        with self._calls.prepared(layout, agent, reuse, max_new_tokens, started) as call:
             first = sampler(call.pre.logits)
             ttft = time.perf_counter() - started
-            finish = yield from self._decode(call, first, sampler, text, max_new_tokens)
+            finish = yield from self._calls.decode(call, first, sampler, text, max_new_tokens)
             tail = text.flush()
             if tail:
                 yield tail
-            segment, audit_kl = self._keep(call, messages, agent, text)
-        yield self._result(call, agent, reuse, text, finish, segment, ttft, audit_kl)
+            segment, audit_kl = self._calls.keep(call, messages, agent, text)
+        yield self._calls.result(call, agent, reuse, text, finish, segment, ttft, audit_kl)
 
     def replay(self, messages: Messages, *, agent: str, reply_ids: Sequence[int], reuse: Optional[bool] = None,
                tools: Optional[list] = None) -> Replay:
@@ -318,16 +298,16 @@ class KVCommEngine:
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         self._check_length(layout, len(ids), "reply_ids")
-        with self._prepared(layout, agent, reuse, len(ids), started) as call:
+        with self._calls.prepared(layout, agent, reuse, len(ids), started) as call:
             int(torch.argmax(call.pre.logits))  # what greedy decoding would do first (waits for the device)
             ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
-            logits = self._force(call, ids)
+            logits = self._calls.force(call, ids)
             text = TextAccumulator(self.tokenizer)
             for token in ids:
                 text.push(token)
             text.flush()
-            segment, audit_kl = self._keep(call, messages, agent, text)
-        result = self._result(call, agent, reuse, text, "forced", segment, ttft, audit_kl)
+            segment, audit_kl = self._calls.keep(call, messages, agent, text)
+        result = self._calls.result(call, agent, reuse, text, "forced", segment, ttft, audit_kl)
         return Replay(result, logits.cpu(), greedy_prefix(logits, ids))
 
     def add_segment(self, text: str, *, kind: Optional[Kind] = None) -> SegmentRef:
@@ -362,7 +342,7 @@ class KVCommEngine:
             )
         return ref
 
-    # ---- the steps of one call ------------------------------------------------------------
+    # ---- checks ---------------------------------------------------------------------------
     def _check_length(self, layout: PromptLayout, new_tokens: int, what: str) -> None:
         """Prompt plus reply must fit the model's positions: refused before any compute."""
         limit, n = self.info.max_positions, int(layout.ids.numel())
@@ -372,168 +352,9 @@ class KVCommEngine:
                 f"shorten the messages or lower {what} to at most {max(limit - n, 0)}"
             )
 
-    @contextmanager
-    def _prepared(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int,
-                  started: float) -> Iterator[_Prepared]:
-        """Plan, run the plan hook, align the reused KV and prefill: the call up to its first
-        token. The store entries the plan uses stay pinned until the block ends."""
-        with self._lock, torch.inference_mode():  # anchor bookkeeping tensors are inference tensors
-            if self._weights.changed():
-                self._refresh_changed_weights()
-            plan = self._plan(layout, agent, reuse, new_tokens)
-            planned = time.perf_counter()
-            hooked = planned  # hook_s is 0.0 when no hook ran
-            if self.plan_hook is not None and plan.runs:
-                plan = self.plan_hook(self, plan)
-                hooked = time.perf_counter()
-        with self._store.pinned(_pins(plan)):
-            with self._lock, torch.inference_mode():
-                block = assemble(plan, self.info.rotator) if plan.reused_tokens else None
-                assembled = time.perf_counter()
-                pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), block,
-                                 plan.reused_positions() if block is not None else None, masked=bool(plan.runs))
-                done = time.perf_counter()
-            align_s = (assembled - hooked) + pre.align_s
-            yield _Prepared(layout, plan, pre, started, planned - started, hooked - planned, align_s,
-                            done - hooked - align_s,
-                            self._framer.for_call(plan, layout, agent, self.fingerprint, pre.slot_positions, new_tokens,
-                                                  self._device,
-                                                  calibrating=self._calibrating.active))
-
-    def _plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
-        if not self.config.reuse:
-            return CallPlan(layout.ids, dense_reason="reuse_off")
-        refuse = None
-        window = self.info.sliding_window
-        if reuse is False or agent in self.config.dense_agents:
-            refuse = "reuse_off"
-        elif window is not None and layout.ids.numel() + new_tokens > window:
-            refuse = "sliding_window"
-        return plan_call(layout, store=self._store, fingerprint=self.fingerprint, config=self.config, agent=agent,
-                         refuse_reason=refuse, anchors=self._anchors, own_texts=self._own_texts,
-                         calibrating=self._calibrating.active)
-
-    def _decode(self, call: _Prepared, next_id: int, sampler: TokenSampler, text: TextAccumulator,
-                max_new_tokens: int) -> Iterator[str]:
-        """The decode loop from the first token; yields text pieces, returns the finish reason."""
-        position = call.plan.num_prompt
-        while True:
-            piece = text.push(next_id)
-            if piece:
-                yield piece
-            finish = self._finish_reason(next_id, text, max_new_tokens)
-            if finish is not None:
-                return finish
-            with self._lock, torch.inference_mode():
-                if call.framing is not None:
-                    logits = call.framing.forward(self.model, call.pre.cache, [next_id])[0, -1].float()
-                else:
-                    logits = hf.run_forward(
-                        self.model, torch.tensor([[next_id]], device=self._device), call.pre.cache,
-                        position_ids=torch.tensor([[position]], device=self._device),
-                    )[0, -1].float()
-            position += 1
-            next_id = sampler(logits)
-
-    def _force(self, call: _Prepared, ids: list[int]) -> torch.Tensor:
-        """Feed ``ids[:-1]`` after the prompt in one forward; ``[k, vocab]`` logits predicting each
-        of ``ids`` (row 0: the prompt's last token)."""
-        rows = [call.pre.logits[None]]
-        if len(ids) > 1:
-            n = call.plan.num_prompt
-            with self._lock, torch.inference_mode():
-                if call.framing is not None:
-                    rows.append(call.framing.forward(self.model, call.pre.cache, ids[:-1], last_logits_only=False)[0].float())
-                else:
-                    rows.append(hf.run_forward(
-                        self.model, torch.tensor([ids[:-1]], device=self._device), call.pre.cache,
-                        position_ids=torch.arange(n, n + len(ids) - 1, device=self._device)[None],
-                        last_logits_only=False,
-                    )[0].float())
-        return torch.cat([r.to(rows[0].device) for r in rows])
-
-    def _keep(self, call: _Prepared, messages: Messages, agent: str, text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
-        """After the reply: keep its KV and what else the call computed, the audit, then the
-        reply's versions in its readers' framing (:mod:`.framing`)."""
-        with self._lock, torch.inference_mode():
-            segment = self._capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
-            audit = self._auditor.audit(call.plan, call.pre.logits, agent)
-            reply = self._store.get(segment.id) if segment is not None else None
-            tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
-            call.framed = self._framer.after_call(self.model, call.plan, call.layout, agent, self.fingerprint,
-                                                  call.framing, call.pre.cache, reply, tail)
-            if audit is not None and (call.framing is None or not call.framing.rules):
-                done, seconds = self._framer.after_audit(self.model, call.plan, agent, self.fingerprint, audit.dense,
-                                                         reply, text.ids[:-1], tail)
-                call.framed = (call.framed[0] + done, call.framed[1] + seconds)
-            return segment, audit.kl if audit is not None else None
-
-    def _capture_call(self, call: _Prepared, messages: Messages, agent: str, ids: list[int], reply: str) -> Optional[SegmentRef]:
-        plan, cache = call.plan, call.pre.cache
-        n = plan.num_prompt
-        generated = ids[:-1]  # the last generated id was never fed: it has no KV
-        slots = (call.framing.slot_positions(0) if call.framing is not None  # the framed copies' slots: -1
-                 else torch.cat([call.pre.slot_positions, torch.arange(n, n + len(generated))]))
-        if hf.num_cached(cache) != slots.numel():  # a sliding window dropped early KV
-            logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
-            return None
-        roles = [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]
-        return self._capture.keep_call(plan, agent, generated, reply, hf.kv_reader(cache, slots), self._kvcomm_anchors(),
-                                       call.layout, roles)
-
-    def _kvcomm_anchors(self) -> Optional[KVCommAnchors]:
-        """The anchors to feed observations to (``method="kvcomm"`` only)."""
-        return self._anchors if self.config.method == "kvcomm" else None
-
-    def _result(self, call: _Prepared, agent: str, reuse: Optional[bool], text: TextAccumulator, finish: str,
-                segment: Optional[SegmentRef], ttft: float, audit_kl: Optional[float]) -> ChatResult:
-        plan = call.plan
-        recomputed = 0 if plan.recompute is None else int(plan.recompute.numel())
-        stats = CallStats(
-            agent=agent,
-            prompt_tokens=plan.num_prompt,
-            reused_tokens=plan.reused_tokens,
-            computed_tokens=plan.num_prompt - plan.reused_tokens,
-            prefix_tokens=plan.prefix_length,
-            generated_tokens=len(text.ids),
-            ttft_s=ttft,
-            align_s=call.align_s,
-            plan_s=call.plan_s,
-            prefill_s=call.prefill_s,
-            hook_s=call.hook_s,
-            recomputed_tokens=recomputed,
-            total_s=time.perf_counter() - call.started,
-            mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
-            dense_reason=plan.dense_reason,
-            decisions=list(plan.decisions),
-            opted_out=self.config.reuse and (reuse is False or agent in self.config.dense_agents),
-            own_text_tokens=plan.own_text_tokens,
-            framed_versions=call.framed[0],
-            framed_s=call.framed[1],
-            reused_spans=plan.reused_spans(),
-            anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
-            anchor_bytes=self._anchors.nbytes() if self.config.method == "kvcomm" else 0,
-            audit_kl=audit_kl,
-        )
-        return ChatResult(text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats)
-
     @property
     def _device(self) -> torch.device:
         return hf.input_device(self.model)
-
-    def _finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int) -> Optional[str]:
-        if token_id in self.info.eos_ids:
-            return "stop"
-        if text.stopped:
-            return "stop_string"
-        if len(text.ids) >= max_new_tokens:
-            return "length"
-        return None
-
-
-def _pins(plan: CallPlan) -> list:
-    """Store entries a call uses (kept from eviction while it runs)."""
-    return [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
 
 
 def _check_agent(agent) -> None:

@@ -22,7 +22,7 @@ def _receiver_plan(engine, tokenizer, system="You are solver two."):
     messages = solver_messages(system, first.text)
     layout = render_prompt(tokenizer, messages)
     with torch.inference_mode():
-        plan = engine._plan(layout, "s2", None, 4)
+        plan = engine._calls.plan(layout, "s2", None, 4)
     return messages, plan
 
 

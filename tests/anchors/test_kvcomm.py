@@ -182,7 +182,7 @@ def test_anchor_is_exact_with_the_whole_prompt_shifted(llama, tokenizer):
     engine.chat(receiver, agent="s2", max_new_tokens=1)
     layout = render_prompt(tokenizer, receiver)
     with torch.inference_mode():
-        plan = engine._plan(layout, "s2", None, 1)
+        plan = engine._calls.plan(layout, "s2", None, 1)
     assert plan.runs and plan.own_text_tokens > 0
     rotator = engine.info.rotator
     dense = run_plan(llama, rotator, CallPlan(layout.ids), position_offset=37).logits

@@ -1,0 +1,240 @@
+"""The steps of one agent call on a :class:`~kvcomm_agents.engine.KVCommEngine`'s parts.
+
+Render (the engine) -> plan: exact prefix, re-rotated shared segments, the rest computed
+(:mod:`.planner`) -> align the reused KV (:mod:`.alignment`) and prefill in one forward
+(:mod:`.engines.hf`) -> the decode loop, or a teacher-forced reply -> keep the reply's KV, the
+anchors' observations and the framed copies (:mod:`.capture`, :mod:`.framer`), now and then a
+dense audit (:mod:`.audit`) -> the call's :class:`~kvcomm_agents.results.CallStats`. The engine's
+public calls (``stream``, ``replay``) string these steps together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from .alignment import assemble
+from .anchors import KVCommAnchors
+from .decoding import TextAccumulator, TokenSampler
+from .engines import hf
+from .framed_decode import FramedDecode
+from .kv.segments import SegmentRef
+from .plan import CallPlan
+from .planner import plan_call
+from .prompt import PromptLayout, normalize_messages
+from .results import CallStats, ChatResult
+
+if TYPE_CHECKING:
+    from .engine import KVCommEngine
+
+__all__ = ["CallSteps", "PreparedCall"]
+
+logger = logging.getLogger("kvcomm_agents")
+Messages = Sequence[Mapping[str, Any]]
+
+
+@dataclass
+class PreparedCall:
+    """A call up to its first token: the prompt, its plan, the filled cache, the timings."""
+
+    layout: PromptLayout
+    plan: CallPlan
+    pre: hf.Prefill
+    started: float
+    plan_s: float
+    hook_s: float
+    align_s: float
+    prefill_s: float
+    framing: Optional[FramedDecode] = None  # the reply's framed copies, fed with the sender's forwards
+    framed: tuple[int, float] = (0, 0.0)  # framed versions recorded after the reply, seconds
+
+
+class CallSteps:
+    """The steps of one call, on the parts of ``engine`` (its model, lock, store, anchors,
+    own-text KV, framer, auditor and capture, taken once) and its ``plan_hook`` (read per call).
+    Each step takes the engine lock around its compute, never across a yield."""
+
+    def __init__(self, engine: "KVCommEngine") -> None:
+        self.engine = engine
+        self.model, self.config, self.info = engine.model, engine.config, engine.info
+        self.lock, self.weights, self.calibrating = engine._lock, engine._weights, engine._calibrating
+        self.store, self.anchors, self.own_texts = engine._store, engine._anchors, engine._own_texts
+        self.framer, self.auditor, self.capture = engine._framer, engine._auditor, engine._capture
+
+    @contextmanager
+    def prepared(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int,
+                 started: float) -> Iterator[PreparedCall]:
+        """Plan, run the plan hook, align the reused KV and prefill: the call up to its first
+        token. The store entries the plan uses stay pinned until the block ends."""
+        with self.lock, torch.inference_mode():  # anchor bookkeeping tensors are inference tensors
+            if self.weights.changed():
+                self.engine._refresh_changed_weights()
+            plan = self.plan(layout, agent, reuse, new_tokens)
+            planned = time.perf_counter()
+            hooked = planned  # hook_s is 0.0 when no hook ran
+            if self.engine.plan_hook is not None and plan.runs:
+                plan = self.engine.plan_hook(self.engine, plan)
+                hooked = time.perf_counter()
+        with self.store.pinned(_pins(plan)):
+            with self.lock, torch.inference_mode():
+                block = assemble(plan, self.info.rotator) if plan.reused_tokens else None
+                assembled = time.perf_counter()
+                pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), block,
+                                 plan.reused_positions() if block is not None else None, masked=bool(plan.runs))
+                done = time.perf_counter()
+            align_s = (assembled - hooked) + pre.align_s
+            framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
+                                           new_tokens, self.device, calibrating=self.calibrating.active)
+            yield PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
+                               done - hooked - align_s, framing)
+
+    def plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
+        """The call's plan (:func:`~kvcomm_agents.planner.plan_call`), or dense with the reason
+        (reuse off, the agent opted out, a sliding window the prompt and reply outgrow)."""
+        if not self.config.reuse:
+            return CallPlan(layout.ids, dense_reason="reuse_off")
+        refuse = None
+        window = self.info.sliding_window
+        if reuse is False or agent in self.config.dense_agents:
+            refuse = "reuse_off"
+        elif window is not None and layout.ids.numel() + new_tokens > window:
+            refuse = "sliding_window"
+        return plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config, agent=agent,
+                         refuse_reason=refuse, anchors=self.anchors, own_texts=self.own_texts,
+                         calibrating=self.calibrating.active)
+
+    def decode(self, call: PreparedCall, next_id: int, sampler: TokenSampler, text: TextAccumulator,
+               max_new_tokens: int) -> Iterator[str]:
+        """The decode loop from the first token; yields text pieces, returns the finish reason."""
+        position = call.plan.num_prompt
+        while True:
+            piece = text.push(next_id)
+            if piece:
+                yield piece
+            finish = self.finish_reason(next_id, text, max_new_tokens)
+            if finish is not None:
+                return finish
+            with self.lock, torch.inference_mode():
+                if call.framing is not None:
+                    logits = call.framing.forward(self.model, call.pre.cache, [next_id])[0, -1].float()
+                else:
+                    logits = hf.run_forward(
+                        self.model, torch.tensor([[next_id]], device=self.device), call.pre.cache,
+                        position_ids=torch.tensor([[position]], device=self.device),
+                    )[0, -1].float()
+            position += 1
+            next_id = sampler(logits)
+
+    def force(self, call: PreparedCall, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids[:-1]`` after the prompt in one forward; ``[k, vocab]`` logits predicting each
+        of ``ids`` (row 0: the prompt's last token)."""
+        rows = [call.pre.logits[None]]
+        if len(ids) > 1:
+            n = call.plan.num_prompt
+            with self.lock, torch.inference_mode():
+                if call.framing is not None:
+                    rows.append(call.framing.forward(self.model, call.pre.cache, ids[:-1], last_logits_only=False)[0].float())
+                else:
+                    rows.append(hf.run_forward(
+                        self.model, torch.tensor([ids[:-1]], device=self.device), call.pre.cache,
+                        position_ids=torch.arange(n, n + len(ids) - 1, device=self.device)[None],
+                        last_logits_only=False,
+                    )[0].float())
+        return torch.cat([r.to(rows[0].device) for r in rows])
+
+    def keep(self, call: PreparedCall, messages: Messages, agent: str,
+             text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
+        """After the reply: keep its KV and what else the call computed, the audit, then the
+        reply's versions in its readers' framing (:mod:`.framing`: fed with the decode, or over
+        the audit's dense prefill where the prompt KV held estimates). Returns the reply's
+        reference and the audit's KL (None when not audited)."""
+        with self.lock, torch.inference_mode():
+            segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
+            audit = self.auditor.audit(call.plan, call.pre.logits, agent)
+            reply = self.store.get(segment.id) if segment is not None else None
+            tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
+            call.framed = self.framer.after_call(self.model, call.plan, call.layout, agent, self.info.fingerprint,
+                                                 call.framing, call.pre.cache, reply, tail)
+            if audit is not None and (call.framing is None or not call.framing.rules):
+                done, seconds = self.framer.after_audit(self.model, call.plan, agent, self.info.fingerprint,
+                                                        audit.dense, reply, text.ids[:-1], tail)
+                call.framed = (call.framed[0] + done, call.framed[1] + seconds)
+            return segment, audit.kl if audit is not None else None
+
+    def capture_call(self, call: PreparedCall, messages: Messages, agent: str, ids: list[int],
+                     reply: str) -> Optional[SegmentRef]:
+        """Keep what the call computed (:meth:`~kvcomm_agents.capture.CallCapture.keep_call`) from
+        the sender's own cache slots; nothing where a sliding window dropped early KV."""
+        plan, cache = call.plan, call.pre.cache
+        n = plan.num_prompt
+        generated = ids[:-1]  # the last generated id was never fed: it has no KV
+        slots = (call.framing.slot_positions(0) if call.framing is not None  # the framed copies' slots: -1
+                 else torch.cat([call.pre.slot_positions, torch.arange(n, n + len(generated))]))
+        if hf.num_cached(cache) != slots.numel():  # a sliding window dropped early KV
+            logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
+            return None
+        roles = [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]
+        return self.capture.keep_call(plan, agent, generated, reply, hf.kv_reader(cache, slots),
+                                      self.kvcomm_anchors(), call.layout, roles)
+
+    def kvcomm_anchors(self) -> Optional[KVCommAnchors]:
+        """The anchors to feed observations to (``method="kvcomm"`` only)."""
+        return self.anchors if self.config.method == "kvcomm" else None
+
+    def result(self, call: PreparedCall, agent: str, reuse: Optional[bool], text: TextAccumulator, finish: str,
+               segment: Optional[SegmentRef], ttft: float, audit_kl: Optional[float]) -> ChatResult:
+        """The call's :class:`~kvcomm_agents.results.ChatResult` with its stats."""
+        plan = call.plan
+        recomputed = 0 if plan.recompute is None else int(plan.recompute.numel())
+        stats = CallStats(
+            agent=agent,
+            prompt_tokens=plan.num_prompt,
+            reused_tokens=plan.reused_tokens,
+            computed_tokens=plan.num_prompt - plan.reused_tokens,
+            prefix_tokens=plan.prefix_length,
+            generated_tokens=len(text.ids),
+            ttft_s=ttft,
+            align_s=call.align_s,
+            plan_s=call.plan_s,
+            prefill_s=call.prefill_s,
+            hook_s=call.hook_s,
+            recomputed_tokens=recomputed,
+            total_s=time.perf_counter() - call.started,
+            mode="reuse" if plan.runs else ("prefix" if plan.prefix else "dense"),
+            dense_reason=plan.dense_reason,
+            decisions=list(plan.decisions),
+            opted_out=self.config.reuse and (reuse is False or agent in self.config.dense_agents),
+            own_text_tokens=plan.own_text_tokens,
+            framed_versions=call.framed[0],
+            framed_s=call.framed[1],
+            reused_spans=plan.reused_spans(),
+            anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
+            anchor_bytes=self.anchors.nbytes() if self.config.method == "kvcomm" else 0,
+            audit_kl=audit_kl,
+        )
+        return ChatResult(text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats)
+
+    @property
+    def device(self) -> torch.device:
+        return hf.input_device(self.model)
+
+    def finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int) -> Optional[str]:
+        """Why decoding stops after ``token_id``, or None to go on."""
+        if token_id in self.info.eos_ids:
+            return "stop"
+        if text.stopped:
+            return "stop_string"
+        if len(text.ids) >= max_new_tokens:
+            return "length"
+        return None
+
+
+def _pins(plan: CallPlan) -> list:
+    """Store entries a call uses (kept from eviction while it runs)."""
+    return [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
+
