@@ -8,9 +8,9 @@ a rolling-hash index kept with the entries).
 
 With a shared tier (:mod:`.shared`, e.g. Redis for a fleet of replicas), every entry computed here
 is also published, and entries other replicas published are found by token runs, exact prefix or
-id like local ones; their KV is fetched on first use and then held here under the same budget.
-The tier's round trips (publishing, reading its catalog, fetching a blob) run outside the store's
-lock, so a slow tier delays only the lookups that need it, never another call's local lookups.
+id like local ones; their KV is fetched on first use and then held here under the same budget
+(:mod:`.tier_link`: the round trips run outside the store's lock, so a slow tier delays only the
+lookups that need it, never another call's local lookups).
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from typing import Iterator, Union
 import torch
 from pydantic import BaseModel
 
-from ..errors import BudgetWarning, SharedTierWarning
+from ..errors import BudgetWarning
 from .block import KVBlock
 from .run_index import TokenRunIndex, scan
 from .segments import KVSegment
-from .shared import CatalogItem, SharedSegments, catalog_item, decode_entry, encode_entry
+from .shared import SharedSegments
+from .tier_link import REMOTE, TierLink
 
 __all__ = ["SegmentStore", "PrefixEntry", "StoreStats"]
 
@@ -79,8 +80,6 @@ class StoreStats(BaseModel):
 
 
 Entry = Union[KVSegment, PrefixEntry]
-_REMOTE = "shared:"  # run-index keys of entries the shared tier holds and this store does not
-_MAX_REMOTE = 100_000  # catalog items remembered (oldest forgotten first)
 
 
 class SegmentStore:
@@ -98,7 +97,6 @@ class SegmentStore:
     def __init__(self, max_bytes: int, *, min_run: int = 8, shared: SharedSegments | None = None) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.RLock()  # the store's memory; never held during a round trip to the tier
-        self._tier_lock = threading.Lock()  # one catalog read at a time (the cursor)
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
         self._bytes = 0
         self._pins: dict[str, int] = {}
@@ -109,11 +107,7 @@ class SegmentStore:
         self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
         self._view_entries: dict[str, str] = {}  # the entry id of each view id
         self.shared = shared
-        self._remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
-        self._cursor = None  # the tier's catalog cursor (opaque)
-        self._devices: list[torch.device] | None = None  # where fetched KV goes (local entries' groups)
-        self._fetched = self._misses = 0
-        self._tier_warned = False
+        self._tier = TierLink(shared, self, PrefixEntry) if shared is not None else None
 
     # ---- segments -------------------------------------------------------------------------
     def put(self, segment: KVSegment) -> bool:
@@ -129,11 +123,11 @@ class SegmentStore:
             if entry is None and viewed is not None and viewed in self._entries:
                 self._entries.move_to_end(viewed)
                 return self._segment_view(self._entries[viewed])
-        if entry is None and self.shared is not None:
-            self._sync()
+        if entry is None and self._tier is not None:
+            self._tier.sync()
             with self._lock:
-                item = self._remote.get(segment_id)
-            entry = self._fetch(item) if item is not None and not item.prefix else None
+                item = self._tier.remote.get(segment_id)
+            entry = self._tier.fetch(item) if item is not None and not item.prefix else None
         if not isinstance(entry, KVSegment):
             return None
         with self._lock:
@@ -220,12 +214,12 @@ class SegmentStore:
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
             best = self._longest_local_prefix(ids, fingerprint)
-        if self.shared is not None:
-            self._sync()
+        if self._tier is not None:
+            self._tier.sync()
             with self._lock:
-                longer = self._remote_by_length(ids, fingerprint, best[1] if best else 0)
+                longer = self._tier.longer_prefixes(ids, fingerprint, best[1] if best else 0)
             for item in longer:
-                entry = self._fetch(item)
+                entry = self._tier.fetch(item)
                 if isinstance(entry, PrefixEntry):
                     best = (entry, entry.common_prefix(ids))
                     break
@@ -243,23 +237,6 @@ class SegmentStore:
                 if n > 0 and (best is None or n > best[1]):
                     best = (entry, n)
         return best
-
-    def _remote_by_length(self, ids: torch.Tensor, fingerprint: str, beat: int) -> list[CatalogItem]:
-        """The tier's prefixes (not held here) sharing more than ``beat`` leading ids with ``ids``,
-        longest common prefix first."""
-        prompt = ids.tolist()
-        scored = []
-        for key, item in self._remote.items():
-            if not item.prefix or item.fingerprint != fingerprint or key in self._entries:
-                continue
-            n = 0
-            for a, b in zip(item.token_ids, prompt):
-                if a != b:
-                    break
-                n += 1
-            if n > beat:
-                scored.append((n, item))
-        return [item for _, item in sorted(scored, key=lambda pair: -pair[0])]
 
     # ---- shared token runs anywhere ---------------------------------------------------------
     def find_runs(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor,
@@ -282,21 +259,22 @@ class SegmentStore:
             entry = self._entries.get(key)
             return entry is not None and _fingerprint(entry) == fingerprint
 
-        if self.shared is not None:
-            self._sync()
+        if self._tier is not None:
+            tier = self._tier
+            tier.sync()
 
             def anywhere(key: str) -> bool:
-                if key.startswith(_REMOTE):
-                    item = self._remote.get(key[len(_REMOTE):])
+                if key.startswith(REMOTE):
+                    item = tier.item(key)
                     return item is not None and item.fingerprint == fingerprint
                 return allowed(key)
 
             # fetch what the tier holds of this prompt (outside the lock); the scan below then finds it here
             with self._lock:
-                wanted = [self._remote[key[len(_REMOTE):]] for key, *_ in scan(ids, free, self._runs, anywhere, upper)
-                          if key.startswith(_REMOTE) and key[len(_REMOTE):] in self._remote]
+                wanted = [tier.item(key) for key, *_ in scan(ids, free, self._runs, anywhere, upper)]
             for item in wanted:
-                self._fetch(item)
+                if item is not None:
+                    tier.fetch(item)
         with self._lock:
             found = []
             for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper):
@@ -354,87 +332,9 @@ class SegmentStore:
                 max_bytes=self.max_bytes,
                 evictions=self._evictions,
                 pinned=len(self._pins),
-                shared_fetched=self._fetched,
-                shared_misses=self._misses,
+                shared_fetched=self._tier.fetched if self._tier is not None else 0,
+                shared_misses=self._tier.misses if self._tier is not None else 0,
             )
-
-
-    # ---- the shared tier ------------------------------------------------------------------
-    def _sync(self) -> None:
-        """Read the catalog items published since the last read: the round trip without the
-        store's lock, the items merged under it. One reader at a time, read and merge together
-        (another call's sync returns only once what was read before it is findable here)."""
-        with self._tier_lock:
-            try:
-                items, self._cursor = self.shared.catalog(self._cursor)
-            except Exception as error:
-                with self._lock:
-                    self._tier_failed(error)
-                return
-            with self._lock:
-                for item in items:
-                    if item.key in self._remote or item.key in self._entries:
-                        continue
-                    self._remote[item.key] = item
-                    self._runs.add(_REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
-                while len(self._remote) > _MAX_REMOTE:
-                    key, _ = self._remote.popitem(last=False)
-                    self._runs.remove(_REMOTE + key)
-
-    def _publish(self, key: str, entry: Entry) -> None:
-        """Put an entry computed here into the tier, before the call that computed it returns (an
-        agent reading it next, on any replica, must find it). Runs without the store's lock (the
-        entry's tensors are never written after insertion), so other calls' lookups do not wait
-        for the tier's round trip."""
-        try:
-            item, blob = encode_entry(entry)
-            self.shared.publish(item, blob)
-        except Exception as error:  # a tier that is down must not stop the engine
-            with self._lock:
-                self._tier_failed(error)
-            return
-        with self._lock:
-            self._devices = [k.device for k in entry.kv.keys]
-            self._remote[key] = item
-            if key not in self._entries:  # evicted meanwhile: findable again, fetched on use
-                self._runs.add(_REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
-
-    def _fetch(self, item: CatalogItem) -> Entry | None:
-        """Fetch and hold an entry of the tier (the round trip and decoding without the store's
-        lock); None (and forgotten) when the tier no longer has it, fails, or returns a blob that
-        is not the announced entry. Two calls fetching the same entry at once both get it."""
-        with self._lock:
-            held = self._entries.get(item.key)
-            devices = self._devices
-        if held is not None:  # another call fetched it meanwhile
-            return held
-        try:
-            blob = self.shared.fetch(item.key)
-            decoded = decode_entry(item, blob, devices) if blob is not None else None
-        except Exception as error:
-            with self._lock:
-                self._tier_failed(error)
-            decoded = None
-        with self._lock:
-            if decoded is None:
-                self._misses += 1
-                if item.key not in self._entries:
-                    self._remote.pop(item.key, None)
-                    self._runs.remove(_REMOTE + item.key)
-                return self._entries.get(item.key)
-            held = self._entries.get(item.key)
-            if held is not None:
-                return held
-            entry = decoded if isinstance(decoded, KVSegment) else PrefixEntry(item.key, decoded[0], decoded[1], item.fingerprint)
-            self._fetched += 1
-            self._insert(item.key, entry, publish=False)
-            return self._entries.get(item.key)
-
-    def _tier_failed(self, error: Exception) -> None:
-        if not self._tier_warned:
-            self._tier_warned = True
-            warnings.warn(f"the shared segment tier failed ({type(error).__name__}: {error}); this store "
-                          "serves from memory and computes what it cannot find", SharedTierWarning, stacklevel=3)
 
     def clear(self) -> None:
         """Drop every entry that no running call uses."""
@@ -457,13 +357,13 @@ class SegmentStore:
                 self._remove(key)
             self._entries[key] = entry
             self._bytes += size
-            self._runs.remove(_REMOTE + key)
+            self._runs.remove(REMOTE + key)
             self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
                            if isinstance(entry, KVSegment) else entry.token_ids)
             self._evict()
             kept = key in self._entries
-        if publish and self.shared is not None:  # even when evicted at once: other replicas may use it
-            self._publish(key, entry)
+        if publish and self._tier is not None:  # even when evicted at once: other replicas may use it
+            self._tier.publish(key, entry)
         return kept
 
     def _too_small(self, size: int) -> None:
@@ -491,9 +391,8 @@ class SegmentStore:
         view = self._views.pop(key, None)
         if view is not None:
             self._view_entries.pop(view.id, None)
-        item = self._remote.get(key)
-        if item is not None:  # the tier still holds it: findable again, fetched on use
-            self._runs.add(_REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
+        if self._tier is not None:  # the tier may still hold it: findable again, fetched on use
+            self._tier.removed(key)
 
 
 def _fingerprint(entry: Entry) -> str:

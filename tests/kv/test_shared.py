@@ -213,7 +213,7 @@ def test_what_one_sync_read_is_findable_before_another_sync_returns():
                 released.set()
                 assert resume.wait(30)
 
-    store._tier_lock = PausingAfterRelease()
+    store._tier.lock = PausingAfterRelease()
     first = threading.Thread(target=store.get, args=("unknown",), name="first")
     first.start()
     try:

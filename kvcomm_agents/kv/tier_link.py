@@ -1,0 +1,164 @@
+"""A segment store's link to a shared tier (:mod:`.shared`, e.g. Redis for a fleet of replicas).
+
+What the tier holds is known here from its catalog (token ids, kind, fingerprint per entry; no
+KV): :class:`TierLink` reads it, indexes the entries this store does not hold under
+``"shared:<key>"`` in the store's rolling-hash run index, publishes every entry the store
+computes, and fetches an entry's KV when a prompt matches it. Every round trip to the tier runs
+without the store's lock, so a slow tier delays only the lookup that needs it; the catalog
+itself is guarded by the store's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Union
+
+import torch
+
+from ..errors import SharedTierWarning
+from .segments import KVSegment
+from .shared import CatalogItem, SharedSegments, decode_entry, encode_entry
+
+if TYPE_CHECKING:
+    from .store import PrefixEntry, SegmentStore
+
+__all__ = ["TierLink", "REMOTE"]
+
+#: Run-index key prefix of entries the tier holds and the store does not.
+REMOTE = "shared:"
+#: Catalog items remembered (oldest forgotten first).
+MAX_REMOTE = 100_000
+
+Entry = Union[KVSegment, "PrefixEntry"]
+
+
+class TierLink:
+    """The tier's catalog as this store knows it, and the round trips to the tier.
+
+    Args:
+        shared: the tier.
+        store: the store it links (its lock, entries and run index; fetched entries are
+            inserted there).
+        prefix_entry: builds a prefix entry from ``(key, ids, kv, fingerprint)``.
+    """
+
+    def __init__(self, shared: SharedSegments, store: "SegmentStore",
+                 prefix_entry: Callable[..., "PrefixEntry"]) -> None:
+        self.shared, self.store, self.prefix_entry = shared, store, prefix_entry
+        self.lock = threading.Lock()  # one catalog read at a time (the cursor)
+        self.remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
+        self._cursor = None  # the tier's catalog cursor (opaque)
+        self._devices: list[torch.device] | None = None  # where fetched KV goes (local entries' groups)
+        self.fetched = self.misses = 0
+        self._warned = False
+
+    def sync(self) -> None:
+        """Read the catalog items published since the last read: the round trip without the
+        store's lock, the items merged under it. One reader at a time, read and merge together
+        (another call's sync returns only once what was read before it is findable here)."""
+        store = self.store
+        with self.lock:
+            try:
+                items, self._cursor = self.shared.catalog(self._cursor)
+            except Exception as error:
+                with store._lock:
+                    self.failed(error)
+                return
+            with store._lock:
+                for item in items:
+                    if item.key in self.remote or item.key in store._entries:
+                        continue
+                    self.remote[item.key] = item
+                    store._runs.add(REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
+                while len(self.remote) > MAX_REMOTE:
+                    key, _ = self.remote.popitem(last=False)
+                    store._runs.remove(REMOTE + key)
+
+    def publish(self, key: str, entry: Entry) -> None:
+        """Put an entry computed here into the tier, before the call that computed it returns (an
+        agent reading it next, on any replica, must find it). Runs without the store's lock (the
+        entry's tensors are never written after insertion), so other calls' lookups do not wait
+        for the tier's round trip."""
+        store = self.store
+        try:
+            item, blob = encode_entry(entry)
+            self.shared.publish(item, blob)
+        except Exception as error:  # a tier that is down must not stop the engine
+            with store._lock:
+                self.failed(error)
+            return
+        with store._lock:
+            self._devices = [k.device for k in entry.kv.keys]
+            self.remote[key] = item
+            if key not in store._entries:  # evicted meanwhile: findable again, fetched on use
+                store._runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
+
+    def fetch(self, item: CatalogItem) -> Entry | None:
+        """Fetch and hold an entry of the tier (the round trip and decoding without the store's
+        lock); None (and forgotten) when the tier no longer has it, fails, or returns a blob that
+        is not the announced entry. Two calls fetching the same entry at once both get it."""
+        store = self.store
+        with store._lock:
+            held = store._entries.get(item.key)
+            devices = self._devices
+        if held is not None:  # another call fetched it meanwhile
+            return held
+        try:
+            blob = self.shared.fetch(item.key)
+            decoded = decode_entry(item, blob, devices) if blob is not None else None
+        except Exception as error:
+            with store._lock:
+                self.failed(error)
+            decoded = None
+        with store._lock:
+            if decoded is None:
+                self.misses += 1
+                if item.key not in store._entries:
+                    self.remote.pop(item.key, None)
+                    store._runs.remove(REMOTE + item.key)
+                return store._entries.get(item.key)
+            held = store._entries.get(item.key)
+            if held is not None:
+                return held
+            entry = (decoded if isinstance(decoded, KVSegment)
+                     else self.prefix_entry(item.key, decoded[0], decoded[1], item.fingerprint))
+            self.fetched += 1
+            store._insert(item.key, entry, publish=False)
+            return store._entries.get(item.key)
+
+    def longer_prefixes(self, ids: torch.Tensor, fingerprint: str, beat: int) -> list[CatalogItem]:
+        """The tier's prefixes (not held here) sharing more than ``beat`` leading ids with ``ids``,
+        longest common prefix first. Call under the store's lock."""
+        prompt = ids.tolist()
+        scored = []
+        for key, item in self.remote.items():
+            if not item.prefix or item.fingerprint != fingerprint or key in self.store._entries:
+                continue
+            n = 0
+            for a, b in zip(item.token_ids, prompt):
+                if a != b:
+                    break
+                n += 1
+            if n > beat:
+                scored.append((n, item))
+        return [item for _, item in sorted(scored, key=lambda pair: -pair[0])]
+
+    def item(self, run_key: str) -> CatalogItem | None:
+        """The catalog item behind a run-index key of the tier's (``"shared:<key>"``), or None."""
+        return self.remote.get(run_key[len(REMOTE):]) if run_key.startswith(REMOTE) else None
+
+    def removed(self, key: str) -> None:
+        """The store dropped entry ``key``: if the tier holds it, it is findable again (fetched on
+        use). Call under the store's lock."""
+        item = self.remote.get(key)
+        if item is not None:
+            self.store._runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
+
+    def failed(self, error: Exception) -> None:
+        """Warn once that the tier failed; the store serves from memory."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"the shared segment tier failed ({type(error).__name__}: {error}); this store "
+                          "serves from memory and computes what it cannot find", SharedTierWarning, stacklevel=3)
