@@ -156,14 +156,17 @@ class CallSteps:
         with self.lock, torch.inference_mode():
             segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             audit = self.auditor.audit(call.plan, call.pre.logits, agent)
-            reply = self.store.get(segment.id) if segment is not None else None
+            copies_after_audit = audit is not None and (call.framing is None or not call.framing.rules)
+            wanted = segment is not None and (call.framing is not None or copies_after_audit)
+            reply = self.store.get(segment.id) if wanted else None
             tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
-            call.framed = self.framer.after_call(self.model, call.plan, call.layout, agent, self.info.fingerprint,
-                                                 call.framing, call.pre.cache, reply, tail)
-            if audit is not None and (call.framing is None or not call.framing.rules):
-                done, seconds = self.framer.after_audit(self.model, call.plan, agent, self.info.fingerprint,
-                                                        audit.dense, reply, text.ids[:-1], tail)
-                call.framed = (call.framed[0] + done, call.framed[1] + seconds)
+            with self.anchors.recording():  # the call's versions do not evict each other
+                call.framed = self.framer.after_call(self.model, call.plan, call.layout, agent, self.info.fingerprint,
+                                                     call.framing, call.pre.cache, reply, tail)
+                if copies_after_audit:
+                    done, seconds = self.framer.after_audit(self.model, call.plan, agent, self.info.fingerprint,
+                                                            audit.dense, reply, text.ids[:-1], tail)
+                    call.framed = (call.framed[0] + done, call.framed[1] + seconds)
             return segment, audit.kl if audit is not None else None
 
     def capture_call(self, call: PreparedCall, messages: Messages, agent: str, ids: list[int],

@@ -203,6 +203,19 @@ class FramedDecode:
             take //= 2
         return take
 
+    def feed_copies(self, model, cache, ids: Sequence[int]) -> None:
+        """Feed reply ``ids`` to the reply copies only (no sender token: the sender's reply was
+        computed in another cache), in forwards whose mask stays within
+        :data:`~kvcomm_agents.engines.hf.MASK_BUDGET`; :meth:`flush` then feeds the lead-outs."""
+        ids, rules = list(ids), max(1, len(self.rules))
+        lead_ins = sum(len(rule.lead_in) for rule in self.rules)
+        at = 0
+        while at < len(ids):
+            keys = self.slot_pos.numel() + rules * (len(ids) - at) + lead_ins  # at most, this forward
+            width = max(CPU_CHUNK, hf.MASK_BUDGET // max(1, rules * keys))
+            self._run(model, cache, ids[at:at + width], [], 1, 0)
+            at += width
+
     def flush(self, model, cache, tail: Sequence[int] = ()) -> None:
         """Feed the copies what they have not been fed yet (after the reply), then each reply
         framing's lead-out after ``tail`` (the reply's ids never fed: its last generated id,

@@ -93,8 +93,8 @@ class Framer:
             return 0, 0.0
         started = time.perf_counter()
         framing = FramedDecode(rules, dense.slot_positions, n, chunk=len(fed))
-        framing.pending = list(fed)  # the whole reply, in one forward with the lead-outs
-        framing.flush(model, dense.cache, tail)
+        framing.feed_copies(model, dense.cache, fed)
+        framing.flush(model, dense.cache, tail)  # the lead-outs
         with self.anchors.recording():
             done = record_framed_versions(framing, dense.cache, plan, reply, self.anchors, self.info.rotator,
                                           self.store, fingerprint, next(self._turns))

@@ -61,7 +61,8 @@ class GateRecord(BaseModel):
         "prompt has before it), 'framed' (the sender recorded this reply after the text its readers put "
         "before it, or the first reader of shared text recorded it after this reader's own prefix: "
         "kvcomm_agents.framing, kvcomm_agents.text_framing), 'base' (the segment's own KV was computed after the same text: no "
-        "offsets), or 'off' (audits measured that this kind's offsets hurt this receiver: re-rotated only).")
+        "offsets), or 'off' (re-rotated only: audits measured that this kind's offsets hurt this receiver, or a "
+        "KL-budget probe of a kind not measured yet).")
 
 
 class SegmentDecision(BaseModel):

@@ -239,11 +239,14 @@ class _RunDecider:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
                 return "prefilled", reason, in_prefix, gate  # the rest is computed
         reused = 0
-        for p, s, length, continues_prefix in beyond_prefix:
+        for index, (p, s, length, continues_prefix) in enumerate(beyond_prefix):
             length = min(length, n - 1 - p)
             # cheap fidelity: the run's first tokens are computed, unless the run continues an
-            # exact prefix that already holds them (a repeated prompt then reuses what it reused)
-            taken = 0 if continues_prefix else min(head, max(length, 0))
+            # exact prefix that already holds them (a repeated prompt then reuses what it reused);
+            # a run after a gap has its head even where a framed version fits the first run: the
+            # ids before it (the gap's, computed) are not the version's
+            first_head = head if index == 0 else self.config.experimental.recompute_head
+            taken = 0 if continues_prefix else min(first_head, max(length, 0))
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))

@@ -34,18 +34,17 @@ _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: call's planning are few and repeat across calls.
 TEXT_CACHE = 4096
 
-_ESCAPE = "\uffff"  # a noncharacter: never in decoded text
-_PRIVATE = 0xF0000  # supplementary private use area A
+_ESCAPE = "\uffff"  # a noncharacter: never in a clean text (:func:`_clean`)
 
 
 def _escaped(token_id: int) -> str:
-    """The text standing for an id that has none of its own: unique per id, never decoded text."""
-    return _ESCAPE + chr(_PRIVATE + (token_id >> 16)) + chr(_PRIVATE + (token_id & 0xFFFF))
+    """The text standing for an id that has none of its own: unique per id, and no clean text
+    holds it, so a common suffix takes it whole or not at all."""
+    return f"{_ESCAPE}{token_id}{_ESCAPE}"
 
 
 def _clean(text: str) -> bool:
-    return bool(text) and "\ufffd" not in text and _ESCAPE not in text and not any(
-        0xF0000 <= ord(ch) for ch in text)
+    return bool(text) and "\ufffd" not in text and _ESCAPE not in text
 
 
 class TokenTexts:
@@ -83,6 +82,8 @@ class TokenTexts:
         try:
             vocab = len(tokenizer)
             special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+            special |= {i for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                        if getattr(token, "special", False)}  # e.g. <file_sep>: not in all_special_ids
             lead = tokenizer("a", add_special_tokens=False)["input_ids"]
             options = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
             before = tokenizer.decode(lead, **options)

@@ -432,14 +432,19 @@ def test_a_reply_the_model_split_into_other_ids_is_still_reused_from_its_framed_
     assert after.gate is None or after.gate.offsets != "framed", after
 
 
+@pytest.mark.parametrize("mask_budget", [None, 4096], ids=["one-forward", "windows"])
 def test_a_reply_generated_over_estimated_prompt_kv_is_copied_over_the_audits_dense_prefill(model, tokenizer,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch, mask_budget):
     """A sender whose prompt reuses a document with estimated offsets feeds no copies while it
     decodes (they would carry the estimate); its audit's dense prefill of the same ids is exact,
     so the copies are fed there after the call (Framer.after_audit) and the reader finds the
     reply computed in its framing: it reuses it, its first token near dense's. Without that step
-    the reader finds no version of the reply and computes it (mutation check)."""
+    the reader finds no version of the reply and computes it (mutation check). With a small mask
+    budget the copies are fed in several forwards, with the same outcome."""
     from kvcomm_agents.framer import Framer
+
+    if mask_budget is not None:
+        monkeypatch.setattr(hf, "MASK_BUDGET", mask_budget)
 
     doc = ("Notes: apples are counted in whole numbers; eating an apple removes it from the basket "
            "for good, and nothing else changes the count.")

@@ -4,6 +4,8 @@ model generated in two ids is read back as one."""
 
 import dataclasses
 
+import pytest
+
 from kvcomm_agents.anchors.pool import AnchorPool
 from kvcomm_agents.anchors.versions import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix
 from kvcomm_agents.token_texts import TokenTexts
@@ -95,3 +97,20 @@ def test_a_match_is_counted_in_the_prompts_ids_not_in_canonical_values(tokenizer
     by_ids = best_recorded_version(pool, "reader", seg, 0, 6, context)
     by_text = best_recorded_version(pool, "reader", seg, 0, 6, context, texts.matched)
     assert by_ids is not None and by_text is not None and by_text.matched == by_ids.matched == len(context)
+
+
+@pytest.mark.embedded
+def test_added_special_tokens_outside_all_special_ids_stand_for_themselves():
+    """The embedded tokenizer marks ``<file_sep>`` (id 5) special without listing it in
+    ``all_special_ids``: its text must not match the same characters generated as plain ids."""
+    from transformers import AutoTokenizer
+
+    from kvcomm_agents.embedded import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    texts = TokenTexts.from_tokenizer(tokenizer)
+    special = tokenizer.convert_tokens_to_ids("<file_sep>")
+    assert special not in tokenizer.all_special_ids  # the premise
+    plain = tokenizer("<file_sep>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert special not in plain and not texts.same_text([special], plain)
+    assert texts.matched([special], [special]) == 1

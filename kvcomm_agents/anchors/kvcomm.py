@@ -192,7 +192,8 @@ class KVCommAnchors:
                 if not self.tracker.within_budget(receiver, segment.ref.kind, self.kl_budget):
                     verdict.reuse, verdict.over_budget = False, True
                     return verdict
-                verdict.offsets_on = self.tracker.offsets_on(receiver, segment.ref.kind)
+                verdict.offsets_on = (self.tracker.offsets_on(receiver, segment.ref.kind)
+                                      and not self.tracker.unmeasured_probe(receiver, segment.ref.kind))
                 if not self.frozen and not verdict.own_offsets:
                     pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
             return verdict

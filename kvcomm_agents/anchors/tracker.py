@@ -17,7 +17,10 @@ A fidelity budget on top (``KVCommConfig.kl_budget``): until the recent samples 
 receiver is served with a kind's estimated offsets (offsets on or off, as the rule above serves
 them) within the budget, that kind's segments are prefilled for that receiver instead (new
 anchors, reason ``over_kl_budget``) except one decision in ``probe_every``, which is reused and
-audited so that the measure is gathered and stays current. Versions of a segment computed after the same text
+audited so that the measure is gathered and stays current. Until the kind has ``min_samples``
+samples for that receiver a probe is served re-rotated only (offsets off; the audit's flipped
+pass measures them on): a probe never drifts further than re-rotation only before anything was
+measured. Versions of a segment computed after the same text
 (:mod:`.versions`) are not estimates and are never held back.
 
 Pure bookkeeping over floats: no tensors, no model.
@@ -130,6 +133,15 @@ class OffsetTracker:
         with self._lock:
             count = self._held_back[key] = self._held_back.get(key, 0) + 1
         return bool(self.probe_every) and count % self.probe_every == 0
+
+    def unmeasured_probe(self, receiver: str, kind: Kind) -> bool:
+        """Whether a decision :meth:`within_budget` just let through is a probe of a kind with
+        fewer than ``min_samples`` samples for ``receiver``: such a probe is served re-rotated
+        only (offsets off), the one drift the default must never exceed, while the audit's
+        flipped pass still measures the offsets (faithful until measured)."""
+        with self._lock:
+            key = (receiver, tuple(kind))
+            return bool(self._held_back.get(key)) and len(self._samples.get(key, ())) < self.min_samples
 
     def wants_audit(self, receiver: str, kinds: Iterable[Kind]) -> bool:
         """True while one of ``kinds`` has fewer than ``min_samples`` samples for ``receiver``,

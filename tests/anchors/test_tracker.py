@@ -141,6 +141,13 @@ def test_under_a_kl_budget_estimates_wait_for_audits_and_held_back_calls_match_d
     assert reasons[:2] == ["new_anchor"] * 2
     assert reasons[2:] == ["over_kl_budget"] * 3 + ["content"] + ["over_kl_budget"] * 3 + ["content"]
     assert [r.result.stats.audit_kl is not None for r in replays[5::4]] == [True, True]  # the probes
+    # the first probe, nothing measured yet: served re-rotated only, its offsets measured by the audit
+    assert replays[5].result.stats.shared_decisions[0].gate.offsets == "off"
+    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate", prefix_cache=False))
+    for question in questions[:6]:
+        rerotate.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)
+    torch.testing.assert_close(replays[5].first_token_logits, first_logits(rerotate, _prompt(questions[5]), agent="s2"),
+                               atol=1e-4, rtol=0)
     assert engine.anchors.tracker.served_kl("s2", USER) > 1e-9
     reference = first_logits(dense, _prompt(questions[8]), agent="s2")
     torch.testing.assert_close(replays[8].first_token_logits, reference, atol=1e-4, rtol=0)
@@ -150,6 +157,7 @@ def test_probes_are_always_audited_and_the_budget_needs_audits(model, tokenizer)
     tracker = OffsetTracker(min_samples=2, warmup_gap=4, probe_every=2)
     assert not tracker.within_budget("s2", USER, 0.01)  # held back (not measured yet)
     assert tracker.within_budget("s2", USER, 0.01)  # the probe
+    assert tracker.unmeasured_probe("s2", USER)  # nothing measured yet: served re-rotated only
     assert tracker.warmup_audit_due("s2", [USER])  # audited on the receiver's first call, whatever the gap
     # without audits nothing would measure the budget: the engine leaves it off
     off = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
