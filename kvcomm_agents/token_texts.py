@@ -14,8 +14,9 @@ after a fixed word: SentencePiece drops a first piece's leading space) and compa
 by their text: :meth:`TokenTexts.matched` is the number of a context's last ids whose text lies
 inside the common text suffix of two contexts, so a match is still counted in the prompt's ids
 (the thresholds, :data:`~.anchors.versions.MIN_CONTEXT_MATCH`, are in ids). An id without a clean
-text of its own (a special token, a byte of a multi-byte character) stands for itself: a
-private-use escape that no decoded text holds, so it only ever matches the same id.
+text of its own (a special token, a byte of a multi-byte character) stands for itself: an
+escape (its decimal id between two U+FFFF noncharacters) that no clean text holds, so it only
+ever matches the same id.
 """
 
 from __future__ import annotations
