@@ -156,7 +156,10 @@ class CallSteps:
         with self.lock, torch.inference_mode():
             segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             audit = self.auditor.audit(call.plan, call.pre.logits, agent)
+            audit_kl = audit.kl if audit is not None else None
             copies_after_audit = audit is not None and (call.framing is None or not call.framing.rules)
+            dense = audit.dense if copies_after_audit else None  # else its prompt KV is freed now
+            audit = None
             wanted = segment is not None and (call.framing is not None or copies_after_audit)
             reply = self.store.get(segment.id) if wanted else None
             tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
@@ -165,9 +168,9 @@ class CallSteps:
                                                      call.framing, call.pre.cache, reply, tail)
                 if copies_after_audit:
                     done, seconds = self.framer.after_audit(self.model, call.plan, agent, self.info.fingerprint,
-                                                            audit.dense, reply, text.ids[:-1], tail)
+                                                            dense, reply, text.ids[:-1], tail)
                     call.framed = (call.framed[0] + done, call.framed[1] + seconds)
-            return segment, audit.kl if audit is not None else None
+            return segment, audit_kl
 
     def capture_call(self, call: PreparedCall, messages: Messages, agent: str, ids: list[int],
                      reply: str) -> Optional[SegmentRef]:
