@@ -31,7 +31,7 @@ TOLERANCE_SCALE = {torch.float32: 1.0, torch.bfloat16: 1000.0, torch.float16: 20
 #: Fixtures that build, load or wrap a model: a test using any of them (directly or through
 #: another fixture) is in the ``model`` tier.
 MODEL_FIXTURES = frozenset({
-    "llama", "qwen2", "model", "make_engine",  # tests/conftest.py
+    "llama", "qwen2", "model", "make_engine", "merging",  # tests/conftest.py
     "engine", "tools_engine",  # tests/integrations/conftest.py, tests/test_embedded.py
     "smoke",  # tests/test_benchmarks.py: a benchmark run on a tiny model
 })
@@ -122,3 +122,17 @@ def run_plan(model, rotator, plan, position_offset: int = 0) -> hf.Prefill:
     return hf.prefill(model, plan.prompt_ids, plan.computed_positions(), block,
                       plan.reused_positions() if block is not None else None, masked=bool(plan.runs),
                       position_offset=position_offset)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def merging(request):
+    """The embedded model's tokenizer (its pre-tokenizer merges a reply's trailing newline with
+    the reader's ``\n\n`` into other ids; the model generates splits it would not make) and a
+    seeded tiny model of each family for it (tests/test_framing.py, tests/test_lead_outs.py)."""
+    from transformers import AutoTokenizer
+
+    from kvcomm_agents.embedded import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    build = tiny_llama if request.param == "llama" else tiny_qwen2
+    return build(tokenizer, seed=0).eval(), tokenizer
