@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from .alignment import assemble
+from .forwards import ForwardTally, charging
 from .anchors import KVCommAnchors
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
@@ -27,7 +28,7 @@ from .kv.segments import SegmentRef
 from .plan import CallPlan
 from .planner import plan_call
 from .prompt import PromptLayout, normalize_messages
-from .results import CallStats, ChatResult
+from .results import CallStats, ChatResult, ForwardedTokens
 
 if TYPE_CHECKING:
     from .engine import KVCommEngine
@@ -52,6 +53,7 @@ class PreparedCall:
     prefill_s: float
     framing: Optional[FramedDecode] = None  # the reply's framed copies, fed with the sender's forwards
     framed: tuple[int, float] = (0, 0.0)  # framed versions recorded after the reply, seconds
+    tally: ForwardTally = field(default_factory=ForwardTally)  # every token the call forwards, by purpose
 
 
 class CallSteps:
@@ -71,7 +73,8 @@ class CallSteps:
                  started: float) -> Iterator[PreparedCall]:
         """Plan, run the plan hook, align the reused KV and prefill: the call up to its first
         token. The store entries the plan uses stay pinned until the block ends."""
-        with self.lock, torch.inference_mode():  # anchor bookkeeping tensors are inference tensors
+        tally = ForwardTally()
+        with self.lock, torch.inference_mode(), charging(tally, "prompt"):  # anchor tensors are inference tensors
             if self.weights.changed():
                 self.engine._refresh_changed_weights()
             plan = self.plan(layout, agent, reuse, new_tokens)
@@ -81,7 +84,7 @@ class CallSteps:
                 plan = self.engine.plan_hook(self.engine, plan)
                 hooked = time.perf_counter()
         with self.store.pinned(_pins(plan)):
-            with self.lock, torch.inference_mode():
+            with self.lock, torch.inference_mode(), charging(tally, "prompt"):
                 block = assemble(plan, self.info.rotator) if plan.reused_tokens else None
                 assembled = time.perf_counter()
                 pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), block,
@@ -91,7 +94,7 @@ class CallSteps:
             framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
                                            new_tokens, self.device, calibrating=self.calibrating.active)
             yield PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
-                               done - hooked - align_s, framing)
+                               done - hooked - align_s, framing, tally=tally)
 
     def plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         """The call's plan (:func:`~kvcomm_agents.planner.plan_call`), or dense with the reason
@@ -119,16 +122,28 @@ class CallSteps:
             finish = self.finish_reason(next_id, text, max_new_tokens)
             if finish is not None:
                 return finish
-            with self.lock, torch.inference_mode():
-                if call.framing is not None:
-                    logits = call.framing.forward(self.model, call.pre.cache, [next_id])[0, -1].float()
-                else:
-                    logits = hf.run_forward(
-                        self.model, torch.tensor([[next_id]], device=self.device), call.pre.cache,
-                        position_ids=torch.tensor([[position]], device=self.device),
-                    )[0, -1].float()
+            logits = self.step(call, next_id, position)
             position += 1
             next_id = sampler(logits)
+
+    def step(self, call: PreparedCall, token: int, position: int) -> torch.Tensor:
+        """One decode step: feed ``token`` at ``position`` (with the copies' due share); returns
+        the ``[vocab]`` float32 logits of the next token."""
+        with self.lock, torch.inference_mode(), charging(call.tally, "decode"):
+            if call.framing is not None:
+                return call.framing.forward(self.model, call.pre.cache, [token])[0, -1].float()
+            return hf.run_forward(
+                self.model, torch.tensor([[token]], device=self.device), call.pre.cache,
+                position_ids=torch.tensor([[position]], device=self.device),
+            )[0, -1].float()
+
+    def force_stepwise(self, call: PreparedCall, ids: list[int]) -> torch.Tensor:
+        """:meth:`force` one decode step per token, as a generated reply costs (the copies ride on
+        the same steps); the same ``[k, vocab]`` logits up to float rounding."""
+        rows = [call.pre.logits]
+        for i, token in enumerate(ids[:-1]):
+            rows.append(self.step(call, token, call.plan.num_prompt + i))
+        return torch.stack([r.to(rows[0].device) for r in rows])
 
     def force(self, call: PreparedCall, ids: list[int]) -> torch.Tensor:
         """Feed ``ids[:-1]`` after the prompt in one forward; ``[k, vocab]`` logits predicting each
@@ -136,7 +151,7 @@ class CallSteps:
         rows = [call.pre.logits[None]]
         if len(ids) > 1:
             n = call.plan.num_prompt
-            with self.lock, torch.inference_mode():
+            with self.lock, torch.inference_mode(), charging(call.tally, "decode"):
                 if call.framing is not None:
                     rows.append(call.framing.forward(self.model, call.pre.cache, ids[:-1], last_logits_only=False)[0].float())
                 else:
@@ -155,7 +170,8 @@ class CallSteps:
         reference and the audit's KL (None when not audited)."""
         with self.lock, torch.inference_mode():
             segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
-            audit = self.auditor.audit(call.plan, call.pre.logits, agent)
+            with charging(call.tally, "audit"):
+                audit = self.auditor.audit(call.plan, call.pre.logits, agent)
             audit_kl = audit.kl if audit is not None else None
             copies_after_audit = audit is not None and (call.framing is None or not call.framing.rules)
             dense = audit.dense if copies_after_audit else None  # else its prompt KV is freed now
@@ -163,7 +179,7 @@ class CallSteps:
             wanted = segment is not None and (call.framing is not None or copies_after_audit)
             reply = self.store.get(segment.id) if wanted else None
             tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
-            with self.anchors.recording():  # the call's versions do not evict each other
+            with self.anchors.recording(), charging(call.tally, "copies"):  # the versions do not evict each other
                 call.framed = self.framer.after_call(self.model, call.plan, call.layout, agent, self.info.fingerprint,
                                                      call.framing, call.pre.cache, reply, tail)
                 if copies_after_audit:
@@ -222,6 +238,7 @@ class CallSteps:
             anchors_consulted=sum(d.gate.anchors for d in plan.decisions if d.gate is not None),
             anchor_bytes=self.anchors.nbytes() if self.config.method == "kvcomm" else 0,
             audit_kl=audit_kl,
+            forwarded=ForwardedTokens(**call.tally.tokens),
         )
         return ChatResult(text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats)
 

@@ -288,11 +288,15 @@ class KVCommEngine:
         yield self._calls.result(call, agent, reuse, text, finish, segment, ttft, audit_kl)
 
     def replay(self, messages: Messages, *, agent: str, reply_ids: Sequence[int], reuse: Optional[bool] = None,
-               tools: Optional[list] = None) -> Replay:
+               tools: Optional[list] = None, stepwise: bool = False) -> Replay:
         """Run one agent call with ``reply_ids`` as its reply (teacher forcing, up to the first
         end-of-sequence id), for evaluation: the prompt, planning and the KV kept for later
         agents are exactly ``chat``'s. Returns the logits predicting each reply token and how
-        many of them greedy decoding would have produced (:mod:`.evaluation`)."""
+        many of them greedy decoding would have produced (:mod:`.evaluation`).
+
+        ``stepwise``: feed the reply one decode step per token, as ``chat`` would generate it, so
+        the call's time and forwards are a generated reply's (whole-graph measurements); by
+        default the reply goes in one forward."""
         _check_agent(agent)
         ids = trim_at_eos(_check_ids(reply_ids, len(self.tokenizer)), self.info.eos_ids)
         started = time.perf_counter()
@@ -301,7 +305,7 @@ class KVCommEngine:
         with self._calls.prepared(layout, agent, reuse, len(ids), started) as call:
             int(torch.argmax(call.pre.logits))  # what greedy decoding would do first (waits for the device)
             ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
-            logits = self._calls.force(call, ids)
+            logits = (self._calls.force_stepwise if stepwise else self._calls.force)(call, ids)
             text = TextAccumulator(self.tokenizer)
             for token in ids:
                 text.push(token)

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import forwards
 from .engines import hf
 from .kv.block import KVBlock
 from .kv.segments import CONTEXT_TOKENS
@@ -273,8 +274,9 @@ class FramedDecode:
         q_pos, q_ctx = torch.tensor(pos, dtype=torch.long), torch.tensor(ctx, dtype=torch.long)
         device = hf.input_device(model)
         mask = None if self._alone else self.mask(q_pos, q_ctx, dtype=model.dtype, device=device)
-        logits = hf.run_forward(model, torch.tensor([ids], device=device), cache, position_ids=q_pos[None].to(device),
-                                attention_mask=mask, logits_rows=rows)
+        with forwards.sender_tokens(len(tokens)):  # the rest of the forward's ids are copies
+            logits = hf.run_forward(model, torch.tensor([ids], device=device), cache,
+                                    position_ids=q_pos[None].to(device), attention_mask=mask, logits_rows=rows)
         self.slot_pos = torch.cat([self.slot_pos, q_pos])
         self.slot_ctx = torch.cat([self.slot_ctx, q_ctx])
         self.sent += len(tokens)

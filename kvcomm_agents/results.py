@@ -9,7 +9,23 @@ from pydantic import BaseModel, Field, model_validator
 from .kv.segments import SegmentRef
 from .plan import SegmentDecision
 
-__all__ = ["CallStats", "ChatResult", "ReuseSummary"]
+__all__ = ["CallStats", "ChatResult", "ForwardedTokens", "ReuseSummary"]
+
+
+class ForwardedTokens(BaseModel):
+    """Query tokens one call pushed through the model, by purpose (:mod:`kvcomm_agents.forwards`):
+    what the call cost in compute, wherever in the call it ran."""
+
+    prompt: int = Field(default=0, description="The call's prefill: its computed prompt tokens (and a plan "
+                        "hook's extra pass, if any).")
+    decode: int = Field(default=0, description="Reply tokens fed back (decode steps, or a teacher-forced pass).")
+    copies: int = Field(default=0, description="Copies of this call's reply and shared prompt text computed in "
+                        "readers' framing, during the decode or after it.")
+    audit: int = Field(default=0, description="A dense audit's prefill and flipped pass.")
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.decode + self.copies + self.audit
 
 
 class CallStats(BaseModel):
@@ -54,6 +70,9 @@ class CallStats(BaseModel):
     audit_kl: Optional[float] = Field(
         default=None, description="With audit_every: first-token KL(dense || this call) in nats, if audited."
     )
+    forwarded: ForwardedTokens = Field(
+        default_factory=ForwardedTokens,
+        description="Every token the call forwarded through the model, by purpose (the call's compute).")
 
     @model_validator(mode="after")
     def _tokens_add_up(self) -> "CallStats":

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .. import forwards
 from ..kv.block import KVBlock, device_groups
 
 __all__ = [
@@ -93,7 +94,8 @@ def run_forward(
     last_logits_only: bool = True,
     logits_rows: Optional[int] = None,
 ) -> torch.Tensor:
-    """One forward pass that appends to ``cache`` in place.
+    """One forward pass that appends to ``cache`` in place; its query tokens are charged to the
+    active :func:`kvcomm_agents.forwards.charging` tally.
 
     Args:
         input_ids: ``[1, q]``.
@@ -117,6 +119,7 @@ def run_forward(
     if rows is not None and _accepts_logits_to_keep(type(model)):
         kwargs["logits_to_keep"] = rows
     logits = model(input_ids=input_ids, **kwargs).logits
+    forwards.charge(int(input_ids.numel()))
     return logits[:, -rows:] if rows is not None else logits
 
 
