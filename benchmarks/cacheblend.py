@@ -21,6 +21,7 @@ import threading
 import torch
 from transformers import PreTrainedModel
 
+from kvcomm_agents import forwards
 from kvcomm_agents.engines import hf
 from kvcomm_agents.kv.rope import RopeRotator
 from kvcomm_agents.plan import CallPlan
@@ -60,7 +61,9 @@ def _probe_layer_kv(model: PreTrainedModel, plan: CallPlan, layer: int) -> tuple
             position_ids=torch.arange(prefix, plan.num_prompt, device=device)[None],
         )
     except _ProbeDone:
-        pass
+        # charged as a whole forward (the engine's tally and a hook on the model both count it
+        # so), although only layers 0..layer ran: CacheBlend's compute is overstated a little
+        forwards.charge(plan.num_prompt - prefix)
     finally:
         handle.remove()
     return hf.layer_kv(cache, layer)

@@ -1,15 +1,7 @@
-"""The measurement protocols: dense reference replies, the forced (fidelity + TTFT) protocol and
-the end-to-end protocol. Every strategy gets identical token ids.
-
-Forced protocol: for each request and agent, every strategy taking part (in an order that
-rotates from slot to slot) answers the same messages, with dense's reply forced as the agent's
-reply, so the upstream KV each strategy reuses is what its own engine made for that same reply
-and only the KV approximation differs. Strategies that keep nothing for later calls, and every
-strategy on the last agent, are forced only the agreement window; dense always gets the whole
-reply (how far it follows it is recorded). KL and k-token agreement are taken against the dense strategy's call on
-the same ids in the same slot; time to first token is paired with dense's and the lower bound's
-in the same slot (ratios, not absolute times, are what survives a noisy machine).
-"""
+"""Measurement helpers shared by the protocols, and the end-to-end protocol (each strategy
+feeding itself; the whole-graph protocol is :mod:`benchmarks.graph`): dense reference replies
+for the research scripts (batched, cached), slot rotation, the fields every call records, where
+the shared text sits in a prompt."""
 
 from __future__ import annotations
 
@@ -32,22 +24,17 @@ AGREE_K = 32
 
 # ---- dense reference replies ----------------------------------------------------------------
 def references(workload: Workload, model, tokenizer, path: Path, *, progress: Callable[[int], None] = lambda n: None,
-               batch_size: int = 16, seed: Optional[Path] = None) -> dict[str, list[dict]]:
+               batch_size: int = 16) -> dict[str, list[dict]]:
     """Per request key, per agent: the dense greedy reply (``ids``, ``text``), cached at ``path``
-    and extended batch by batch (a rerun generates only the missing ones). ``seed``: a JSON file
-    of replies shipped with the checkout for the same model, dtype and device, taken for the keys
-    the cache lacks (keys name the request's content, so a seed never stands in for another
-    prompt).
+    and extended batch by batch (a rerun generates only the missing ones); for the research
+    scripts (``offset_sources.py``), not the benchmark, which runs its dense pipeline.
 
     Replies are generated for a batch of requests at once (left padding), agent by agent: batched
     rounding may pick another token at a near-tie than an unbatched run would. In the forced
     protocol that is harmless (the replies are only the text every strategy is fed, and agreement
     is measured against the dense strategy's own greedy run on the same ids); the end-to-end
-    protocol uses them as the dense pipeline, and ``run_forced`` records how far the unbatched
-    dense engine follows them (``report.dense_follows_references``)."""
+    protocol does not use them: it runs its dense pipeline."""
     refs: dict[str, list[dict]] = torch.load(path, weights_only=True) if path.is_file() else {}
-    if seed is not None and seed.is_file():
-        refs = {**json.loads(seed.read_text()), **refs}
     missing = [r for r in workload.requests if r.key not in refs]
     progress(len(workload.requests) - len(missing))
     eos = _eos_ids(model, tokenizer) | (set(tokenizer.all_special_ids) if workload.exact_replies else set())
@@ -224,77 +211,12 @@ def reused_positions(stats) -> set[int]:
     return set() if stats is None else {p for start, end in stats.reused_spans for p in range(start, end)}
 
 
-def run_forced(workload: Workload, strategies: list[Strategy], refs: dict[str, list[dict]], *, warmup: int,
-               eos_ids, phase: str, progress: Callable[[int], None] = lambda n: None,
-               checkpoint: Callable[[list[dict]], None] = lambda records: None, tokenizer=None) -> list[dict]:
-    """The forced protocol over every request, for the strategies taking part in it
-    (``Strategy.takes_part``; dense takes part in all); the first ``warmup`` requests are marked
-    warm-up (they fill stores and anchor pools and are left out of the summaries). ``checkpoint``
-    gets the records so far after each request. ``forced_tokens``: the reply length the strategy
-    was forced; ``greedy_prefix``: how many of them its greedy run gives too. With ``tokenizer``,
-    ``shared_text_tokens`` / ``shared_text_reused``: the prompt tokens of the task and the earlier
-    agents' replies, and how many of them came from cache (:func:`shared_text_positions`)."""
-    names = [s.name for s in strategies]
-    if "dense" not in names:
-        raise ValueError("the forced protocol needs the dense strategy (the reference)")
-    if any(s.name == "dense" and s.requests is not None for s in strategies):
-        raise ValueError("the dense strategy is the reference: it takes part in every request")
-    records = []
-    for r, request in enumerate(workload.requests):
-        replies = refs[request.key]
-        sender_framed: dict[str, float] = {}  # per strategy: what the previous agent's call spent after its reply
-        for k, agent in enumerate(request.agents):
-            messages = request.messages(k, [c["text"] for c in replies[:k]])
-            forced = replies[k]["ids"]
-            # the last agent's reply feeds nobody, nor does what a non-caching strategy is forced:
-            # forcing the agreement window is enough for them
-            last = k + 1 == len(request.agents)
-            taking_part = [s for s in strategies if s.takes_part(r)]
-            outcomes: dict[str, CallOutcome] = {}
-            mine_of: dict[str, list[int]] = {}
-            for strategy in _rotated(taking_part, r + k):
-                # dense gets the whole reply too: how far it follows the (batched) references
-                whole = strategy.name == "dense" or (strategy.keeps_replies and not last)
-                mine = mine_of[strategy.name] = forced if whole else forced[:AGREE_K]
-                outcomes[strategy.name] = strategy.call(messages, agent, forced_ids=mine)
-            dense = outcomes["dense"]
-            window = min(agreement_window(forced, eos_ids), dense.greedy_prefix or 0)
-            lower = outcomes.get("lower-bound")
-            texts = ([request.task] if request.task else []) + [c["text"] for c in replies[:k]]
-            shared = (shared_text_positions(tokenizer, messages, texts, dense.prompt_tokens)
-                      if tokenizer is not None and texts else None)
-            for strategy in taking_part:
-                out = outcomes[strategy.name]
-                records.append({
-                    **_record(phase, workload, r, request.key, r < warmup, k, agent, strategy, out, dense),
-                    "lower_bound_ttft_s": lower.ttft_s if lower else None,
-                    # the hand-off in a sequential graph: the previous agent's work after its last
-                    # token (its reply's framed versions) plus this agent's time to first token
-                    "handoff_s": out.ttft_s + sender_framed.get(strategy.name, 0.0),
-                    "kl": first_token_kl(dense.logits, out.logits),
-                    # None when nothing can be compared (dense itself left the forced reply at once)
-                    "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
-                    "agree_window": window, "greedy_prefix": out.greedy_prefix, "forced_tokens": len(mine_of[strategy.name]),
-                    "shared_text_tokens": None if shared is None else len(shared),
-                    "shared_text_reused": None if shared is None else len(shared & (
-                        set(range(out.prompt_tokens)) if out.stats is None else reused_positions(out.stats))),
-                })
-                sender_framed[strategy.name] = out.stats.framed_s if out.stats is not None else 0.0
-            progress(1)
-        checkpoint(records)
-    return records
-
-
 def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: int, phase: str,
-                   refs: Optional[dict[str, list[dict]]] = None, concurrent: bool = False,
+                   concurrent: bool = False,
                    progress: Callable[[int], None] = lambda n: None) -> tuple[list[dict], list[dict]]:
-    """Each strategy feeds itself (its own replies go downstream). Returns per-call records and
-    per-request answers (final answer per strategy, gold). ``progress`` gets 1 per strategy call.
-
-    ``refs``: the dense pipeline's replies (``references``, greedy, batched), standing in for a
-    dense strategy that would decode them again; its final answer is recorded as ``dense``. The
-    forced protocol measures how closely the unbatched dense engine follows them
-    (``greedy_prefix`` of the dense strategy's records).
+    """Each strategy feeds itself (its own replies go downstream), the dense strategy too (the
+    dense pipeline, run). Returns per-call records and per-request answers (final answer per
+    strategy, gold). ``progress`` gets 1 per strategy call.
 
     ``concurrent``: each strategy's pipeline runs in its own thread, the CPU threads split
     between them (the pipelines are independent: one engine each, and the model is only read).
@@ -313,8 +235,6 @@ def run_end_to_end(workload: Workload, strategies: list[Strategy], *, warmup: in
                     "lower_bound_ttft_s": None, "generated_tokens": len(out.token_ids), "concurrent": concurrent,
                 })
         replies = {s.name: [outcomes[s.name][r, k].text for k in range(len(request.agents))] for s in strategies}
-        if refs is not None:
-            replies["dense"] = [reply["text"] for reply in refs[request.key]]
         final = workload.final_answer or (lambda texts: texts[-1])
         answers.append({
             "phase": phase, "request": r, "key": request.key, "warmup": r < warmup, "gold": request.gold,

@@ -108,21 +108,6 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def dense_follows_references(records: list[dict]) -> dict:
-    """How closely the dense strategy (the engine, unbatched) follows the batched dense reference
-    replies it is forced with: the share of calls whose greedy run gives the whole reply, and the
-    mean share of reply tokens before the first departure. This bounds what batching changes in
-    the dense pipeline the end-to-end phase compares with. (Only for replies generated without
-    suppressed tokens: workload (a)'s exact-length replies depart by construction.)"""
-    dense = [r for r in records if r["strategy"] == "dense" and not r["warmup"]
-             and r.get("greedy_prefix") is not None and r.get("forced_tokens")]
-    if not dense:
-        return {"calls": 0, "whole_reply": None, "token_share": None}
-    return {"calls": len(dense),
-            "whole_reply": sum(r["greedy_prefix"] >= r["forced_tokens"] for r in dense) / len(dense),
-            "token_share": sum(min(1.0, r["greedy_prefix"] / r["forced_tokens"]) for r in dense) / len(dense)}
-
-
 def summarize_answers(answers: list[dict]) -> list[dict]:
     """Per strategy: final answers equal to the dense pipeline's, and task accuracy."""
     measured = [a for a in answers if not a["warmup"]]
@@ -141,8 +126,8 @@ def summarize_answers(answers: list[dict]) -> list[dict]:
     return rows
 
 
-_STRATEGY_ORDER = ["dense", "prefix", "rerotate-messages", "rerotate", "cacheblend", "kvcomm-messages", "kvcomm-mean", "kvcomm-replies-framed", "kvcomm-unframed", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length", "kvcomm-weighted", "kvcomm-own-text",
-                   "lower-bound"]
+_STRATEGY_ORDER = ["dense", "prefix", "pipelined", "rerotate-messages", "rerotate", "cacheblend", "kvcomm-messages", "kvcomm-mean", "kvcomm-replies-framed", "kvcomm-unframed", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length", "kvcomm-weighted", "kvcomm-own-text",
+                   "kvcomm-paper", "lower-bound"]
 
 
 def _order(name: str) -> tuple:
@@ -320,46 +305,24 @@ def plot_ttft_by_agent(rows: list[dict], phase: str, title: str, path: Path) -> 
     return path
 
 
-def plot_speedup_vs_length(records: Iterable[dict], path: Path) -> Path:
-    """Per call: prompt length against the TTFT speed-up over dense in the same slot."""
+def plot_graph_speedups(rows: list[dict], path: Path) -> Path:
+    """Whole-graph speed-up over dense per workload, one group of bars per workload, one bar per
+    strategy (rows of :func:`benchmarks.graph_report.summarize_graphs`)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    calls = [r for r in records if not r["warmup"] and r["agent_index"] > 1 and r.get("dense_ttft_s")
-             and r["strategy"] != "dense" and not r["strategy"].startswith("noise")]
-    for strategy in sorted({r["strategy"] for r in calls}, key=_order):
-        mine = [r for r in calls if r["strategy"] == strategy]
-        ax.scatter([r["prompt_tokens"] for r in mine], [r["dense_ttft_s"] / r["ttft_s"] for r in mine],
-                   s=10, alpha=0.6, label=strategy)
-    ax.set_yscale("log")
+    phases = sorted({r["phase"] for r in rows})
+    strategies = sorted({r["strategy"] for r in rows if r["strategy"] != "dense"}, key=_order)
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(phases)), 4.2))
+    width = 0.8 / max(1, len(strategies))
+    for i, strategy in enumerate(strategies):
+        values = [next((r["speedup_vs_dense"] or 0 for r in rows if r["phase"] == p and r["strategy"] == strategy), 0)
+                  for p in phases]
+        ax.bar([j + i * width for j in range(len(phases))], values, width, label=strategy)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("TTFT speed-up over dense (log)")
-    ax.set_title("Speed-up against prompt length (agents after the first, all workloads)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, markerscale=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_gamma_sweep(points: list[dict], path: Path) -> Path:
-    """KL against reuse rate as gamma sweeps (points: ``label``, ``reuse_rate``, ``kl_mean``)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    sweep = [p for p in points if p.get("gamma") is not None]
-    others = [p for p in points if p.get("gamma") is None]
-    ax.plot([p["reuse_rate"] or 0 for p in sweep], [p["kl_mean"] for p in sweep], marker="o", label="KVCOMM (gamma)")
-    for p in sweep:
-        ax.annotate(f"{p['gamma']:g}", (p["reuse_rate"] or 0, p["kl_mean"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=8)
-    for p in others:
-        ax.scatter([p["reuse_rate"] or 0], [p["kl_mean"]], marker="s", label=p["label"])
-    ax.set_xlabel("reuse rate (agent level)")
-    ax.set_ylabel("mean first-token KL vs dense (nats)")
-    ax.set_title("Fidelity against reuse as the entropy gate's gamma sweeps", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(phases))], [f"({p})" for p in phases])
+    ax.set_ylabel("whole-graph speed-up over dense")
+    ax.set_title("What a user waits for: whole graphs, every cost counted", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

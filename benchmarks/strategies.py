@@ -56,7 +56,8 @@ import copy
 import re
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -73,13 +74,13 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "LowerBound", "build", "
 #: (128 KiB of bf16 KV per token) so that no strategy loses its cache to the budget
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
-NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
+NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
          "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
-         "lower-bound")
+         "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
-DEFAULT_NAMES = ("dense", "prefix", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
+DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
                  "lower-bound")
 
 @dataclass
@@ -107,6 +108,7 @@ class CallOutcome:
     text: str
     stats: object = None
     peak_extra_bytes: Optional[int] = None
+    untimed_tokens: int = 0  # forwards the strategy ran that its figure leaves out (the lower bound's exact cache)
 
 
 class Strategy:
@@ -125,14 +127,29 @@ class Strategy:
     name: str
     generates: bool = True
     keeps_replies: bool = False
+    computes_ahead: bool = False
     requests: Optional[range] = None
 
     def takes_part(self, request: int) -> bool:
         return self.requests is None or request in self.requests
 
     def call(self, messages: list[dict], agent: str, forced_ids: Optional[Sequence[int]] = None,
-             max_new_tokens: int = 128) -> CallOutcome:
+             max_new_tokens: int = 128, *, stepwise: bool = True, shared_texts: Sequence[str] = ()) -> CallOutcome:
+        """One agent call: ``forced_ids`` replayed (``stepwise``: one decode step per token, as a
+        generated reply costs), or, without them, a greedy reply of at most ``max_new_tokens``.
+        ``shared_texts``: the texts of the prompt an earlier agent already read or wrote (only
+        the lower bound uses them)."""
         raise NotImplementedError
+
+    def ahead(self, prompts: Sequence[torch.Tensor]) -> None:
+        """While a sender decodes: what this strategy computes of its readers' ``prompts`` (each
+        ``[n]`` ids, a reader's prompt as far as it is known); only if ``computes_ahead``."""
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Calls inside the block leave what the strategy learns unchanged where it can (an
+        engine's anchors); for measurements outside the graph."""
+        yield
 
     def kv_bytes(self) -> int:
         """KV this strategy holds between calls (store, anchors, own text)."""
@@ -169,22 +186,23 @@ class EngineStrategy(Strategy):
         self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**self.settings), plan_hook=plan_hook)
         self.keeps_replies = self.engine.config.reuse
 
-    def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
+    def call(self, messages, agent, forced_ids=None, max_new_tokens=128, *, stepwise=True,
+             shared_texts=()) -> CallOutcome:
         start = _cuda_peak_start(self.device)
         if forced_ids is not None:
-            replay = self.engine.replay(messages, agent=agent, reply_ids=forced_ids)
-            result, logits, greedy = replay.result, replay.first_token_logits, replay.greedy_prefix
+            replay = self.engine.replay(messages, agent=agent, reply_ids=forced_ids, stepwise=stepwise)
         else:
-            # a free run's first-token logits: the same prompt replayed with its own first token
-            # would cost a second prefill, so free runs report the greedy pick only
-            result = self.engine.chat(messages, agent=agent, max_new_tokens=max_new_tokens)
-            logits, greedy = None, None
+            replay = self.engine.greedy(messages, agent=agent, max_new_tokens=max_new_tokens)
+        result, logits, greedy = replay.result, replay.first_token_logits, replay.greedy_prefix
         s = result.stats
         return CallOutcome(
             ttft_s=s.ttft_s, before_prefill_s=s.plan_s + s.hook_s + s.align_s, prompt_tokens=s.prompt_tokens,
             reused_tokens=s.reused_tokens, logits=logits, greedy_prefix=greedy, token_ids=result.token_ids,
             text=result.text, stats=s, peak_extra_bytes=_cuda_peak_extra(self.device, start),
         )
+
+    def frozen(self):
+        return self.engine.freeze_anchors()
 
     def kv_bytes(self) -> int:
         return self.engine.store.stats().bytes + self.engine.anchors.nbytes() + self.engine.own_texts.nbytes()
@@ -196,8 +214,41 @@ class EngineStrategy(Strategy):
         return self.engine.store.stats().evictions
 
 
+class PipelinedPrefill(EngineStrategy):
+    """Pipelined exact prefill, the simplest honest competitor of copies: while a sender decodes,
+    each later reader's prompt, as far as it is known (its own text, the task, the replies
+    already written), is computed exactly and kept as an exact prefix; the reader then computes
+    only what follows (the sender's reply and after it). Exact prefix caching underneath: no
+    re-rotation, no anchors. (FlashAgents, MLSys'26, does this on SGLang.)
+
+    Shortcut: the readers' prefixes are computed right after the sender's reply, in the
+    sender's turn, not batched into its decode steps: on one device the work is the same, done
+    serially; riding on memory-bound decode steps, as copies do, could make it cheaper."""
+
+    computes_ahead = True
+
+    @torch.inference_mode()
+    def ahead(self, prompts):
+        engine = self.engine
+        for ids in prompts:
+            ids = torch.as_tensor(ids, dtype=torch.long)
+            hit = engine.store.longest_prefix(ids, engine.fingerprint)
+            known = hit[1] if hit is not None else 0
+            if known >= ids.numel():
+                continue
+            reused = hit[0].kv.window(0, known) if known else None
+            pre = hf.prefill(engine.model, ids, torch.arange(known, ids.numel()), reused,
+                             torch.arange(known) if known else None)
+            kv = hf.kv_at_positions(pre.cache, pre.slot_positions, torch.arange(ids.numel()))
+            engine.store.put_prefix(ids, kv, engine.fingerprint)
+
+
 class LowerBound(Strategy):
-    """One forward of the last prompt token over an exact cache of the rest, built untimed."""
+    """The workload's limit: the same call with the prefill of shared text removed. The prompt's
+    positions holding ``shared_texts`` (text an earlier agent already read or wrote) take exact
+    KV from a dense prefill run beforehand, left out of the figure (``untimed_tokens``); the
+    call computes only the rest of its prompt, under the position mask, and decodes its reply:
+    a reuse method that lost nothing and cost nothing."""
 
     generates = False
 
@@ -207,28 +258,45 @@ class LowerBound(Strategy):
         self.device = model.get_input_embeddings().weight.device
 
     @torch.inference_mode()
-    def call(self, messages, agent, forced_ids=None, max_new_tokens=128) -> CallOutcome:
+    def call(self, messages, agent, forced_ids=None, max_new_tokens=128, *, stepwise=True,
+             shared_texts=()) -> CallOutcome:
+        from .measure import shared_text_positions
+
         ids = render_prompt(self.tokenizer, messages).ids
         n = int(ids.numel())
-        cache = hf.new_cache(self.model)
-        hf.run_forward(self.model, ids[None, :-1].to(self.device), cache)
+        found = shared_text_positions(self.tokenizer, messages, list(shared_texts), n) if shared_texts else None
+        shared = sorted(p for p in (found or ()) if p < n - 1)
+        dense = hf.prefill(self.model, ids, torch.arange(n)) if shared else None
+        reused_positions = torch.tensor(shared, dtype=torch.long)
+        computed = torch.tensor(sorted(set(range(n)) - set(shared)), dtype=torch.long)
+        block = hf.kv_at_positions(dense.cache, dense.slot_positions, reused_positions) if shared else None
         start = _cuda_peak_start(self.device)
         t0 = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages)  # timed: every strategy renders its prompt
-        logits = hf.run_forward(
-            self.model, layout.ids[None, -1:].to(self.device), cache,
-            position_ids=torch.tensor([[n - 1]], device=self.device),
-        )[0, -1].float()
-        first = int(torch.argmax(logits))  # waits for the device
+        pre = hf.prefill(self.model, layout.ids, computed, block, reused_positions if shared else None,
+                         masked=bool(shared))
+        first = int(torch.argmax(pre.logits))  # waits for the device
         ttft = time.perf_counter() - t0
+        reply = list(forced_ids) if forced_ids is not None else [first]
+        rows = [pre.logits]
+        for i, token in enumerate(reply[:-1]):
+            rows.append(hf.run_forward(self.model, torch.tensor([[token]], device=self.device), pre.cache,
+                                       position_ids=torch.tensor([[n + i]], device=self.device))[0, -1].float())
+        greedy = 0
+        while greedy < len(reply) and int(torch.argmax(rows[greedy])) == reply[greedy]:
+            greedy += 1
         return CallOutcome(
-            ttft_s=ttft, before_prefill_s=0.0, prompt_tokens=n, reused_tokens=n - 1, logits=logits.cpu(),
-            greedy_prefix=None, token_ids=[first], text="", peak_extra_bytes=_cuda_peak_extra(self.device, start),
+            ttft_s=ttft, before_prefill_s=0.0, prompt_tokens=n, reused_tokens=len(shared), logits=pre.logits.cpu(),
+            greedy_prefix=greedy, token_ids=reply, text="", peak_extra_bytes=_cuda_peak_extra(self.device, start),
+            untimed_tokens=n if shared else 0,
         )
 
 
-#: the re-rotation baselines are the method alone: no head recompute (``rerotate-head-N`` adds it)
+#: the research method alone: no head recompute; the paper's KVCOMM also without recorded
+#: versions or copies, with its similarity-weighted estimate
 PURE = ExperimentalSettings(recompute_head=0)
+PAPER = ExperimentalSettings(recompute_head=0, estimator="weighted", recorded_versions=False, framed_replies=False,
+                             framed_texts=False)
 
 
 #: suffixes an engine strategy's name may take (each at most once, in this order), and the
@@ -260,8 +328,11 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     table = {
         "dense": {"method": "dense"},
         "prefix": {"method": "exact_prefix", "audit_every": 0},
-        "rerotate": {"method": "rerotate", "audit_every": 0, "experimental": PURE},
+        "pipelined": {"method": "exact_prefix", "audit_every": 0},
+        "rerotate": {"method": "rerotate", "audit_every": 0},
         "cacheblend": {"method": "rerotate", "audit_every": 0, "experimental": PURE},
+        "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None,
+                         "experimental": PAPER},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
@@ -301,7 +372,8 @@ def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: f
     if name == "lower-bound":
         return LowerBound(model, tokenizer)
     hook = CacheBlend(recompute_share) if name == "cacheblend" else None
-    return EngineStrategy(name, model, tokenizer, settings_of(name, gamma=gamma), hook)
+    kind = PipelinedPrefill if name == "pipelined" else EngineStrategy
+    return kind(name, model, tokenizer, settings_of(name, gamma=gamma), hook)
 
 
 def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16, requests: Optional[range] = None) -> EngineStrategy:

@@ -27,15 +27,15 @@ class VLLMDriver:
             kwargs.update(engine_kwargs({"kl_budget": None} if strategy == "connector-unaudited" else None))
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the same process layout as the connector
-            kwargs.update(enable_prefix_caching=strategy == "vllm-apc", distributed_executor_backend="uni")
+            kwargs.update(enable_prefix_caching=strategy.startswith("vllm-apc"), distributed_executor_backend="uni")
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.ahead = self.replies = None
-        if strategy in ("connector-ahead", "connector-replies"):
+        if strategy in ("connector-ahead", "connector-replies", "vllm-apc-copies"):
             from kvcomm_agents.ahead import PrefillAhead
 
             self.ahead = PrefillAhead()
-        if strategy == "connector-replies":
+        if strategy in ("connector-replies", "vllm-apc-copies"):
             from kvcomm_agents.reply_ahead import ReplyAhead
 
             self.replies = ReplyAhead()

@@ -6,10 +6,11 @@ every earlier solver's reply (the shared message history of ``MessagesState``); 
 advise for decision agents) reads them all and states the final number. Agents are named by
 their LangGraph nodes; nobody passes KV or references by hand.
 
-The pipeline runs twice per question, with reuse and dense (reuse off, same weights); the table
-compares time to first token per agent and the final answers with the dense pipeline's. The
-first ``--warmup`` questions fill KVCOMM's anchor pools (each agent prefills what it has not seen
-enough of, and records it); they are reported apart from the table.
+The pipeline runs twice per question, with reuse and dense (reuse off, same weights), taking
+turns; the output gives each pipeline's whole-graph wall time and the tokens it forwarded through
+the model (copies and audits included), then the time to first token per agent, and the final
+answers against the dense pipeline's. The first ``--warmup`` questions fill KVCOMM's anchor pools
+(each agent prefills what it has not seen enough of, and records it); they are reported apart.
 
     python -m examples.langgraph_debate [--questions 5] [--warmup 2] [--solvers 3] [--max-tokens 48]
 """
@@ -26,7 +27,8 @@ from .tasks import gold_answer, gsm8k_questions, last_number
 from kvcomm_agents import ReuseSummary
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
-from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
+from .reporting import (CallRecorder, add_engine_arguments, config_from, engines, print_agent_table,
+                        print_graph_totals)
 
 
 def solver_prompt(k: int, n: int, history: list) -> list:
@@ -77,6 +79,7 @@ def main(argv=None) -> None:
     recorders = {name: CallRecorder() for name in graphs}
     warmup = {name: CallRecorder() for name in graphs}
     agree = correct = 0
+    graphs_cost = {name: [] for name in graphs}  # per measured question: (wall s, tokens forwarded)
     questions = gsm8k_questions(args.questions)
     print(f"{len(questions)} GSM8K questions, {args.solvers} solvers + judge, greedy, max {args.max_tokens} tokens; "
           f"method={reuse_engine.config.method}")
@@ -84,7 +87,11 @@ def main(argv=None) -> None:
         finals = {}
         for name, graph in graphs.items():
             recorder = (warmup if i <= args.warmup else recorders)[name]
+            before, tick = len(recorder.calls), time.perf_counter()
             out = graph.invoke({"messages": [HumanMessage(row["question"])]}, {"callbacks": [recorder]})
+            wall = time.perf_counter() - tick
+            if i > args.warmup:
+                graphs_cost[name].append((wall, sum(c.forwarded.total for c in recorder.calls[before:])))
             finals[name] = last_number(out["messages"][-1].content)
         gold = gold_answer(row)
         agree += finals["reuse"] == finals["dense"]
@@ -95,7 +102,8 @@ def main(argv=None) -> None:
         print(f"\nwarm-up (questions 1-{min(args.warmup, len(questions))}): token share {100 * summary.token_share:.0f}%, "
               f"{sum(d.reason == 'new_anchor' for c in warmup['reuse'].calls for d in c.decisions)} new anchors recorded")
     if recorders["reuse"].calls:
-        print(f"\nafter warm-up (questions {args.warmup + 1}-{len(questions)}):", end="")
+        print(f"\nafter warm-up (questions {args.warmup + 1}-{len(questions)}):")
+        print_graph_totals(graphs_cost["reuse"], graphs_cost["dense"])
         print_agent_table(recorders["reuse"].calls, recorders["dense"].calls)
     print(f"final answers equal to the dense pipeline's: {agree}/{len(questions)}; correct: {correct}/{len(questions)} "
           "(SmolLM2-135M solves few GSM8K problems; the point is speed at equal output)")

@@ -18,7 +18,7 @@ from langchain_core.outputs import LLMResult
 
 from kvcomm_agents import CallStats, KVCommConfig, KVCommEngine, ReuseSummary
 
-__all__ = ["CallRecorder", "engines", "print_agent_table", "add_engine_arguments", "config_from"]
+__all__ = ["CallRecorder", "engines", "print_agent_table", "print_graph_totals", "add_engine_arguments", "config_from"]
 
 
 class CallRecorder(BaseCallbackHandler):
@@ -88,3 +88,16 @@ def print_agent_table(reuse_calls: list[CallStats], dense_calls: list[CallStats]
     print(f"reuse rate {rate} of {summary.eligible} calls with shared text ({summary.opted_out} opted out); "
           f"token share {100 * summary.token_share:.0f}%. TTFT: means per agent, the dense pipeline ran "
           "on a second engine in the same process.")
+
+
+def print_graph_totals(reuse: list[tuple[float, int]], dense: list[tuple[float, int]]) -> None:
+    """What a user waits for and what it costs: per pipeline, the mean whole-graph wall time and
+    tokens forwarded through the model per question (``(seconds, tokens)`` per question, the two
+    pipelines run in turns on the same questions), and their ratios."""
+    if not reuse or not dense:
+        return
+    wall = [sum(w for w, _ in runs) / len(runs) for runs in (reuse, dense)]
+    tokens = [sum(t for _, t in runs) / len(runs) for runs in (reuse, dense)]
+    print(f"whole graph per question: reuse {wall[0]:.1f} s, dense {wall[1]:.1f} s ({wall[1] / wall[0]:.2f}x); "
+          f"tokens forwarded: reuse {tokens[0]:,.0f}, dense {tokens[1]:,.0f} ({tokens[0] / tokens[1]:.2f} of dense's; "
+          "prompt computed + decoded + copies + audits)")

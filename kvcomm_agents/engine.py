@@ -268,9 +268,32 @@ class KVCommEngine:
         Raises:
             InvalidRequestError: an argument is wrong (before any compute).
         """
+        sampler = TokenSampler(temperature, top_p, seed)
+        yield from self._generate(messages, agent, max_new_tokens, sampler, stop, reuse, tools)
+
+    def greedy(self, messages: Messages, *, agent: str, max_new_tokens: int = 256, reuse: Optional[bool] = None,
+               tools: Optional[list] = None) -> Replay:
+        """``chat`` at temperature 0 that also returns the logits behind every generated token
+        (evaluation: a free run's first-token KL against dense). ``Replay.greedy_prefix`` is the
+        whole reply."""
+        rows: list[torch.Tensor] = []
+
+        def pick(logits: torch.Tensor) -> int:
+            rows.append(logits.detach().float().cpu())
+            return int(torch.argmax(logits))
+
+        result = None
+        for item in self._generate(messages, agent, max_new_tokens, pick, None, reuse, tools):
+            if isinstance(item, ChatResult):
+                result = item
+        return Replay(result, torch.stack(rows), len(result.token_ids))
+
+    def _generate(self, messages: Messages, agent: str, max_new_tokens: int, sampler: Callable[[torch.Tensor], int],
+                  stop: Optional[Sequence[str]], reuse: Optional[bool],
+                  tools: Optional[list]) -> Iterator[Union[str, ChatResult]]:
+        """:meth:`stream`'s body with the token picker given (``[vocab]`` logits -> id)."""
         _check_agent(agent)
         _check_max_new_tokens(max_new_tokens)
-        sampler = TokenSampler(temperature, top_p, seed)
         text = TextAccumulator(self.tokenizer, stop)
         # The engine lock is taken around each compute step, never across a yield: a paused or
         # cross-thread-resumed stream (LangChain's async streaming) blocks nobody.

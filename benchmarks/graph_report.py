@@ -1,0 +1,137 @@
+"""Whole-graph summaries of :mod:`benchmarks.graph` records: per workload and strategy, what a
+user waits for (the graph's wall time), what it costs (tokens forwarded), how close it comes
+to the workload's limit, beside the readers' time to first token and fidelity."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from .report import _order, summarize_calls
+
+__all__ = ["summarize_graphs", "summarize_decisions", "format_graphs", "fastest_and_closest", "GRAPH_LEGEND"]
+
+
+def _graphs(records: list[dict]) -> dict[int, dict]:
+    """Per request: the graph's wall time, tokens forwarded, decode time and decoded tokens."""
+    out: dict[int, dict] = {}
+    for r in records:
+        g = out.setdefault(r["request"], {"wall": 0.0, "tokens": 0, "decode_s": 0.0, "decoded": 0})
+        g["wall"] += r["wall_s"]
+        g["tokens"] += r["model_tokens"]
+        g["decode_s"] += max(0.0, r["call_s"] - r["ttft_s"])
+        g["decoded"] += r["decoded_tokens"]
+    return out
+
+
+def summarize_graphs(records: list[dict]) -> list[dict]:
+    """One row per (phase, strategy) over the measured requests:
+
+    - ``wall_median_s``: median whole-graph wall time; ``speedup_vs_dense``: median over requests
+      of dense's wall time / the strategy's (same requests, same run);
+    - ``tokens_mean``: tokens forwarded per graph (prompt computed, copies, audits, decoded,
+      computed ahead); ``tokens_vs_dense``: their sum / dense's;
+    - ``share_of_limit``: the time saved against dense as a share of what the lower bound saves
+      (``(1 - 1/x) / (1 - 1/x_limit)`` of the median speed-ups; 100% = the limit);
+    - ``tpot_ms``: time per output token after the first, everything the call does after it
+      included (decode, copies riding on it or fed after it, the audit, capture; not what a
+      strategy computes ahead for its readers);
+    - the readers' (agents 2..N) TTFT speed-up, KL, agreement and reuse from
+      :func:`benchmarks.report.summarize_calls`.
+    """
+    measured = [r for r in records if not r["warmup"] and "wall_s" in r]
+    rows = []
+    for phase in sorted({r["phase"] for r in measured}):
+        mine = [r for r in measured if r["phase"] == phase]
+        per = {s: _graphs([r for r in mine if r["strategy"] == s]) for s in {r["strategy"] for r in mine}}
+        dense = per.get("dense", {})
+        speedups = {s: _ratio_median(dense, g) for s, g in per.items()}
+        limit = speedups.get("lower-bound")
+        for strategy in sorted(per, key=_order):
+            graphs, x = per[strategy], speedups[strategy]
+            common = [q for q in graphs if q in dense]
+            decoded = sum(g["decoded"] for g in graphs.values())
+            readers = summarize_calls([r for r in mine if r["strategy"] == strategy and r["agent_index"] > 1])
+            rows.append({
+                "phase": phase, "strategy": strategy, "requests": len(graphs),
+                "wall_median_s": statistics.median(g["wall"] for g in graphs.values()),
+                "speedup_vs_dense": x,
+                "share_of_limit": (1 - 1 / x) / (1 - 1 / limit) if x and limit and limit > 1 else None,
+                "tokens_mean": sum(g["tokens"] for g in graphs.values()) / len(graphs),
+                "tokens_vs_dense": (sum(graphs[q]["tokens"] for q in common) / sum(dense[q]["tokens"] for q in common)
+                                    if common and sum(dense[q]["tokens"] for q in common) else None),
+                "tpot_ms": 1000 * sum(g["decode_s"] for g in graphs.values()) / decoded if decoded else None,
+                "reader_ttft_speedup": readers["speedup_vs_dense"], "reader_kl_mean": readers["kl_mean"],
+                "reader_agree_32": readers["agree_32"], "reuse_rate": readers["reuse_rate"],
+                "shared_text_share": readers["shared_text_share"],
+            })
+    return rows
+
+
+def _ratio_median(dense: dict[int, dict], graphs: dict[int, dict]) -> Optional[float]:
+    ratios = [dense[q]["wall"] / g["wall"] for q, g in graphs.items() if q in dense and g["wall"] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def summarize_decisions(answers: list[dict]) -> list[dict]:
+    """Per strategy: how often the decider (judge, aggregator) picks what it picks under dense
+    prefill on the same candidates (judge consistency), and its accuracy where gold is known."""
+    measured = [a for a in answers if not a["warmup"]]
+    names = sorted({n for a in measured for n in a["answers"]}, key=_order)
+    rows = []
+    for name in names:
+        both = [a for a in measured if name in a["answers"] and "dense" in a["answers"]]
+        gold = [a for a in both if a["gold"] is not None]
+        rows.append({"strategy": name, "requests": len(both),
+                     "same_as_dense": sum(a["answers"][name] == a["answers"]["dense"] for a in both) / len(both)
+                     if both else None,
+                     "accuracy": sum(a["answers"][name] == a["gold"] for a in gold) / len(gold) if gold else None})
+    return rows
+
+
+def fastest_and_closest(rows: list[dict]) -> dict[str, dict[str, Optional[str]]]:
+    """Per phase: the reuse strategy with the fastest whole graph, and the one with the lowest
+    readers' KL (dense and the lower bound are references, not candidates)."""
+    out = {}
+    for phase in sorted({r["phase"] for r in rows}):
+        candidates = [r for r in rows if r["phase"] == phase and r["strategy"] not in ("dense", "lower-bound")
+                      and not r["strategy"].startswith("noise-floor")]
+        timed = [r for r in candidates if r["speedup_vs_dense"] is not None]
+        fidel = [r for r in candidates if r["reader_kl_mean"] is not None]
+        out[phase] = {"fastest": max(timed, key=lambda r: r["speedup_vs_dense"])["strategy"] if timed else None,
+                      "closest": min(fidel, key=lambda r: r["reader_kl_mean"])["strategy"] if fidel else None}
+    return out
+
+
+def _f(value, kind: str) -> str:
+    if value is None:
+        return "-"
+    return {"s": f"{value:.1f}", "x": f"{value:.2f}x", "pct": f"{100 * value:.0f}%", "kl": f"{value:.4f}",
+            "n": f"{value:,.0f}", "ms": f"{value:.0f}"}[kind]
+
+
+GRAPH_COLUMNS = [("strategy", "strategy", None), ("graph s", "wall_median_s", "s"), ("x dense", "speedup_vs_dense", "x"),
+                 ("of limit", "share_of_limit", "pct"), ("tokens", "tokens_mean", "n"),
+                 ("x dense tok", "tokens_vs_dense", "x"), ("TPOT ms", "tpot_ms", "ms"),
+                 ("reader TTFT x", "reader_ttft_speedup", "x"), ("reader KL", "reader_kl_mean", "kl"),
+                 ("agree 32", "reader_agree_32", "pct"), ("reuse", "reuse_rate", "pct"),
+                 ("from cache", "shared_text_share", "pct")]
+
+
+def format_graphs(rows: list[dict]) -> str:
+    """A plain-text table of :func:`summarize_graphs` rows (one phase)."""
+    cells = [[h for h, _, _ in GRAPH_COLUMNS]]
+    cells += [[str(r[k]) if kind is None else _f(r[k], kind) for _, k, kind in GRAPH_COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in cells)
+
+
+GRAPH_LEGEND = (
+    "graph s: median whole-graph wall time per request (every call, its copies, audits and what was computed "
+    "ahead; strategies take turns); x dense: median over requests of dense's graph time / the strategy's; "
+    "of limit: time saved as a share of what the lower bound (shared text's prefill removed) saves; tokens: "
+    "tokens forwarded through the model per graph (counted by a hook on the model); TPOT: time per output token "
+    "after the first, everything after it included; reader TTFT x / KL / agree 32: agents 2..N against dense on "
+    "the same ids; reuse: calls with no shared text prefilled; from cache: the task's and replies' tokens "
+    "served from cache.")

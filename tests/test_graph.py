@@ -1,0 +1,89 @@
+"""The whole-graph protocol (benchmarks/graph.py): every forward a strategy runs is charged to the
+graph whose request caused it, copies, audits and work done ahead included; the competitors it
+compares are what they say they are."""
+
+import pytest
+import torch
+
+from benchmarks.graph import ModelMeter, known_prompts, run_graph
+from benchmarks.graph_report import summarize_decisions, summarize_graphs
+from benchmarks.strategies import EngineStrategy, build
+from benchmarks.workloads import fan_out, gsm8k_debate
+from kvcomm_agents.engines import hf
+from kvcomm_agents.prompt import render_prompt
+
+pytestmark = pytest.mark.model
+
+EXTRA = 10  # tokens a rogue strategy forwards without reporting them
+
+
+class Rogue(EngineStrategy):
+    """Re-rotation that also runs a forward of its own after each call (as a copy fed outside
+    the engine would) and reports nothing of it."""
+
+    def call(self, *args, **kwargs):
+        out = super().call(*args, **kwargs)
+        with torch.inference_mode():
+            hf.run_forward(self.engine.model, torch.ones((1, EXTRA), dtype=torch.long), hf.new_cache(self.engine.model))
+        return out
+
+
+def _run(model, tokenizer, workload, strategies, warmup=1):
+    meter = ModelMeter(model)
+    try:
+        return run_graph(workload, strategies, warmup=warmup, phase="t", tokenizer=tokenizer,
+                         eos_ids={tokenizer.eos_token_id}, meter=meter)
+    finally:
+        meter.close()
+
+
+def test_every_forward_is_charged_to_its_graph(llama, tokenizer):
+    """KVCOMM with an audit on every reused call and framed copies, a rogue strategy, pipelined
+    prefill: a graph's tokens are what the model forwarded during its calls, whoever asked."""
+    strategies = [build("dense", llama, tokenizer), EngineStrategy("kvcomm-audited", llama, tokenizer,
+                                                                   {"method": "kvcomm", "audit_every": 1}),
+                  Rogue("rogue", llama, tokenizer, {"method": "rerotate"}), build("pipelined", llama, tokenizer),
+                  build("lower-bound", llama, tokenizer)]
+    workload = gsm8k_debate(requests=4, agents=3, reply_tokens=16, split="dev")
+    records, _ = _run(llama, tokenizer, workload, strategies)
+    by = lambda name: [r for r in records if r["strategy"] == name]  # noqa: E731
+    for r in by("dense") + by("kvcomm-audited"):
+        assert r["model_tokens"] == sum(r["forwarded"].values())
+    assert all(r["model_tokens"] == sum(r["forwarded"].values()) + EXTRA for r in by("rogue"))
+    audited = by("kvcomm-audited")
+    assert sum(r["forwarded"]["audit"] for r in audited) > 0 and sum(r["forwarded"]["copies"] for r in audited) > 0
+    # pipelined: the senders' turns carry the readers' prefixes computed ahead, the readers reuse them exactly
+    pipelined = [r for r in by("pipelined") if not r["warmup"]]
+    senders = [r for r in pipelined if r["agent_index"] < 3]
+    assert all(r["model_tokens"] > sum(r["forwarded"].values()) for r in senders)
+    readers = [r for r in pipelined if r["agent_index"] > 1]
+    assert all(r["reused_tokens"] > 0 and r["kl"] < 1e-6 for r in readers)
+    # the lower bound: exact, and charged only what it computes (its own text and the decode)
+    bound = [r for r in by("lower-bound") if r["agent_index"] > 1]
+    assert bound and all(r["kl"] < 1e-6 and 0 < r["model_tokens"] < r["prompt_tokens"] for r in bound)
+    # the graph totals are the calls' sums, per request
+    rows = {row["strategy"]: row for row in summarize_graphs(records)}
+    assert rows["dense"]["speedup_vs_dense"] == 1.0 and rows["dense"]["tokens_vs_dense"] == 1.0
+    measured = [r for r in by("rogue") if not r["warmup"]]
+    requests = {r["request"] for r in measured}
+    assert rows["rogue"]["tokens_mean"] == sum(r["model_tokens"] for r in measured) / len(requests)
+
+
+def test_known_prompts_are_prefixes_of_the_readers_real_prompts(tokenizer):
+    request = gsm8k_debate(requests=1, agents=4, split="dev").requests[0]
+    replies = ["Forty-two is the answer, since six times seven is 42.", "I agree: 42."]
+    known = known_prompts(tokenizer, request, 1, replies[:1])  # while agent 2 (index 1) decodes
+    assert len(known) == 2
+    for j, ids in zip((2, 3), known):
+        real = render_prompt(tokenizer, request.messages(j, replies + ["x"] * (j - 2))).ids
+        assert ids.numel() > 10 and torch.equal(real[: ids.numel()], ids)
+        assert tokenizer.decode(ids).count(replies[0]) == 1  # the reply written is known, the next one not
+
+
+def test_the_decider_is_compared_with_dense_on_the_same_candidates(llama, tokenizer):
+    workload = fan_out(requests=2, reply_tokens=4, split="dev")
+    strategies = [build("dense", llama, tokenizer), build("rerotate", llama, tokenizer)]
+    _, answers = _run(llama, tokenizer, workload, strategies, warmup=0)
+    assert len(answers) == 2 and all(set(a["answers"]) == {"dense", "rerotate"} for a in answers)
+    rows = {row["strategy"]: row for row in summarize_decisions(answers)}
+    assert rows["dense"]["same_as_dense"] == 1.0 and rows["rerotate"]["requests"] == 2
