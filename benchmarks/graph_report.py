@@ -25,7 +25,7 @@ def _graphs(records: list[dict]) -> dict[int, dict]:
 
 
 def summarize_graphs(records: list[dict]) -> list[dict]:
-    """One row per (phase, strategy) over the measured requests:
+    """One row per (phase, strategy) over the measured requests every strategy took part in:
 
     - ``wall_median_s``: median whole-graph wall time; ``speedup_vs_dense``: median over requests
       of dense's wall time / the strategy's (same requests, same run);
@@ -43,6 +43,7 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
     rows = []
     for phase in sorted({r["phase"] for r in measured}):
         mine = [r for r in measured if r["phase"] == phase]
+        mine = [r for r in mine if r["request"] in _everyones(mine)]
         per = {s: _graphs([r for r in mine if r["strategy"] == s]) for s in {r["strategy"] for r in mine}}
         dense = per.get("dense", {})
         speedups = {s: _ratio_median(dense, g) for s, g in per.items()}
@@ -66,6 +67,14 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
                 "shared_text_share": readers["shared_text_share"],
             })
     return rows
+
+
+def _everyones(records: list[dict]) -> set[int]:
+    """The requests every strategy took part in (a row measured on a subset, the bf16 noise
+    floor, left out of the count)."""
+    sets = [{r["request"] for r in records if r["strategy"] == s} for s in {r["strategy"] for r in records}
+            if not s.startswith("noise-floor")]
+    return set.intersection(*sets) if sets else set()
 
 
 def _ratio_median(dense: dict[int, dict], graphs: dict[int, dict]) -> Optional[float]:
@@ -135,3 +144,65 @@ GRAPH_LEGEND = (
     "after the first, everything after it included; reader TTFT x / KL / agree 32: agents 2..N against dense on "
     "the same ids; reuse: calls with no shared text prefilled; from cache: the task's and replies' tokens "
     "served from cache.")
+
+
+# ---- Markdown: the front table of docs/benchmarks.md, generated from a run's summary JSON ----
+LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined exact prefill",
+          "rerotate": "re-rotation only", "cacheblend": "CacheBlend-style 15%", "kvcomm-paper": "KVCOMM as in the paper",
+          "kvcomm-mean": "**default** (KVCOMM + versions + copies)", "lower-bound": "limit (no shared prefill)"}
+DEFAULT = "kvcomm-mean"
+
+
+def _label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def front_table(summary: dict) -> str:
+    """One row per workload: dense's whole-graph time, the default's and the fastest
+    competitor's speed-up, the limit, the default's share of it and its compute, the readers'
+    TTFT speed-up and KL (re-rotation only's beside it), the verdict."""
+    out = ["| workload | requests | dense graph s | default × dense | fastest other (× dense) | limit × dense | "
+           "default: % of limit | default tokens × dense | default reader TTFT × | default KL (re-rotation's) | "
+           "fastest / closest |", "|---" * 11 + "|"]
+    for phase, info in summary["phases"].items():
+        rows = {r["strategy"]: r for r in info.get("graphs", [])}
+        if DEFAULT not in rows or "dense" not in rows:
+            continue
+        d, base = rows[DEFAULT], rows["dense"]
+        others = [r for n, r in rows.items() if n not in ("dense", DEFAULT, "lower-bound")
+                  and not n.startswith("noise-floor") and r["speedup_vs_dense"] is not None]
+        best = max(others, key=lambda r: r["speedup_vs_dense"], default=None)
+        limit = rows.get("lower-bound", {}).get("speedup_vs_dense")
+        rerotate = rows.get("rerotate", {}).get("reader_kl_mean")
+        verdict = info.get("verdict") or {}
+        out.append(
+            f"| ({phase}) {info['title'].split(') ', 1)[-1]} | {d['requests']} | {_f(base['wall_median_s'], 's')} | "
+            f"**{_f(d['speedup_vs_dense'], 'x')}** | "
+            + (f"{_label(best['strategy'])} ({_f(best['speedup_vs_dense'], 'x')})" if best else "-")
+            + f" | {_f(limit, 'x')} | {_f(d['share_of_limit'], 'pct')} | {_f(d['tokens_vs_dense'], 'x')} | "
+            f"{_f(d['reader_ttft_speedup'], 'x')} | {_f(d['reader_kl_mean'], 'kl')} ({_f(rerotate, 'kl')}) | "
+            f"{_label(verdict.get('fastest'))} / {_label(verdict.get('closest'))} |")
+    return "\n".join(out)
+
+
+def workload_tables(summary: dict) -> str:
+    """Every workload's whole-graph rows, every strategy, and the decisions where the last agent decides."""
+    out = []
+    for phase, info in summary["phases"].items():
+        if not info.get("graphs"):
+            continue
+        requests = info["requests"]
+        out.append(f"#### ({phase}) {info['title'].split(') ', 1)[-1]}: {requests['measured']} measured requests "
+                   f"after {requests['warmup']} warm-up\n")
+        out.append("| " + " | ".join(h for h, _, _ in GRAPH_COLUMNS) + " |")
+        out.append("|---" * len(GRAPH_COLUMNS) + "|")
+        for r in info["graphs"]:
+            out.append("| " + " | ".join(_label(r[k]) if kind is None else _f(r[k], kind) for _, k, kind in GRAPH_COLUMNS)
+                       + " |")
+        if info.get("decisions"):
+            out.append("\n| decider under | picks as under dense | accuracy | requests |\n|---|---|---|---|")
+            for r in info["decisions"]:
+                out.append(f"| {_label(r['strategy'])} | {_f(r['same_as_dense'], 'pct')} | {_f(r['accuracy'], 'pct')} | "
+                           f"{r['requests']} |")
+        out.append("")
+    return "\n".join(out)

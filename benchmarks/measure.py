@@ -13,7 +13,6 @@ from typing import Callable, Optional
 import torch
 from transformers import LogitsProcessorList
 
-from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.prompt import render_prompt
 
 from .strategies import CallOutcome, Strategy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 DOWNSTREAM = "2..N"
 
@@ -140,138 +140,6 @@ def _fmt(value, kind: str) -> str:
         return "-"
     return {"ms": f"{value:.1f}", "x": f"{value:.2f}x", "pct": f"{100 * value:.0f}%", "kl": f"{value:.4f}",
             "mib": f"{value:.0f}", "int": f"{value:.0f}"}[kind]
-
-
-COLUMNS = [
-    ("strategy", "strategy", None, 30), ("calls", "calls", "int", 5), ("prompt", "prompt_tokens_mean", "int", 6),
-    ("TTFT ms", "ttft_median_ms", "ms", 8), ("p90 ms", "ttft_p90_ms", "ms", 8),
-    ("x dense", "speedup_vs_dense", "x", 8), ("x hand-off", "handoff_speedup_vs_dense", "x", 10), ("of LB", "share_of_lower_bound", "pct", 6),
-    ("align ms", "before_prefill_median_ms", "ms", 8), ("align/TTFT", "before_prefill_share_of_ttft", "pct", 10),
-    ("reuse", "reuse_rate", "pct", 6), ("tokens", "token_share", "pct", 6), ("shared", "shared_text_share", "pct", 6),
-    ("KL", "kl_mean", "kl", 7), ("32-agree", "agree_32", "pct", 8), ("anchors MiB", "anchor_mib", "mib", 11), ("KV MiB", "kv_mib", "mib", 7),
-]
-
-
-def format_table(rows: list[dict], columns=COLUMNS) -> str:
-    lines = [" ".join(f"{title:>{width}}" if i else f"{title:<{width}}" for i, (title, _, _, width) in enumerate(columns))]
-    for row in rows:
-        cells = []
-        for i, (_, key, kind, width) in enumerate(columns):
-            text = str(row[key]) if kind is None else _fmt(row.get(key), kind)
-            cells.append(f"{text:>{width}}" if i else f"{text:<{width}}")
-        lines.append(" ".join(cells))
-    return "\n".join(lines)
-
-
-#: what stays meaningful when strategies ran concurrently (times shared the machine)
-UNTIMED = ("strategy", "calls", "prompt_tokens_mean", "reuse_rate", "token_share", "shared_text_share", "anchor_mib",
-           "kv_mib")
-
-
-def print_phase(phase: str, title: str, rows: list[dict], *, per_agent: bool = False, timed: bool = True) -> None:
-    mine = [r for r in rows if r["phase"] == phase]
-    print(f"\n== {title} [{phase}], agents after the first ==" + ("" if timed else " (ran concurrently: no times)"))
-    columns = COLUMNS if timed else [c for c in COLUMNS if c[1] in UNTIMED]
-    print(format_table([r for r in mine if r["agent"] == DOWNSTREAM], columns))
-    if per_agent:
-        columns = [("strategy", "strategy", None, 30), ("agent", "agent", None, 5)] + [
-            c for c in COLUMNS if c[1] in ("prompt_tokens_mean", "ttft_median_ms", "speedup_vs_dense",
-                                          "share_of_lower_bound", "before_prefill_median_ms", "kl_mean")]
-        print("per agent index:")
-        print(format_table([r for r in mine if r["agent"] != DOWNSTREAM], columns))
-
-
-LEGEND = ("TTFT: median time to first token; x dense: median over calls of dense's TTFT / the strategy's in the "
-          "same slot; of LB: median of lower bound's TTFT / the strategy's (100% = as fast as any reuse can be); "
-          "align: everything before the prefill forward (render, plan, anchors, offsets, recompute selection, "
-          "cache assembly); reuse: agent-level reuse rate (calls with no shared segment prefilled); tokens: "
-          "reused share of prompt tokens; shared: reused share of the prompt tokens of the task and the earlier agents' "
-          "replies; KL: mean first-token KL(dense || strategy), nats; 32-agree: greedy "
-          "replies equal to dense's over min(32, until end-of-sequence, as far as dense's own greedy run follows the "
-          "forced reply) tokens, by teacher forcing (results.json: agree_window_mean).")
-
-
-# ---- Markdown (docs/benchmarks.md) ----------------------------------------------------------
-LABELS = {"dense": "dense", "prefix": "prefix (exact)", "rerotate": "re-rotation only",
-          "cacheblend": "CacheBlend-style 15%", "kvcomm-mean": "KVCOMM mean (default)",
-          "kvcomm-weighted": "KVCOMM weighted", "kvcomm-own-text": "KVCOMM mean + own text",
-          "lower-bound": "lower bound", "noise-floor (dense bfloat16)": "noise floor: dense bf16 vs fp32"}
-
-MD_COLUMNS = [("calls", "calls", "int"), ("prompt", "prompt_tokens_mean", "int"), ("TTFT median", "ttft_median_ms", "ms"),
-              ("p90", "ttft_p90_ms", "ms"), ("× dense", "speedup_vs_dense", "x"), ("share of LB", "share_of_lower_bound", "pct"),
-              ("align", "before_prefill_median_ms", "ms"), ("align / TTFT", "before_prefill_share_of_ttft", "pct"),
-              ("reuse rate", "reuse_rate", "pct"), ("token share", "token_share", "pct"),
-              ("task + replies from cache", "shared_text_share", "pct"), ("KL", "kl_mean", "kl"),
-              ("32-agree", "agree_32", "pct"), ("anchors MiB", "anchor_mib", "mib"), ("KV MiB", "kv_mib", "mib")]
-
-
-def _md(value, kind: str) -> str:
-    if value is not None and kind == "ms":
-        return f"{value:,.0f}"
-    if value is not None and kind == "x":
-        return f"{value:.2f}×"
-    return _fmt(value, kind)
-
-
-def _label(name: str) -> str:
-    if "gamma=" in name:
-        return f"KVCOMM mean, γ={name.split('gamma=')[1].rstrip(')')}"
-    return LABELS.get(name, name)
-
-
-def markdown(results: dict) -> str:
-    """Every phase of a ``results.json`` as Markdown tables: agents after the first, per agent
-    index (median TTFT and × dense), end-to-end answers, and the phase durations."""
-    rows, out = results["rows"], []
-    for phase, info in results["phases"].items():
-        mine = [r for r in rows if r["phase"] == phase]
-        out.append(f"#### [{phase}] {info['title']}: {info['requests']['measured']} measured requests after "
-                   f"{info['requests']['warmup']} warm-up, {info['elapsed_s'] / 60:.1f} min\n")
-        down = [r for r in mine if r["agent"] == DOWNSTREAM]
-        if down and info.get("concurrent"):
-            columns = [c for c in MD_COLUMNS if c[1] in UNTIMED]
-            out.append("Strategies ran concurrently (one thread each): no times.\n")
-            out.append("| strategy | " + " | ".join(c[0] for c in columns) + " |")
-            out.append("|---" * (len(columns) + 1) + "|")
-            for r in down:
-                out.append(f"| {_label(r['strategy'])} | " + " | ".join(_md(r.get(k), kind) for _, k, kind in columns) + " |")
-        elif down:
-            out.append("| strategy | " + " | ".join(c[0] for c in MD_COLUMNS) + " |")
-            out.append("|---" * (len(MD_COLUMNS) + 1) + "|")
-            for r in down:
-                out.append(f"| {_label(r['strategy'])} | " + " | ".join(_md(r.get(k), kind) for _, k, kind in MD_COLUMNS) + " |")
-            agents = sorted({r["agent"] for r in mine if r["agent"] != DOWNSTREAM})
-            out.append("\nPer agent index, median TTFT ms (× dense), mean KL:\n")
-            out.append("| strategy | " + " | ".join(f"agent {a}" for a in agents) + " |")
-            out.append("|---" * (len(agents) + 1) + "|")
-            for name in [r["strategy"] for r in down]:
-                cells = []
-                for a in agents:
-                    r = next((x for x in mine if x["strategy"] == name and x["agent"] == a), None)
-                    cells.append("-" if r is None else f"{_md(r['ttft_median_ms'], 'ms')} ({_md(r['speedup_vs_dense'], 'x')}), "
-                                 f"{_md(r['kl_mean'], 'kl')}")
-                out.append(f"| {_label(name)} | " + " | ".join(cells) + " |")
-        if info.get("answers"):
-            out.append("\n| strategy | final answer = dense pipeline's | accuracy | requests |\n|---|---|---|---|")
-            for a in info["answers"]:
-                accuracy = "-" if a["accuracy"] is None else f"{100 * a['accuracy']:.0f}%"
-                out.append(f"| {_label(a['strategy'])} | {100 * a['final_equal_to_dense']:.0f}% | {accuracy} | {a['requests']} |")
-        follows = info.get("dense_follows_references") or {}
-        if follows.get("calls"):
-            out.append(f"\nDense (engine, unbatched) follows the batched dense replies: whole reply in "
-                       f"{100 * follows['whole_reply']:.0f}% of {follows['calls']} calls, "
-                       f"{100 * follows['token_share']:.0f}% of reply tokens before a departure.")
-        out.append("")
-    total = sum(info["elapsed_s"] for info in results["phases"].values())
-    out.append(f"Phases in all: {total / 60:.1f} min.")
-    return "\n".join(out)
-
-
-if __name__ == "__main__":  # python -m benchmarks.report benchmarks/out/<model>/<profile>/results.json
-    import json
-    import sys
-
-    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
 
 
 # ---- plots ----------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from .workloads import (Workload, changing_graph, coding_pipeline, fan_out, gsm8
                         long_document, paper_shape, rag_handoff, shared_history)
 
 GRAPH_PHASES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
+DECIDING_PHASES = ("b", "i")  # the last agent decides: judge consistency
+DECISION_STRATEGIES = ("dense", "rerotate", "kvcomm-paper", "kvcomm-mean")
 PHASES = GRAPH_PHASES + ("b-e2e",)
 E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean", "kvcomm-unframed")
 
@@ -51,6 +53,9 @@ class Profile:
     a_shape: tuple = (5, 256, 512, 64)  # (a): agents N, own text P, shared input I, reply O tokens
     h_reply_tokens: int = 32
     noise_requests: int = 0  # the bf16 noise floor on (b)'s first measured requests
+    #: (b) and (i): measured requests after the sizes' on which only the decision strategies run
+    #: (judge consistency needs 20+ requests; whole-graph rows use the requests every strategy ran)
+    decision_requests: int = 0
     e2e_requests: int = 20
     e2e_reply_tokens: int = 64
 
@@ -58,14 +63,16 @@ class Profile:
         sizes = ", ".join(f"({p}) {w}+{n}" for p, (w, n) in self.sizes.items())
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens ((h) <= {self.h_reply_tokens}); (a) "
                 f"N={self.a_shape[0]} P={self.a_shape[1]} I={self.a_shape[2]} O={self.a_shape[3]}; warm-up + "
-                f"measured requests: {sizes}; bf16 noise floor on {self.noise_requests} of (b); end to end "
+                f"measured requests: {sizes}, and {self.decision_requests} more on (b) and (i) for "
+                f"{', '.join(DECISION_STRATEGIES)} only; bf16 noise floor on {self.noise_requests} of (b); end to end "
                 f"{self.e2e_requests} requests (replies <= {self.e2e_reply_tokens})")
 
 
 PROFILES = {
-    "default": Profile("default", sizes={"a": (2, 4), "b": (2, 20), "c": (2, 6), "d": (2, 6), "e": (2, 6),
-                                         "f": (2, 4), "g": (2, 8), "h": (1, 4), "i": (2, 20)},
-                       noise_requests=4),
+    "default": Profile("default", reply_tokens=32, a_shape=(5, 256, 512, 32),
+                       sizes={"a": (2, 3), "b": (2, 6), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 3),
+                              "g": (2, 6), "h": (1, 4), "i": (2, 4)},
+                       noise_requests=4, decision_requests=14, e2e_reply_tokens=32),
     "quick": Profile("quick", reply_tokens=16, h_reply_tokens=16, a_shape=(4, 128, 256, 16),
                      sizes={p: (2, 2) for p in GRAPH_PHASES} | {"h": (1, 2)}, e2e_requests=3, e2e_reply_tokens=16),
     "smoke": Profile("smoke", reply_tokens=4, h_reply_tokens=4, a_shape=(3, 24, 48, 4),
@@ -132,7 +139,9 @@ def _progress(total: int, desc: str, unit: str = "call"):
 
 def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
     p, tok, split = ctx.profile, ctx.loaded.tokenizer, ctx.args.split
-    warm, measured = p.sizes.get(phase.replace("-e2e", ""), (0, 1)) if phase != "b-e2e" else (0, p.e2e_requests)
+    warm, measured = p.sizes.get(phase, (0, 1)) if phase != "b-e2e" else (0, p.e2e_requests)
+    if phase in DECIDING_PHASES:
+        measured += p.decision_requests
     n, tokens = warm + measured, p.reply_tokens
     builders = {
         "a": lambda: paper_shape(tok, requests=n, agents=p.a_shape[0], lead_tokens=p.a_shape[1],
@@ -180,6 +189,11 @@ def run_phase(ctx: Context, phase: str) -> dict:
                                                   progress=bar.update)
     else:
         strategies = _strategies(ctx, names)
+        if phase in DECIDING_PHASES and ctx.profile.decision_requests:
+            everyone = range(len(workload.requests) - ctx.profile.decision_requests)
+            for strategy in strategies:
+                if strategy.name not in DECISION_STRATEGIES:
+                    strategy.requests = everyone
         if phase == "b" and ctx.profile.noise_requests:  # the drift that is not reuse's, same run
             floor = noise_floor(ctx.loaded.model, ctx.loaded.tokenizer,
                                 requests=range(warmup, warmup + ctx.profile.noise_requests))

@@ -264,7 +264,7 @@ def main(argv=None) -> None:
             if phase == "batch" and strategy == "vllm-apc":
                 continue
             if phase == "fidelity" and not strategy.startswith("connector"):
-                continue  # the HF engine's own fidelity is in docs/benchmarks.md (its audits)
+                continue  # the HF engine's own fidelity is in benchmarks/LAB.md (its audits)
             python = args.hf_python if strategy == "hf" else sys.executable
             requests = args_requests if phase == "batch" else args.requests
             command = [python, "-m", "benchmarks.vllm_serving", "--one", f"{strategy}:{phase}",

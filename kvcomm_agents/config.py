@@ -2,7 +2,7 @@
 
 Research and baseline knobs live in one clearly marked :class:`ExperimentalSettings` sub-model.
 Knobs whose measured results lost were removed; their figures stay in ``docs/fidelity.md`` and
-``docs/benchmarks.md`` (the error gate, ``offset_max_error``, CacheBlend-style recompute, which
+``benchmarks/LAB.md`` (the error gate, ``offset_max_error``, CacheBlend-style recompute, which
 the benchmark keeps as a baseline).
 """
 
@@ -98,7 +98,7 @@ class ExperimentalSettings(BaseModel):
             "Compute the first N tokens of every reused run in context instead of reusing them "
             "(cheap fidelity: the tokens right after a change of context deviate most). On the "
             "quick benchmark 4 cut KVCOMM's first-token KL by 44% on (b) and 72% on (e) for "
-            "2-4 points of reused tokens (docs/benchmarks.md, 'Cheap fidelity'). Not where a "
+            "2-4 points of reused tokens (benchmarks/LAB.md, 'Cheap fidelity'). Not where a "
             "version of the segment (its base, a recorded or framed one) fits the text before "
             "the run's first token: there the context did not change. 0: off."
         ),
@@ -209,7 +209,7 @@ class KVCommConfig(BaseModel):
         description=(
             "KVCOMM's gate threshold (the paper's 0.3): a segment is reused when the entropy of "
             "its anchor weights is at most gamma * log2 N. Higher reuses more, drifts more "
-            "(docs/benchmarks.md, gamma sweep)."
+            "(benchmarks/LAB.md, gamma sweep)."
         ),
     )
     max_anchors: int = Field(default=20, ge=1, description="Anchors per segment kind (the paper: 20).")
@@ -252,7 +252,7 @@ class KVCommConfig(BaseModel):
             "as anchors) but for one decision in 4 (a probe), reused and always audited to gather "
             "the measure. Versions of a segment computed after the same text are not estimates "
             "and are always reused. Default 0.015 (issue 12's KL target): on the quick benchmark "
-            "KL 0.0319 -> 0.0032 on (b) for 3.08x -> 2.11x TTFT (docs/benchmarks.md, 'Recorded "
+            "KL 0.0319 -> 0.0032 on (b) for 3.08x -> 2.11x TTFT (benchmarks/LAB.md, 'Recorded "
             "versions and a KL budget'). None: no budget (the gate alone decides)."
         ),
     )

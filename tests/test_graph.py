@@ -12,7 +12,6 @@ from benchmarks.workloads import fan_out, gsm8k_debate
 from kvcomm_agents.engines import hf
 from kvcomm_agents.prompt import render_prompt
 
-pytestmark = pytest.mark.model
 
 EXTRA = 10  # tokens a rogue strategy forwards without reporting them
 

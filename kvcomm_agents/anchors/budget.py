@@ -5,7 +5,7 @@ The pool holding the most bytes among those that can spare an anchor gives up it
 never its newest nor a segment just recorded, as many as bring all pools to :data:`HEADROOM` of
 the budget at its mean bytes per anchor (an evicted anchor's tensors go at once), then drops the
 emptied slots. Where no pool can spare one, the largest
-pool goes whole, the kinds just recorded into last. Before (measured in docs/benchmarks.md,
+pool goes whole, the kinds just recorded into last. Before (measured in benchmarks/LAB.md,
 "Shared text framed for its later readers"): the least recently recorded pool gave anchors up,
 which emptied small pools of replies while one pool of long documents held the budget.
 """
