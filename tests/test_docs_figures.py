@@ -1,0 +1,28 @@
+"""Every figure table in the README and docs/benchmarks.md is generated from a committed run
+summary (benchmarks/results/): regenerated here, it must be what the page says."""
+
+import json
+
+import pytest
+
+from benchmarks.tables import ROOT, generated_blocks, render
+
+PAGES = ["README.md", "docs/benchmarks.md"]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_generated_tables_match_their_summary_files(page):
+    blocks = generated_blocks((ROOT / page).read_text())
+    assert blocks, f"{page} quotes no generated table"
+    for path, front, body in blocks:
+        summary = json.loads((ROOT / path).read_text())
+        assert summary["split"] == "report", f"{path}: figures must come from the report range"
+        assert body == render(summary, front=front), f"{page}: the table from {path} is stale; regenerate it"
+
+
+def test_a_changed_figure_is_caught():
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    path, front, body = generated_blocks(text)[0]
+    summary = json.loads((ROOT / path).read_text())
+    summary["phases"][next(iter(summary["phases"]))]["graphs"][0]["wall_median_s"] += 1.0
+    assert render(summary, front=front) != body
