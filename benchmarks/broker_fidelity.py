@@ -33,7 +33,7 @@ def run(name: str, model, tokenizer, graphs: int, reply_tokens: int) -> list[dic
 
     runtime = PrefixOnlyRuntime(model, tokenizer, **SETTINGS[name])
     records = []
-    for graph, request in enumerate(gsm8k_debate(requests=graphs, offset=0, agents=AGENTS).requests):
+    for graph, request in enumerate(gsm8k_debate(requests=graphs, split="dev", agents=AGENTS).requests):
         replies: list[str] = []
         for k, agent in enumerate(request.agents):
             ids = runtime.ids(request.messages(k, replies))

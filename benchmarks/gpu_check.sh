@@ -3,9 +3,9 @@
 #   1. library versions;
 #   2. the exactness tests (pytest -m exact: layer-0 re-rotation, the mask oracle, reuse off ==
 #      generate) on CUDA in float32, then in bfloat16;
-#   3. the paper's TTFT shape (5 agents, P=512, I=1024, O=512 generated exactly, bf16) on a
-#      random-weight Llama-3.1-8B: replies generated once densely, then time to first token per
-#      strategy (benchmarks profile "gpu", workload a);
+#   3. the paper's shape (5 agents, P=512, I=1024, replies of at most 64 tokens, bf16) on a
+#      random-weight Llama-3.1-8B: whole graphs per strategy (wall time, tokens forwarded,
+#      readers' time to first token; benchmarks profile "gpu", workload a);
 #   4. what framed copies cost the sender's decode and save its readers on a GPU (the assumption
 #      behind copying on every decode step): benchmarks.framed_decode, workloads (a) and (c).
 # Each step writes JSON under $OUT (default benchmarks/out/gpu) as soon as it ends.

@@ -43,12 +43,17 @@ _UNKNOWN = ("Alpha bravo charlie, a reply not written yet.", "Zulu yankee xray: 
 
 
 class ModelMeter:
-    """Counts the query tokens of every forward of ``model`` (a forward pre-hook): independent
-    of what any engine reports about itself."""
+    """Counts the query tokens of every forward of ``model`` (a forward pre-hook), and of any
+    model :meth:`watch` adds (the bf16 noise floor's copy): independent of what any engine
+    reports about itself."""
 
     def __init__(self, model) -> None:
         self.tokens = 0
-        self._handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._handles = []
+        self.watch(model)
+
+    def watch(self, model) -> None:
+        self._handles.append(model.register_forward_pre_hook(self._count, with_kwargs=True))
 
     def _count(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids")
@@ -69,7 +74,8 @@ class ModelMeter:
             box[0] = self.tokens - start
 
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 def known_prompts(tokenizer, request: Request, k: int, replies: list[str]) -> list[torch.Tensor]:
@@ -123,7 +129,8 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
                         strategy.ahead(known_prompts(tokenizer, request, k, replies))
                     wall = time.perf_counter() - started
                 outcomes[strategy.name] = out
-                costs[strategy.name] = (wall, called - started, tokens[0] - out.untimed_tokens)
+                costs[strategy.name] = (wall - out.untimed_s, called - started - out.untimed_s,
+                                        tokens[0] - out.untimed_tokens)
             dense = outcomes["dense"]
             window = agreement_window(reply_ids[k], eos_ids)
             texts = list(shared)

@@ -109,6 +109,7 @@ class CallOutcome:
     stats: object = None
     peak_extra_bytes: Optional[int] = None
     untimed_tokens: int = 0  # forwards the strategy ran that its figure leaves out (the lower bound's exact cache)
+    untimed_s: float = 0.0  # and the seconds they took
 
 
 class Strategy:
@@ -266,10 +267,12 @@ class LowerBound(Strategy):
         n = int(ids.numel())
         found = shared_text_positions(self.tokenizer, messages, list(shared_texts), n) if shared_texts else None
         shared = sorted(p for p in (found or ()) if p < n - 1)
+        untimed = time.perf_counter()
         dense = hf.prefill(self.model, ids, torch.arange(n)) if shared else None
         reused_positions = torch.tensor(shared, dtype=torch.long)
         computed = torch.tensor(sorted(set(range(n)) - set(shared)), dtype=torch.long)
         block = hf.kv_at_positions(dense.cache, dense.slot_positions, reused_positions) if shared else None
+        untimed = time.perf_counter() - untimed
         start = _cuda_peak_start(self.device)
         t0 = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages)  # timed: every strategy renders its prompt
@@ -288,7 +291,7 @@ class LowerBound(Strategy):
         return CallOutcome(
             ttft_s=ttft, before_prefill_s=0.0, prompt_tokens=n, reused_tokens=len(shared), logits=pre.logits.cpu(),
             greedy_prefix=greedy, token_ids=reply, text="", peak_extra_bytes=_cuda_peak_extra(self.device, start),
-            untimed_tokens=n if shared else 0,
+            untimed_tokens=n if shared else 0, untimed_s=untimed,
         )
 
 
