@@ -111,7 +111,7 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
             messages = request.messages(k, replies)
             shared = request.shared_texts(k, replies)
             last = k + 1 == len(request.agents)
-            taking_part = [s for s in strategies if s.takes_part(r) and (measured or s.name != "lower-bound")]
+            taking_part = [s for s in strategies if s.takes_part(r)]
             order = [taking_part[0]] + _rotated(taking_part[1:], r + k)
             outcomes: dict[str, CallOutcome] = {}
             costs: dict[str, tuple[float, int]] = {}
@@ -142,7 +142,7 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
                     **_record(phase, workload, r, request.key, not measured, k, agent, strategy, out, dense),
                     "wall_s": wall, "call_s": call_s, "model_tokens": tokens, "decoded_tokens": max(0, len(out.token_ids) - 1),
                     "forwarded": None if out.stats is None else out.stats.forwarded.model_dump(),
-                    "kl": first_token_kl(dense.logits, out.logits),
+                    "kl": None if out.logits is None else first_token_kl(dense.logits, out.logits),
                     "agree": None if out.greedy_prefix is None or window == 0 else out.greedy_prefix >= window,
                     "agree_window": window, "greedy_prefix": out.greedy_prefix, "forced_tokens": len(reply_ids[k]),
                     "shared_text_tokens": None if positions is None else len(positions),
