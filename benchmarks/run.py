@@ -70,7 +70,7 @@ class Profile:
 
 PROFILES = {
     "default": Profile("default", reply_tokens=32, a_shape=(5, 256, 512, 32),
-                       sizes={"a": (2, 3), "b": (2, 6), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 3),
+                       sizes={"a": (2, 3), "b": (2, 4), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 3),
                               "g": (2, 6), "h": (1, 4), "i": (2, 4)},
                        noise_requests=4, decision_requests=16, e2e_reply_tokens=32),
     "quick": Profile("quick", reply_tokens=16, h_reply_tokens=16, a_shape=(4, 128, 256, 16),
