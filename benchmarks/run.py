@@ -326,7 +326,7 @@ def _print_phase(phase: str, result: dict) -> None:
     if result["graphs"]:
         print(format_graphs(result["graphs"]))
         verdict = result.get("verdict") or {}
-        print(f"  fastest whole graph: {verdict.get('fastest')}; closest to dense (readers' KL): {verdict.get('closest')}")
+        print(f"  fastest whole graph: {verdict.get('fastest')}; closest to dense of the approximate ones (readers' KL): {verdict.get('closest')}")
     for row in result.get("decisions") or []:
         same = "-" if row["same_as_dense"] is None else f"{100 * row['same_as_dense']:.0f}%"
         accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.0f}%"
