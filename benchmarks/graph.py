@@ -114,7 +114,7 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
             taking_part = [s for s in strategies if s.takes_part(r)]
             order = [taking_part[0]] + _rotated(taking_part[1:], r + k)
             outcomes: dict[str, CallOutcome] = {}
-            costs: dict[str, tuple[float, int]] = {}
+            costs: dict[str, tuple[float, float, int]] = {}  # wall s, call s, tokens
             for strategy in order:
                 forced = reply_ids[k] if strategy.name != "dense" else None
                 with meter.measuring() as tokens:
