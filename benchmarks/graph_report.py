@@ -197,9 +197,11 @@ def workload_tables(summary: dict) -> str:
     for phase, info in summary["phases"].items():
         if not info.get("graphs"):
             continue
-        requests = info["requests"]
+        requests, everyone = info["requests"], info["graphs"][0]["requests"]
+        subset = (f" (the graph rows: the {everyone} that every strategy ran)"
+                  if everyone != requests["measured"] else "")
         out.append(f"#### ({phase}) {info['title'].split(') ', 1)[-1]}: {requests['measured']} measured requests "
-                   f"after {requests['warmup']} warm-up\n")
+                   f"after {requests['warmup']} warm-up{subset}\n")
         out.append("| " + " | ".join(h for h, _, _ in GRAPH_COLUMNS) + " |")
         out.append("|---" * len(GRAPH_COLUMNS) + "|")
         for r in info["graphs"]:
