@@ -72,7 +72,7 @@ PROFILES = {
     "default": Profile("default", reply_tokens=32, a_shape=(5, 256, 512, 32),
                        sizes={"a": (2, 3), "b": (2, 4), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 3),
                               "g": (2, 6), "h": (1, 4), "i": (2, 4)},
-                       noise_requests=4, decision_requests=16, e2e_reply_tokens=32),
+                       noise_requests=20, decision_requests=16, e2e_reply_tokens=32),
     "quick": Profile("quick", reply_tokens=16, h_reply_tokens=16, a_shape=(4, 128, 256, 16),
                      sizes={p: (2, 2) for p in GRAPH_PHASES} | {"h": (1, 2)}, e2e_requests=3, e2e_reply_tokens=16),
     "smoke": Profile("smoke", reply_tokens=4, h_reply_tokens=4, a_shape=(3, 24, 48, 4),

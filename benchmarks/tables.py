@@ -1,8 +1,8 @@
-"""``python -m benchmarks.tables SUMMARY.json [--front]``: the Markdown tables the docs quote, made
+"""``python -m benchmarks.tables SUMMARY.json [--front] [--phases b,i]``: the Markdown tables the docs quote, made
 from a committed run summary (``python -m benchmarks --summary``), so every figure in the README
 and ``docs/benchmarks.md`` traces to a file. A test regenerates every block marked
 
-    <!-- generated: python -m benchmarks.tables benchmarks/results/<name>.json [--front] -->
+    <!-- generated: python -m benchmarks.tables benchmarks/results/<name>.json [--front] [--phases b,i] -->
     ...
     <!-- end generated -->
 
@@ -15,18 +15,22 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import Optional
 
 from .graph_report import front_table, workload_tables
 
 __all__ = ["render", "generated_blocks", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-_BLOCK = re.compile(r"<!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?P<front> --front)? -->\n"
-                    r"(?P<body>.*?)\n<!-- end generated -->", re.S)
+_BLOCK = re.compile(r"<!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?P<front> --front)?"
+                    r"(?: --phases (?P<phases>\S+))? -->\n(?P<body>.*?)\n<!-- end generated -->", re.S)
 
 
-def render(summary: dict, *, front: bool) -> str:
-    """The front table (one row per workload) or every workload's table, with the run's sample."""
+def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) -> str:
+    """The front table (one row per workload) or every workload's table, with the run's sample;
+    only ``phases`` where given."""
+    if phases:
+        summary = {**summary, "phases": {p: v for p, v in summary["phases"].items() if p in phases}}
     versions = summary["versions"]
     head = (f"Run: commit `{versions['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, "
             f"{versions['device']} ({versions['threads']} threads), profile `{summary['profile']['name']}`, "
@@ -34,17 +38,20 @@ def render(summary: dict, *, front: bool) -> str:
     return head + (front_table(summary) if front else workload_tables(summary))
 
 
-def generated_blocks(text: str) -> list[tuple[str, bool, str]]:
-    """``(summary path, front, body)`` of every generated block of a page."""
-    return [(m["path"], bool(m["front"]), m["body"]) for m in _BLOCK.finditer(text)]
+def generated_blocks(text: str) -> list[tuple[str, bool, Optional[list[str]], str]]:
+    """``(summary path, front, phases, body)`` of every generated block of a page."""
+    return [(m["path"], bool(m["front"]), m["phases"].split(",") if m["phases"] else None, m["body"])
+            for m in _BLOCK.finditer(text)]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
     parser.add_argument("summary", type=Path)
     parser.add_argument("--front", action="store_true", help="the front table only (one row per workload)")
+    parser.add_argument("--phases", default=None, help="comma-separated: only these workloads")
     args = parser.parse_args(argv)
-    print(render(json.loads(args.summary.read_text()), front=args.front))
+    print(render(json.loads(args.summary.read_text()), front=args.front,
+                 phases=args.phases.split(",") if args.phases else None))
 
 
 if __name__ == "__main__":
