@@ -235,11 +235,7 @@ class KVCommEngine:
     # ---- public calls ---------------------------------------------------------------------
     def chat(self, messages: Messages, *, agent: str, **options) -> ChatResult:
         """Generate one agent's reply. Options as :meth:`stream`."""
-        result = None
-        for item in self.stream(messages, agent=agent, **options):
-            if isinstance(item, ChatResult):
-                result = item
-        return result
+        return _final(self.stream(messages, agent=agent, **options))
 
     def stream(
         self,
@@ -282,10 +278,7 @@ class KVCommEngine:
             rows.append(logits.detach().float().cpu())
             return int(torch.argmax(logits))
 
-        result = None
-        for item in self._generate(messages, agent, max_new_tokens, pick, None, reuse, tools):
-            if isinstance(item, ChatResult):
-                result = item
+        result = _final(self._generate(messages, agent, max_new_tokens, pick, None, reuse, tools))
         return Replay(result, torch.stack(rows), len(result.token_ids))
 
     def _generate(self, messages: Messages, agent: str, max_new_tokens: int, sampler: Callable[[torch.Tensor], int],
@@ -382,6 +375,14 @@ class KVCommEngine:
     @property
     def _device(self) -> torch.device:
         return hf.input_device(self.model)
+
+
+def _final(items: Iterable[Union[str, ChatResult]]) -> ChatResult:
+    """The :class:`ChatResult` a generation ends with (its text pieces consumed)."""
+    for item in items:
+        if isinstance(item, ChatResult):
+            return item
+    raise RuntimeError("the generation ended without a result")
 
 
 def _check_agent(agent) -> None:

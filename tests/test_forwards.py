@@ -86,3 +86,18 @@ def test_a_dense_call_forwards_its_prompt_and_its_reply_once(model, tokenizer):
         assert (f.prompt, f.decode, f.copies, f.audit) == (replay.result.stats.prompt_tokens, len(ids) - 1, 0, 0)
     assert stepwise.greedy_prefix == whole.greedy_prefix
     torch.testing.assert_close(stepwise.logits, whole.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_is_chat_with_the_logits_of_every_token(model, tokenizer):
+    """``engine.greedy``: the reply ``chat`` gives at temperature 0, and row ``i`` of its logits is
+    what teacher forcing that reply gives (row 0: the first token's)."""
+    messages = solver_messages("You are solver two.", REPLY)
+    free = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense")).greedy(
+        messages, agent="s2", max_new_tokens=8)
+    chat = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense")).chat(
+        messages, agent="s2", max_new_tokens=8)
+    assert free.result.token_ids == chat.token_ids and free.greedy_prefix == len(chat.token_ids)
+    forced = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense")).replay(
+        messages, agent="s2", reply_ids=chat.token_ids)
+    assert free.logits.shape[0] == len(chat.token_ids)
+    torch.testing.assert_close(free.logits[: forced.logits.shape[0]], forced.logits, atol=1e-4, rtol=1e-4)
