@@ -1,6 +1,6 @@
 """The vLLM connector's reuse policy, measured without vLLM: ``python -m benchmarks.broker_fidelity``.
 
-The connector's decisions are the broker's (:class:`kvcomm_agents.broker.KVCommBroker`), and
+The connector's decisions are the broker's (:class:`kvcomm_agents.paged.broker.KVCommBroker`), and
 :class:`kvcomm_agents.testing.PrefixOnlyRuntime` runs the broker on transformers exactly as vLLM
 runs a claim (load positions ``0 .. claim``, compute the rest); ``tests_vllm`` checks that the
 connector on vLLM's CPU build matches it. This runs workload (b) (the GSM8K debate of

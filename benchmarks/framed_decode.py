@@ -1,8 +1,8 @@
 """What framed copies cost the sender and save its readers: whole pipelines timed, with and without.
 
-The default feeds copies of each reply (``experimental.framed_replies``) and of shared prompt
-text (``experimental.framed_texts``) inside the sender's own decode steps
-(``kvcomm_agents.framed_decode.FramedDecode``): a step computes more than one token. Where a
+The default feeds copies of each reply (``reply_copies``) and of shared prompt
+text (``text_copies``) inside the sender's own decode steps
+(``kvcomm_agents.framing.decode.FramedDecode``): a step computes more than one token. Where a
 decode step costs the read of the weights (a GPU) that should be nearly free; on a CPU it is
 not. The forced benchmark (``python -m benchmarks``) times the readers' first token and the
 sender's work after its reply; this script times everything, per pipeline: two engines
@@ -48,11 +48,9 @@ def measure(model, tokenizer, workload: W.Workload, *, tokens: int) -> list[dict
     """One record per call after the first request: per engine, TTFT, decode s/token, copies'
     seconds after the reply, ``total_s`` and copies recorded."""
     from kvcomm_agents import KVCommConfig, KVCommEngine
-    from kvcomm_agents.config import ExperimentalSettings
 
     engines = {"default": KVCommEngine(model, tokenizer, config=KVCommConfig()),
-               "unframed": KVCommEngine(model, tokenizer, config=KVCommConfig(
-                   experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))}
+               "unframed": KVCommEngine(model, tokenizer, config=KVCommConfig(reply_copies=False, text_copies=False))}
     records = []
     for r, request in enumerate(workload.requests):
         replies: list[str] = []

@@ -22,12 +22,10 @@ and the timing points. The competitors every run compares (``DEFAULT_NAMES``):
 The baselines without anchors run with ``audit_every=0`` (an audit there only measures). The
 ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kvcomm-own-text``
 (the receiver's own text reused with the anchors' own-text offsets), ``rerotate-messages`` /
-``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-only-itself`` (a new
-segment computed alone), ``kvcomm-any-length`` / ``kvcomm-most-length`` (the gate consults
-shorter anchors), ``kvcomm-no-audit``, ``kvcomm-no-versions``, ``kvcomm-no-budget``,
-``kvcomm-unframed`` (no copies), ``kvcomm-replies-framed`` (reply copies only); any engine
-strategy + ``-head-N`` (the first N tokens of every reused run computed in context) and/or
-``-spread-P`` (P% of the estimated tokens whose anchors disagree most computed).
+``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-no-audit``,
+``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-unframed`` (no copies),
+``kvcomm-replies-framed`` (reply copies only); any engine strategy + ``-head-N`` (the first N
+tokens of every reused run computed in context).
 """
 
 from __future__ import annotations
@@ -54,8 +52,7 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "PipelinedPrefill", "Low
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
-         "rerotate-messages", "kvcomm-messages", "kvcomm-only-itself", "kvcomm-any-length", "kvcomm-most-length",
-         "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
+         "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
          "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
@@ -129,33 +126,25 @@ class PipelinedPrefill(EngineStrategy):
             engine.store.put_prefix(ids, kv, engine.fingerprint)
 
 
-#: the research method alone: no head recompute; the paper's KVCOMM also without recorded
-#: versions or copies, with its similarity-weighted estimate
-PURE = ExperimentalSettings(recompute_head=0)
-PAPER = ExperimentalSettings(recompute_head=0, estimator="weighted", recorded_versions=False, framed_replies=False,
-                             framed_texts=False)
+#: the paper's KVCOMM: no head recompute, no recorded versions or copies, its similarity-weighted
+#: estimate, no KL budget or audits
+PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recorded_versions": False, "reply_copies": False,
+         "text_copies": False, "experimental": ExperimentalSettings(estimator="weighted")}
 
 
-#: suffixes an engine strategy's name may take (each at most once, in this order), and the
-#: experimental setting each sets: ``-head-N`` recomputes the first N tokens of each reused run,
-#: ``-spread-P`` the P% of estimated tokens whose anchors disagree most
-_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-spread-(?P<spread>\d+))?")
+#: the suffix an engine strategy's name may take: ``-head-N`` recomputes the first N tokens of
+#: each reused run
+_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?")
 
 
 def _split(name: str) -> tuple[str, dict]:
-    """A strategy name as its base name and the experimental settings its suffixes set."""
+    """A strategy name as its base name and the settings its suffix sets."""
     match = _SUFFIXES.fullmatch(name)
-    update = {}
-    if match["head"] is not None:
-        update["recompute_head"] = int(match["head"])
-    if match["spread"] is not None:
-        update["recompute_spread"] = int(match["spread"]) / 100
-    return match["base"], update
+    return match["base"], ({} if match["head"] is None else {"recompute_head": int(match["head"])})
 
 
 def known(name: str) -> bool:
-    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``
-    and/or ``-spread-P``."""
+    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``."""
     base, update = _split(name)
     return name in NAMES or bool(update and base in NAMES and base != "lower-bound")
 
@@ -167,40 +156,25 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "prefix": {"method": "exact_prefix", "audit_every": 0},
         "pipelined": {"method": "exact_prefix", "audit_every": 0},
         "rerotate": {"method": "rerotate", "audit_every": 0},
-        "cacheblend": {"method": "rerotate", "audit_every": 0, "experimental": PURE},
-        "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None,
-                         "experimental": PAPER},
+        "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0},
+        "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, **PAPER},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
-        "rerotate-messages": {"method": "rerotate", "audit_every": 0,
-                              "experimental": PURE.model_copy(update={"shared_runs": "messages"})},
-        "kvcomm-messages": {"method": "kvcomm", "gamma": gamma,
-                            "experimental": ExperimentalSettings(shared_runs="messages")},
-        "kvcomm-only-itself": {"method": "kvcomm", "gamma": gamma,
-                               "experimental": ExperimentalSettings(new_segment="only_itself")},
+        "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "shared_runs": "messages"},
+        "kvcomm-messages": {"method": "kvcomm", "gamma": gamma, "shared_runs": "messages"},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
-        "kvcomm-unframed": {"method": "kvcomm", "gamma": gamma,
-                            "experimental": ExperimentalSettings(framed_replies=False, framed_texts=False)},
-        "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma,
-                                  "experimental": ExperimentalSettings(framed_texts=False)},
-        "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None,
-                               "experimental": ExperimentalSettings(recorded_versions=False)},
-        "kvcomm-any-length": {"method": "kvcomm", "gamma": gamma,
-                              "experimental": ExperimentalSettings(anchor_lengths="any")},
-        "kvcomm-most-length": {"method": "kvcomm", "gamma": gamma,
-                               "experimental": ExperimentalSettings(anchor_lengths="most")},
+        "kvcomm-unframed": {"method": "kvcomm", "gamma": gamma, "reply_copies": False, "text_copies": False},
+        "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma, "text_copies": False},
+        "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None, "recorded_versions": False},
     }
     base, update = _split(name)
-    if update and base in table:  # any engine strategy with recompute_head=N / recompute_spread=P%
-        settings = dict(table[base])
-        experimental = settings.get("experimental", ExperimentalSettings())
-        settings["experimental"] = experimental.model_copy(update=update)
-        return settings
+    if update and base in table:  # any engine strategy with recompute_head=N
+        return {**table[base], **update}
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy "
-                         "followed by -head-N and/or -spread-P")
+                         "followed by -head-N")
     return table[name]
 
 

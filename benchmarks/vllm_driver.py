@@ -32,11 +32,11 @@ class VLLMDriver:
         self.tokenizer = self.llm.get_tokenizer()
         self.ahead = self.replies = None
         if strategy in ("connector-ahead", "connector-replies", "vllm-apc-copies"):
-            from kvcomm_agents.ahead import PrefillAhead
+            from kvcomm_vllm.text_ahead import PrefillAhead
 
             self.ahead = PrefillAhead()
         if strategy in ("connector-replies", "vllm-apc-copies"):
-            from kvcomm_agents.reply_ahead import ReplyAhead
+            from kvcomm_vllm.reply_ahead import ReplyAhead
 
             self.replies = ReplyAhead()
         self._spans: dict[tuple, list] = {}
@@ -75,12 +75,12 @@ class VLLMDriver:
     def _stepped(self, prompts, agents, copies, max_tokens, reuse, logprobs, params):
         """:meth:`generate` stepped on the engine, as a streaming ``VLLMEngine`` sees it: each
         prompt's prefill-ahead ``copies`` are added once its first token is out (they ride on its
-        decode steps, never on its prefill), and every :data:`~kvcomm_agents.reply_ahead.CHUNK`
+        decode steps, never on its prefill), and every :data:`~kvcomm_vllm.reply_ahead.CHUNK`
         new reply ids one ``prefix_only`` copy per learned reader of its reply. Copies still
         running when the prompts finish go on beside the next ones."""
         from vllm.sampling_params import RequestOutputKind
 
-        from kvcomm_agents.reply_ahead import CHUNK, copy_prompt
+        from kvcomm_vllm.reply_ahead import CHUNK, copy_prompt
         from kvcomm_vllm.client import COPY_PRIORITY
 
         engine = self.llm.llm_engine

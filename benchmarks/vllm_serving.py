@@ -15,10 +15,10 @@ speed is reported as ratios to plain vLLM measured in the same invocation.
   copies, without the connector: the copies are exact-prefix requests, which the prefix cache
   alone serves), ``vllm`` (prefix caching off), ``connector`` (KVCOMM, default settings: no estimated offsets, as nothing audits
   them on vLLM), ``connector-ahead`` (the connector with the client's prefill-ahead copies,
-  ``kvcomm_agents.ahead``: what ``VLLMEngine`` sends by default; each call is stepped as a
+  ``kvcomm_vllm.text_ahead``: what ``VLLMEngine`` sends by default; each call is stepped as a
   stream and its copies, one token each, are added once its first token is out),
   ``connector-replies`` (those copies and
-  the client's reply copies, ``kvcomm_agents.reply_ahead``: each call is stepped as a stream and
+  the client's reply copies, ``kvcomm_vllm.reply_ahead``: each call is stepped as a stream and
   every 32 new reply ids a ``prefix_only`` one-token request per learned reader is added, as
   ``VLLMEngine`` sends them by default), ``connector-unaudited``
   (``kl_budget=None``: estimated offsets used unmeasured),

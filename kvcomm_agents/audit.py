@@ -38,7 +38,7 @@ __all__ = ["CallAuditor", "Audit"]
 class Audit:
     """One audited call: ``KL(dense || served)`` on its first token, in nats, and the dense
     prefill of its prompt ids (exact KV: a call whose prompt KV was estimated feeds its reply's
-    framed copies there, :meth:`kvcomm_agents.framer.Framer.after_audit`)."""
+    framed copies there, :meth:`kvcomm_agents.framing.framer.Framer.after_audit`)."""
 
     kl: float
     dense: hf.Prefill

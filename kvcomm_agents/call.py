@@ -3,7 +3,7 @@
 Render (the engine) -> plan: exact prefix, re-rotated shared segments, the rest computed
 (:mod:`.planner`) -> align the reused KV (:mod:`.alignment`) and prefill in one forward
 (:mod:`.engines.hf`) -> the decode loop, or a teacher-forced reply -> keep the reply's KV, the
-anchors' observations and the framed copies (:mod:`.capture`, :mod:`.framer`), now and then a
+anchors' observations and the framed copies (:mod:`.capture`, :mod:`.framing.framer`), now and then a
 dense audit (:mod:`.audit`) -> the call's :class:`~kvcomm_agents.results.CallStats`. The engine's
 public calls (``stream``, ``replay``) string these steps together.
 """
@@ -14,26 +14,30 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from .alignment import assemble
 from .forwards import ForwardTally, charging
 from .anchors import KVCommAnchors
+from .audit import CallAuditor
+from .capture import CallCapture
+from .kv.own_text import OwnTextStore
+from .kv.store import SegmentStore
+from .identity import WeightsWatch
+from .support import ModelInfo
+from .versions import Versions
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
-from .framed_decode import FramedDecode
+from .framing import FramedDecode, Framer
 from .kv.segments import SegmentRef
 from .plan import CallPlan
 from .planner import plan_call
 from .prompt import PromptLayout, normalize_messages
 from .results import CallStats, ChatResult, ForwardedTokens
 
-if TYPE_CHECKING:
-    from .engine import KVCommEngine
-
-__all__ = ["CallSteps", "PreparedCall"]
+__all__ = ["CallSteps", "EngineParts", "PreparedCall"]
 
 logger = logging.getLogger("kvcomm_agents")
 Messages = Sequence[Mapping[str, Any]]
@@ -56,17 +60,41 @@ class PreparedCall:
     tally: ForwardTally = field(default_factory=ForwardTally)  # every token the call forwards, by purpose
 
 
-class CallSteps:
-    """The steps of one call, on the parts of ``engine`` (its model, lock, store, anchors,
-    own-text KV, framer, auditor and capture, taken once) and its ``plan_hook`` (read per call).
-    Each step takes the engine lock around its compute, never across a yield."""
+@dataclass(frozen=True)
+class EngineParts:
+    """What the steps of a call work on: an engine's state, shared by all its calls.
 
-    def __init__(self, engine: "KVCommEngine") -> None:
-        self.engine = engine
-        self.model, self.config, self.info = engine.model, engine.config, engine.info
-        self.lock, self.weights, self.calibrating = engine._lock, engine._weights, engine._calibrating
-        self.store, self.anchors, self.own_texts = engine._store, engine._anchors, engine._own_texts
-        self.framer, self.auditor, self.capture = engine._framer, engine._auditor, engine._capture
+    ``plan_hook()``: the plan hook to run now (the engine's ``plan_hook`` bound to the engine;
+    None when unset), read per call. ``refresh_weights()``: drop what was learned from weights
+    that changed in place (the engine's reaction to :class:`~.support.WeightsWatch`)."""
+
+    model: Any
+    config: Any
+    info: ModelInfo
+    lock: Any
+    weights: WeightsWatch
+    calibrating: Any
+    store: SegmentStore
+    anchors: KVCommAnchors
+    versions: Versions
+    own_texts: OwnTextStore
+    framer: Framer
+    auditor: CallAuditor
+    capture: CallCapture
+    plan_hook: Callable[[], Optional[Callable[[CallPlan], CallPlan]]]
+    refresh_weights: Callable[[], None]
+
+
+class CallSteps:
+    """The steps of one call, on an engine's :class:`EngineParts`. Each step takes the engine
+    lock around its compute, never across a yield."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.model, self.config, self.info = parts.model, parts.config, parts.info
+        self.lock, self.weights, self.calibrating = parts.lock, parts.weights, parts.calibrating
+        self.store, self.anchors, self.own_texts = parts.store, parts.anchors, parts.own_texts
+        self.versions, self.framer, self.auditor, self.capture = parts.versions, parts.framer, parts.auditor, parts.capture
 
     @contextmanager
     def prepared(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int,
@@ -76,12 +104,13 @@ class CallSteps:
         tally = ForwardTally()
         with self.lock, torch.inference_mode(), charging(tally, "prompt"):  # anchor tensors are inference tensors
             if self.weights.changed():
-                self.engine._refresh_changed_weights()
+                self.parts.refresh_weights()
             plan = self.plan(layout, agent, reuse, new_tokens)
             planned = time.perf_counter()
             hooked = planned  # hook_s is 0.0 when no hook ran
-            if self.engine.plan_hook is not None and plan.runs:
-                plan = self.engine.plan_hook(self.engine, plan)
+            hook = self.parts.plan_hook()
+            if hook is not None and plan.runs:
+                plan = hook(plan)
                 hooked = time.perf_counter()
         with self.store.pinned(_pins(plan)):
             with self.lock, torch.inference_mode(), charging(tally, "prompt"):
@@ -108,7 +137,7 @@ class CallSteps:
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
         return plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config, agent=agent,
-                         refuse_reason=refuse, anchors=self.anchors, own_texts=self.own_texts,
+                         refuse_reason=refuse, anchors=self.anchors, versions=self.versions, own_texts=self.own_texts,
                          calibrating=self.calibrating.active)
 
     def decode(self, call: PreparedCall, next_id: int, sampler: TokenSampler, text: TextAccumulator,

@@ -105,7 +105,7 @@ class CallCapture:
         self.observe(plan, agent, kv_at, anchors)
         if layout is not None and roles is not None:
             self.capture_messages(layout, roles, plan, kv_at)
-        exact = plan.observable_until() >= n  # no estimated KV before the reply: it may serve as a version
+        exact = plan.first_estimated() >= n  # no estimated KV before the reply: it may serve as a version
         return self.capture_reply(n, generated, reply, agent, kv_at, plan.prompt_ids if exact else None)
 
     def observe(self, plan: CallPlan, agent: str, kv_at: KVAt, anchors=None) -> None:
@@ -120,7 +120,7 @@ class CallCapture:
         if not self.config.prefix_cache:
             return
         ids = torch.cat([plan.prompt_ids, torch.tensor(generated, dtype=torch.long)])
-        exact = plan.exact_until() if plan.runs else ids.numel()
+        exact = plan.first_rerotated() if plan.runs else ids.numel()
         if exact < self.config.experimental.min_prefix_tokens:
             return
         hit = self.store.longest_prefix(ids[:exact], self.fingerprint)
@@ -161,13 +161,13 @@ class CallCapture:
             if kind is None or index in found or content is None:
                 continue
             if self.store.find_text(content, self.fingerprint) is None:
-                self.capture_message(layout, index, kind, kv_at, plan.observable_until())
+                self.capture_message(layout, index, kind, kv_at, plan.first_estimated())
 
     def capture_message(self, layout: PromptLayout, index: int, kind: Kind, kv_at: KVAt,
-                        exact_until: Optional[int] = None) -> Optional[SegmentRef]:
+                        exact_before: Optional[int] = None) -> Optional[SegmentRef]:
         """Store message ``index``'s content KV as a segment of ``kind``. Its context ids are kept
-        (it may serve as a version, :mod:`.anchors.versions`) only when it lies before
-        ``exact_until`` (the pass's first token whose KV was estimated; None: exact throughout)."""
+        (it may serve as a version, :mod:`.versions.match`) only when it lies before
+        ``exact_before`` (the pass's first token whose KV was estimated; None: exact throughout)."""
         span = layout.content_spans[index]
         if span is None:
             return None
@@ -178,7 +178,7 @@ class CallCapture:
         segment = self.cut(kv_at, tokens.start, layout.ids[tokens.start : tokens.stop].tolist(), char_spans,
                            layout.text[span[0] : span[1]], kind,
                            layout.ids[max(0, tokens.start - CONTEXT_TOKENS) : tokens.start].tolist()
-                           if exact_until is None or tokens.stop <= exact_until else ())
+                           if exact_before is None or tokens.stop <= exact_before else ())
         return segment.ref if self.store.put(segment) else None
 
     def capture_reply(self, start: int, generated: list[int], text: str, agent: str, kv_at: KVAt,

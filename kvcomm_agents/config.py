@@ -1,9 +1,10 @@
 """``KVCommConfig``: the settings a user of the engine sets, validated, each saying why it exists.
 
-Research and baseline knobs live in one clearly marked :class:`ExperimentalSettings` sub-model.
-Knobs whose measured results lost were removed; their figures stay in ``docs/fidelity.md`` and
-``benchmarks/LAB.md`` (the error gate, ``offset_max_error``, CacheBlend-style recompute, which
-the benchmark keeps as a baseline).
+What reproduces the paper's variants (its similarity-weighted estimate, its prefix offsets) and
+the anchor pools' details live in :class:`ExperimentalSettings`. Ideas whose measured results
+lost were removed; their figures stay in ``benchmarks/LAB.md`` (the error gate, CacheBlend-style
+recompute, which the benchmark keeps as a baseline, recomputing the tokens whose anchors disagree
+most, other anchor lengths, a new segment computed alone).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ Method = Literal["kvcomm", "rerotate", "exact_prefix", "dense"]
 
 
 class ExperimentalSettings(BaseModel):
-    """Research knobs of KVCOMM and of the store. Defaults are the measured best; change them to
-    reproduce the paper's variants or to experiment, not to tune a deployment."""
+    """The paper's variants and the anchor pools' details. Defaults are the measured best; change
+    them to reproduce the paper (``estimator="weighted"``, with ``KVCommConfig(kl_budget=None,
+    recorded_versions=False, reply_copies=False, text_copies=False, recompute_head=0)``) or to
+    experiment, not to tune a deployment."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -63,91 +66,6 @@ class ExperimentalSettings(BaseModel):
     )
     min_prefix_tokens: int = Field(
         default=4, ge=1, description="Shortest exact prefix worth keeping in the store after a call."
-    )
-    anchor_lengths: Literal["at_least", "most", "any"] = Field(
-        default="at_least",
-        description=(
-            "Which of a kind's anchors the gate consults for a segment. 'at_least': those at least "
-            "as long as the segment (the paper). 'most': those at least 3/4 as long. 'any': every "
-            "one. Shorter anchors are compared over the tokens they have; with the 'mean' "
-            "estimator a token takes the mean offset of the anchors covering it from their start, "
-            "else of those covering it from their end ('weighted' keeps 'at_least')."
-        ),
-    )
-    new_segment: Literal["dense_after", "only_itself"] = Field(
-        default="dense_after",
-        description=(
-            "What a segment the anchor gate judges new costs (method='kvcomm'). 'dense_after': it "
-            "and everything after it are computed, so their context is exact and each is recorded "
-            "as an anchor (the research code's rule). 'only_itself': it alone is computed and "
-            "recorded, in the context of the (possibly re-rotated) KV before it; later segments "
-            "still go through the gate."
-        ),
-    )
-    recompute_spread: float = Field(
-        default=0.0, ge=0.0, le=0.5,
-        description=(
-            "Share of the tokens reused with estimated offsets that are computed in context "
-            "instead: those where the consulted anchors' offsets disagree most (their variance "
-            "across anchors, the estimate's own uncertainty). 0: off."
-        ),
-    )
-    recompute_head: int = Field(
-        default=4, ge=0,
-        description=(
-            "Compute the first N tokens of every reused run in context instead of reusing them "
-            "(cheap fidelity: the tokens right after a change of context deviate most). On the "
-            "quick benchmark 4 cut KVCOMM's first-token KL by 44% on (b) and 72% on (e) for "
-            "2-4 points of reused tokens (benchmarks/LAB.md, 'Cheap fidelity'). Not where a "
-            "version of the segment (its base, a recorded or framed one) fits the text before "
-            "the run's first token: there the context did not change. 0: off."
-        ),
-    )
-    recorded_versions: bool = Field(
-        default=True,
-        description=(
-            "Before the gate (and after a new anchor), reuse the version of a segment computed "
-            "after the same text as this prompt has before it, at least 16 ids in common, longest "
-            "match first: its own KV as it is, or the offsets a receiver recorded for this very "
-            "segment (method='kvcomm'; kvcomm_agents.anchors.versions). False: only the "
-            "receiver's own recorded offsets and the gate's estimates (kept for comparison)."
-        ),
-    )
-    framed_replies: bool = Field(
-        default=True,
-        description=(
-            "Compute each reply a second time, as its readers will see it: after the text they "
-            "put before it (learned from earlier calls: the sender's prompt without its generation "
-            "header, then a lead-in such as 'Solver 2 answered:'), fed with the sender's own "
-            "decode steps in the same cache, and recorded as a version the first reader reuses "
-            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing). Measured on CPU, "
-            "40 GSM8K debates: readers 2.2x -> 3.95x dense to the first token, first-token KL "
-            "0.0118 -> 0.0011; end to end 19 of 20 final answers equal to dense's (14 without); "
-            "the sender decodes about 1.07x slower per token (copies fed 16 tokens at a time on "
-            "a CPU, with every step on CUDA). False: the first reader of each reply computes it."
-        ),
-    )
-    framed_texts: bool = Field(
-        default=True,
-        description=(
-            "Compute shared prompt text (a task, documents) a second time for each later reader, "
-            "after that reader's own prefix (its system text: learned from earlier calls, its KV "
-            "taken from the exact-prefix store), fed with the first reader's decode steps and "
-            "recorded as a version the later readers reuse (method='kvcomm' with "
-            "recorded_versions; kvcomm_agents.text_framing). Costs the first reader up to 256 "
-            "text ids per generated token, the rest after its reply. "
-            "False: each reader estimates offsets for the text or computes it."
-        ),
-    )
-    shared_runs: Literal["anywhere", "messages"] = Field(
-        default="anywhere",
-        description=(
-            "Where shared text is looked for. 'anywhere': besides whole segments per message, any "
-            "run of at least min_match_tokens token ids an earlier call computed (its messages, "
-            "reply or whole prompt), wherever it sits in a message (a rolling-hash index). "
-            "'messages': only a segment's whole text (or a message's reference), the matching "
-            "before token runs (kept for comparison)."
-        ),
     )
 
 
@@ -251,14 +169,71 @@ class KVCommConfig(BaseModel):
             "kind's segments are prefilled for that receiver (reason 'over_kl_budget', recorded "
             "as anchors) but for one decision in 4 (a probe), reused and always audited to gather "
             "the measure. Versions of a segment computed after the same text are not estimates "
-            "and are always reused. Default 0.015 (issue 12's KL target): on the quick benchmark "
+            "and are always reused. Default 0.015: on the quick benchmark "
             "KL 0.0319 -> 0.0032 on (b) for 3.08x -> 2.11x TTFT (benchmarks/LAB.md, 'Recorded "
             "versions and a KL budget'). None: no budget (the gate alone decides)."
         ),
     )
+    recompute_head: int = Field(
+        default=4, ge=0,
+        description=(
+            "Compute the first N tokens of every reused run in context instead of reusing them "
+            "(cheap fidelity: the tokens right after a change of context deviate most). On the "
+            "quick benchmark 4 cut KVCOMM's first-token KL by 44% on (b) and 72% on (e) for "
+            "2-4 points of reused tokens (benchmarks/LAB.md, 'Cheap fidelity'). Not where a "
+            "version of the segment (its base, a recorded or framed one) fits the text before "
+            "the run's first token: there the context did not change. 0: off."
+        ),
+    )
+    recorded_versions: bool = Field(
+        default=True,
+        description=(
+            "Before the gate (and after a new anchor), reuse the version of a segment computed "
+            "after the same text as this prompt has before it, at least 16 ids in common, longest "
+            "match first: its own KV as it is, or the offsets a receiver recorded for this very "
+            "segment (method='kvcomm'; kvcomm_agents.versions.match). False: only the "
+            "receiver's own recorded offsets and the gate's estimates (kept for comparison)."
+        ),
+    )
+    reply_copies: bool = Field(
+        default=True,
+        description=(
+            "Compute each reply a second time, as its readers will see it: after the text they "
+            "put before it (learned from earlier calls: the sender's prompt without its generation "
+            "header, then a lead-in such as 'Solver 2 answered:'), fed with the sender's own "
+            "decode steps in the same cache, and recorded as a version the first reader reuses "
+            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing.replies). Measured on CPU, "
+            "40 GSM8K debates: readers 2.2x -> 3.95x dense to the first token, first-token KL "
+            "0.0118 -> 0.0011; end to end 19 of 20 final answers equal to dense's (14 without); "
+            "the sender decodes about 1.07x slower per token (copies fed 16 tokens at a time on "
+            "a CPU, with every step on CUDA). False: the first reader of each reply computes it."
+        ),
+    )
+    text_copies: bool = Field(
+        default=True,
+        description=(
+            "Compute shared prompt text (a task, documents) a second time for each later reader, "
+            "after that reader's own prefix (its system text: learned from earlier calls, its KV "
+            "taken from the exact-prefix store), fed with the first reader's decode steps and "
+            "recorded as a version the later readers reuse (method='kvcomm' with "
+            "recorded_versions; kvcomm_agents.framing.texts). Costs the first reader up to 256 "
+            "text ids per generated token, the rest after its reply. "
+            "False: each reader estimates offsets for the text or computes it."
+        ),
+    )
+    shared_runs: Literal["anywhere", "messages"] = Field(
+        default="anywhere",
+        description=(
+            "Where shared text is looked for. 'anywhere': besides whole segments per message, any "
+            "run of at least min_match_tokens token ids an earlier call computed (its messages, "
+            "reply or whole prompt), wherever it sits in a message (a rolling-hash index). "
+            "'messages': only a segment's whole text (or a message's reference), the matching "
+            "before token runs (kept for comparison)."
+        ),
+    )
     experimental: ExperimentalSettings = Field(
         default_factory=ExperimentalSettings,
-        description="Research knobs (estimator, own-text reuse, anchor pool details); see ExperimentalSettings.",
+        description="The paper's variants (estimator, own-text offsets) and anchor pool details; see ExperimentalSettings.",
     )
 
     @property

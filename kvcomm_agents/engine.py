@@ -17,27 +17,29 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 
 from .audit import CallAuditor
-from .call import CallSteps
+from .call import CallSteps, EngineParts
 from .budgets import default_budgets
 from .anchors import KVCommAnchors
 from .capture import CallCapture
+from .checks import check_agent, check_length, check_max_new_tokens, check_reply_ids
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
-from .errors import InvalidMessagesError, InvalidRequestError
+from .errors import InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
-from .framer import Framer
+from .framing import Framer
 from .identity import WeightsWatch
-from .kv.blocks import BlockCount
+from .kv.block_count import BlockCount
 from .kv.own_text import OwnTextStore
 from .kv.segments import Kind, SegmentRef
 from .kv.shared import SharedSegments
 from .kv.store import SegmentStore
 from .models import load_model
 from .plan import CallPlan
-from .prompt import PromptLayout, render_prompt
+from .prompt import render_prompt
 from .results import ChatResult
 from .support import inspect_model, model_fingerprint
+from .versions import Versions
 
 __all__ = ["KVCommEngine", "PlanHook"]
 
@@ -84,14 +86,18 @@ class KVCommEngine:
             shared=shared)
         self._lock = threading.RLock()
         self._freeze = BlockCount()
-        self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze,
-                                                  tokenizer=tokenizer)
+        self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze)
+        self._versions = Versions.from_config(c, self._anchors, tokenizer)
         self._own_texts = OwnTextStore(x.own_text_max_bytes, self._freeze)
         self._calibrating = BlockCount()  # open calibrating() blocks
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
-        self._framer = Framer(self.config, self._anchors, self.info, self._store)
-        self._calls = CallSteps(self)
+        self._framer = Framer(self.config, self._anchors, self._versions, self.info, self._store)
+        self._calls = CallSteps(EngineParts(
+            model, c, self.info, self._lock, self._weights, self._calibrating, self._store, self._anchors,
+            self._versions, self._own_texts, self._framer, self._auditor, self._capture,
+            plan_hook=lambda: None if self.plan_hook is None else (lambda plan: self.plan_hook(self, plan)),
+            refresh_weights=self._refresh_changed_weights))
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -136,6 +142,12 @@ class KVCommEngine:
         return self._store
 
     @property
+    def versions(self) -> Versions:
+        """Recorded versions of segments (their offsets live in the anchor pools): ``homes``,
+        ``token_texts`` (the tokenizer's id texts contexts are compared as), ``recorded(...)``."""
+        return self._versions
+
+    @property
     def anchors(self) -> KVCommAnchors:
         """KVCOMM anchor pools (``nbytes()``, ``clear()``, ``anchors(kind)``, ``pool(kind)``)."""
         return self._anchors
@@ -173,6 +185,7 @@ class KVCommEngine:
                 self.info.fingerprint = fingerprint
                 self._capture.fingerprint = fingerprint
                 self._anchors.clear()
+                self._versions.clear()
                 self._own_texts.clear()
                 self._framer.clear()
             return fingerprint
@@ -285,14 +298,14 @@ class KVCommEngine:
                   stop: Optional[Sequence[str]], reuse: Optional[bool],
                   tools: Optional[list]) -> Iterator[Union[str, ChatResult]]:
         """:meth:`stream`'s body with the token picker given (``[vocab]`` logits -> id)."""
-        _check_agent(agent)
-        _check_max_new_tokens(max_new_tokens)
+        check_agent(agent)
+        check_max_new_tokens(max_new_tokens)
         text = TextAccumulator(self.tokenizer, stop)
         # The engine lock is taken around each compute step, never across a yield: a paused or
         # cross-thread-resumed stream (LangChain's async streaming) blocks nobody.
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
-        self._check_length(layout, max_new_tokens, "max_new_tokens")
+        check_length(layout, self.info.max_positions, max_new_tokens, "max_new_tokens")
         with self._calls.prepared(layout, agent, reuse, max_new_tokens, started) as call:
             first = sampler(call.pre.logits)
             ttft = time.perf_counter() - started
@@ -313,11 +326,11 @@ class KVCommEngine:
         ``stepwise``: feed the reply one decode step per token, as ``chat`` would generate it, so
         the call's time and forwards are a generated reply's (whole-graph measurements); by
         default the reply goes in one forward."""
-        _check_agent(agent)
-        ids = trim_at_eos(_check_ids(reply_ids, len(self.tokenizer)), self.info.eos_ids)
+        check_agent(agent)
+        ids = trim_at_eos(check_reply_ids(reply_ids, len(self.tokenizer)), self.info.eos_ids)
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
-        self._check_length(layout, len(ids), "reply_ids")
+        check_length(layout, self.info.max_positions, len(ids), "reply_ids")
         with self._calls.prepared(layout, agent, reuse, len(ids), started) as call:
             int(torch.argmax(call.pre.logits))  # what greedy decoding would do first (waits for the device)
             ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
@@ -362,16 +375,6 @@ class KVCommEngine:
             )
         return ref
 
-    # ---- checks ---------------------------------------------------------------------------
-    def _check_length(self, layout: PromptLayout, new_tokens: int, what: str) -> None:
-        """Prompt plus reply must fit the model's positions: refused before any compute."""
-        limit, n = self.info.max_positions, int(layout.ids.numel())
-        if limit is not None and n + new_tokens > limit:
-            raise InvalidRequestError(
-                f"the prompt ({n} tokens) plus {what} ({new_tokens}) exceeds the model's {limit} positions; "
-                f"shorten the messages or lower {what} to at most {max(limit - n, 0)}"
-            )
-
     @property
     def _device(self) -> torch.device:
         return hf.input_device(self.model)
@@ -383,24 +386,3 @@ def _final(items: Iterable[Union[str, ChatResult]]) -> ChatResult:
         if isinstance(item, ChatResult):
             return item
     raise RuntimeError("the generation ended without a result")
-
-
-def _check_agent(agent) -> None:
-    if not isinstance(agent, str) or not agent:
-        raise InvalidMessagesError("agent must be a non-empty string")
-
-
-def _check_max_new_tokens(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {value!r}")
-
-
-def _check_ids(ids, vocab_size: int) -> list[int]:
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or len(ids) == 0:
-        raise InvalidRequestError("reply_ids must be a non-empty sequence of token ids")
-    out = []
-    for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"reply_ids holds {token!r}, not a token id of this vocabulary (0..{vocab_size - 1})")
-        out.append(token)
-    return out

@@ -5,7 +5,7 @@ they compute: a reply's copies ride on the sender's decode forwards, and an audi
 prefill (and a flipped pass) after the reply. :func:`charging` names the tally and the purpose of
 the forwards inside its block; :func:`~kvcomm_agents.engines.hf.run_forward`, which every forward
 of the engine goes through, charges each forward's query tokens to it. A forward that carries a
-sender's tokens and copies at once (:mod:`kvcomm_agents.framed_decode`) names how many of its
+sender's tokens and copies at once (:mod:`kvcomm_agents.framing.decode`) names how many of its
 tokens are the sender's (:func:`sender_tokens`); the rest are copies.
 
 The tally is held in a context variable: per thread, and only inside a block that never spans a

@@ -8,13 +8,16 @@ recompute) derives a new one with ``dataclasses.replace``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .kv.segments import KVSegment, SegmentRef
 from .kv.store import PrefixEntry
+
+if TYPE_CHECKING:  # anchors build on plans: a runtime import would be a circle
+    from .anchors.gate import GateVerdict
 
 __all__ = [
     "SegmentDecision", "GateRecord", "ReusedRun", "Observation", "OwnTextPiece", "PrefixHit", "CallPlan",
@@ -60,7 +63,7 @@ class GateRecord(BaseModel):
         "segment), 'recorded' (another receiver recorded this very segment after the same text as this "
         "prompt has before it), 'framed' (the sender recorded this reply after the text its readers put "
         "before it, or the first reader of shared text recorded it after this reader's own prefix: "
-        "kvcomm_agents.framing, kvcomm_agents.text_framing), 'base' (the segment's own KV was computed after the same text: no "
+        "kvcomm_agents.framing, kvcomm_agents.framing.texts), 'base' (the segment's own KV was computed after the same text: no "
         "offsets), or 'off' (re-rotated only: audits measured that this kind's offsets hurt this receiver, or a "
         "KL-budget probe of a kind not measured yet).")
 
@@ -98,9 +101,9 @@ class ReusedRun:
     key_offsets: Optional[torch.Tensor] = None  # [L-1, kv_heads, length, head_dim]: layers 1..L-1, canonical frame
     value_offsets: Optional[torch.Tensor] = None
     own_text: bool = False  # a piece of the receiver's own text, not a shared segment
-    verdict: Optional[object] = None  # the anchor gate's GateVerdict (offsets are estimated from it)
+    verdict: Optional["GateVerdict"] = None  # the anchor gate's verdict (offsets are estimated from it)
     offsets_on: bool = True  # apply key_offsets/value_offsets (False: kept only for an audit's flipped pass)
-    head: int = 0  # segment tokens right before the run computed in context (experimental.recompute_head)
+    head: int = 0  # segment tokens right before the run computed in context (KVCommConfig.recompute_head)
     skipped: int = 0  # prompt ids before those, computed as part of the run: leading whitespace a version leaves out (planner._at_home)
 
     @property
@@ -108,7 +111,6 @@ class ReusedRun:
         """Prompt position where the occurrence this run serves was found (its computed head
         and skipped whitespace included)."""
         return self.prompt_start - self.head - self.skipped
-    spread: Optional[torch.Tensor] = None  # [length]: the anchors' disagreement per token (experimental.recompute_spread)
 
     @property
     def prompt_end(self) -> int:
@@ -177,8 +179,6 @@ class CallPlan:
         recompute: ``[r]`` int64 sorted prompt positions inside runs that are computed in the
             prefill instead of reused (set by a plan hook, e.g. the benchmark's CacheBlend-style
             baseline), or None.
-        observe_after_reuse: record observations that follow re-rotated runs too (their context
-            is the reused KV, not dense: ``experimental.new_segment="only_itself"``).
     """
 
     prompt_ids: torch.Tensor
@@ -189,7 +189,6 @@ class CallPlan:
     observations: tuple[Observation, ...] = ()
     pieces: tuple[OwnTextPiece, ...] = ()
     recompute: Optional[torch.Tensor] = None
-    observe_after_reuse: bool = False
 
     @property
     def num_prompt(self) -> int:
@@ -239,15 +238,15 @@ class CallPlan:
         ends = torch.cat([positions[breaks] + 1, positions[-1:] + 1]).tolist()
         return list(zip(starts, ends))
 
-    def exact_until(self) -> int:
+    def first_rerotated(self) -> int:
         """Prompt position of the first re-rotated token (``N`` if none): KV before it is exact."""
         return self.runs[0].prompt_start if self.runs else self.num_prompt
 
-    def observable_until(self) -> int:
+    def first_estimated(self) -> int:
         """Prompt position of the first reused token that is not from a recorded version of its
         segment (``N`` if none): offsets a pass shows before it are recorded as anchors. A
         recorded version's KV is what its receiver computed after the same text, as near to
-        exact as offsets get (relative error 0.001-0.08 measured, :mod:`~kvcomm_agents.anchors.versions`),
+        exact as offsets get (relative error 0.001-0.08 measured, :mod:`~kvcomm_agents.versions.match`),
         so the segments after it are recorded too."""
         for run in self.runs:
             if run.own_text or not getattr(run.verdict, "from_version", False):
@@ -287,6 +286,6 @@ class CallPlan:
 def _estimated(run: ReusedRun) -> bool:
     """A shared run whose offsets are an estimate: from other anchors, or the receiver's own
     offsets of the segment recorded after other text than here (anything but a recorded version
-    whose context matched, :mod:`~kvcomm_agents.anchors.versions`)."""
+    whose context matched, :mod:`~kvcomm_agents.versions.match`)."""
     return (not run.own_text and run.key_offsets is not None and run.verdict is not None
             and not getattr(run.verdict, "context_matched", False))

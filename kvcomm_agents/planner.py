@@ -19,14 +19,12 @@ The plan is built here once and frozen; nothing changes it afterwards.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 from typing import Callable, Optional
 
-import torch
 
 from .anchors import KVCommAnchors
-from .anchors.versions import is_framed
+from .versions import Versions, is_framed
 from .config import KVCommConfig
 from .kv.own_text import OwnTextStore, piece_key
 from .kv.segments import CONTEXT_TOKENS, KVSegment
@@ -49,6 +47,7 @@ def plan_call(
     agent: str = "default",
     refuse_reason: Optional[str] = None,
     anchors: Optional[KVCommAnchors] = None,
+    versions: Optional[Versions] = None,
     own_texts: Optional[OwnTextStore] = None,
     calibrating: bool = False,
 ) -> CallPlan:
@@ -63,6 +62,7 @@ def plan_call(
         refuse_reason: if set (``"reuse_off"``, ``"sliding_window"``), nothing is reused and every
             segment found is reported as prefilled for this reason.
         anchors: the anchor pools; consulted with ``method="kvcomm"``.
+        versions: the recorded versions (over ``anchors``' pools); consulted with ``method="kvcomm"``.
         own_texts: the agents' own-text KV; used with ``experimental.own_text="reuse"``.
         calibrating: with ``method="kvcomm"``, compute every shared segment after the exact
             prefix (reason ``calibration``) so that all of them are recorded as anchors.
@@ -74,13 +74,14 @@ def plan_call(
         if hit is not None:
             prefix = PrefixHit(hit[0], min(hit[1], n - 1))
     decider = _RunDecider(layout, prefix.length if prefix else 0, config, agent,
-                          anchors if config.method == "kvcomm" else None, calibrating,
+                          anchors if config.method == "kvcomm" else None,
+                          versions if config.method == "kvcomm" else None, calibrating,
                           twins=lambda segment: store.twins(segment, fingerprint),
                           home=lambda segment_id: _held(store.get(segment_id), fingerprint))
     decisions = []
     found: list = find_occurrences(layout, store, fingerprint)
     if refuse_reason is None and config.reuse and config.method != "exact_prefix" \
-            and config.experimental.shared_runs == "anywhere":
+            and config.shared_runs == "anywhere":
         found += find_token_matches(layout, store, fingerprint, found, prefix.length if prefix else 0)
     found.sort(key=lambda item: item.token_span(layout)[0])  # stable: message order where spans tie
     for occ in found:
@@ -102,25 +103,10 @@ def plan_call(
         if decider.anchors is not None:
             runs, pieces = decider.anchors.attach_offsets(agent, runs, pieces)
     plan = CallPlan(layout.ids, prefix, tuple(runs), tuple(decisions), refuse_reason,
-                    tuple(decider.observations), tuple(pieces),
-                    observe_after_reuse=config.experimental.new_segment == "only_itself",
-                    recompute=_least_sure(runs, config.experimental.recompute_spread))
+                    tuple(decider.observations), tuple(pieces))
     if refuse_reason is None and plan.reused_tokens == 0:
         plan = replace(plan, dense_reason="nothing_to_reuse")
     return plan
-
-
-def _least_sure(runs: list[ReusedRun], share: float) -> Optional[torch.Tensor]:
-    """Prompt positions (``[r]`` int64, sorted) of the ``share`` of tokens reused with estimated
-    offsets whose anchors disagree most (``experimental.recompute_spread``), to be computed in
-    context; None when there are none."""
-    scored = [run for run in runs if run.spread is not None and run.offsets_on and run.length > 0]
-    if share <= 0 or not scored:
-        return None
-    positions = torch.cat([torch.arange(run.prompt_start, run.prompt_end) for run in scored])
-    spread = torch.cat([run.spread.float().cpu() for run in scored])
-    count = math.ceil(share * positions.numel())
-    return positions[spread.topk(count).indices].sort().values
 
 
 def _own_text(
@@ -164,10 +150,11 @@ class _RunDecider:
     before it is exact, and what follows it is still reused."""
 
     def __init__(self, layout: PromptLayout, prefix_length: int, config: KVCommConfig, agent: str,
-                 anchors: Optional[KVCommAnchors], calibrating: bool = False,
+                 anchors: Optional[KVCommAnchors], versions: Optional[Versions] = None, calibrating: bool = False,
                  twins: Callable[[KVSegment], list[KVSegment]] = lambda segment: [],
                  home: Callable[[str], Optional[KVSegment]] = lambda segment_id: None):
         self.layout, self.prefix_length, self.config, self.agent, self.anchors = layout, prefix_length, config, agent, anchors
+        self.versions = versions if anchors is not None else None
         self.calibrating, self.twins, self.home = calibrating, twins, home
         self._decided: Optional[Occurrence | TokenMatch] = None  # the occurrence as last decided
         self.n = int(layout.ids.numel())
@@ -201,7 +188,7 @@ class _RunDecider:
                           p < prefix_len) for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict, gate = None, None
-        head = self.config.experimental.recompute_head
+        head = self.config.recompute_head
         if beyond_prefix and self.config.method == "exact_prefix":
             return "prefilled", "exact_only", in_prefix, None  # the rest is computed
         if beyond_prefix and self.anchors is not None:
@@ -223,8 +210,9 @@ class _RunDecider:
                 occ = self._decided = self._with_version(occ, tokens, context)
                 # after a new anchor only a recorded version of the segment is reused (its KV is
                 # what a receiver computed after the same text): the context stays near exact
-                verdict = (self.anchors.recorded(self.agent, occ.segment, tokens, context) if self.dense_from is not None
-                           else self.anchors.decide(self.agent, occ.segment, tokens, context))
+                verdict = self._recorded(occ.segment, tokens, context)
+                if verdict is None and self.dense_from is None:
+                    verdict = self.anchors.decide(self.agent, occ.segment)
                 if verdict is None:
                     reason = "after_new_anchor"
                 else:
@@ -232,8 +220,7 @@ class _RunDecider:
                     if not verdict.reuse:
                         reason = "over_kl_budget" if verdict.over_budget else "new_anchor"
             if reason is not None:
-                only_itself = isinstance(occ, TokenMatch) or self.config.experimental.new_segment == "only_itself"
-                if not only_itself:  # a partial token run judged new costs only itself
+                if not isinstance(occ, TokenMatch):  # a partial token run judged new costs only itself
                     self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
                 for p, s, length, _ in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
@@ -245,7 +232,7 @@ class _RunDecider:
             # exact prefix that already holds them (a repeated prompt then reuses what it reused);
             # a run after a gap has its head even where a framed version fits the first run: the
             # ids before it (the gap's, computed) are not the version's
-            first_head = head if index == 0 else self.config.experimental.recompute_head
+            first_head = head if index == 0 else self.config.recompute_head
             taken = 0 if continues_prefix else min(first_head, max(length, 0))
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
@@ -258,13 +245,17 @@ class _RunDecider:
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
 
+    def _recorded(self, segment: KVSegment, tokens: Optional[tuple[int, int]], context):
+        """The verdict of a recorded version of ``segment`` fitting ``context``, or None."""
+        return self.versions.recorded(self.agent, segment, tokens, context) if self.versions is not None else None
+
     def _contiguous(self, segment: KVSegment, runs: list[tuple[int, int, int, bool]]) -> bool:
         """Whether ``runs`` (prompt start, segment start, length, ...) follow each other through
         the segment: without gaps, or (given the tokenizer's texts) with gaps where the prompt
         holds the segment's text in other ids, a split the model generated and the tokenizer
         reads otherwise (``'group', 'by'`` pasted and read as ``'groupby'``: the ids in the gap
         are computed; the text before every run is the segment's)."""
-        texts = self.anchors.texts if self.anchors is not None else None
+        texts = self.versions.token_texts if self.versions is not None else None
         for (p, s, length, _), (p2, s2, _, _) in zip(runs, runs[1:]):
             if p2 - p == s2 - s == length:
                 continue
@@ -275,7 +266,7 @@ class _RunDecider:
 
     def _at_home(self, occ):
         """A token run on the stored text where a version of exactly its ids was recorded (a
-        lead-out, :mod:`.framing`), when that version fits the text before the run and the
+        lead-out, :mod:`.framing.replies`), when that version fits the text before the run and the
         matched segment has none: the same short text is held by many stored texts, and the
         lookup picks one of them. A run that starts with whitespace ids is also tried without
         them (a lead-out's version leaves its leading whitespace out: a reader whose previous
@@ -287,7 +278,8 @@ class _RunDecider:
             return moved
         # only where lead-outs are recorded (framed replies): a runtime without holes (the vLLM
         # broker) would end its claim at the skipped ids
-        whitespace = self.anchors.texts if self.config.experimental.framed_replies else None
+        whitespace = (self.versions.token_texts if self.versions is not None and self.config.reply_copies
+                      else None)
         ids = occ.segment.token_ids[occ.segment_start:occ.segment_start + occ.length]
         skip = whitespace.leading(ids, keep=self.config.min_match_tokens) if whitespace is not None else 0
         if skip and not self._fits(occ.segment, occ.prompt_start, occ.segment_start, occ.length):
@@ -302,14 +294,14 @@ class _RunDecider:
         """Whether a recorded version of ``segment``'s tokens ``segment_start..+length`` fits the
         prompt's text before ``prompt_start``."""
         context = self.layout.ids[max(0, prompt_start - CONTEXT_TOKENS):prompt_start].tolist()
-        return self.anchors.recorded(self.agent, segment, (segment_start, segment_start + length), context) is not None
+        return self._recorded(segment, (segment_start, segment_start + length), context) is not None
 
     def _version_home(self, occ: TokenMatch, own: bool = False) -> Optional[TokenMatch]:
         """``occ`` moved to the stored text where a version of exactly its ids was noted
-        (``KVCommAnchors.homes``) when that version fits and ``occ``'s segment has none; with
+        (``Versions.homes``) when that version fits and ``occ``'s segment has none; with
         ``own``, also ``occ`` itself where its segment's version fits. None otherwise."""
         ids = occ.segment.token_ids[occ.segment_start:occ.segment_start + occ.length]
-        noted = self.anchors.homes.of(ids)
+        noted = self.versions.homes.of(ids) if self.versions is not None else None
         segment = None if noted is None or noted[0] == occ.segment.id else self.home(noted[0])
         if segment is not None and tuple(segment.token_ids[noted[1]:noted[1] + occ.length]) != tuple(ids):
             segment = None
@@ -321,18 +313,18 @@ class _RunDecider:
 
     def _version_fits_from_start(self, occ, check: bool, p0: int, s0: int, end_s: int) -> bool:
         """Whether a framed version of ``occ``'s segment (or a twin's: computed by the sender in
-        this reader's framing, :mod:`.framing`, :mod:`.text_framing`) fits the prompt's text
+        this reader's framing, :mod:`.framing.replies`, :mod:`.framing.texts`) fits the prompt's text
         before the run's first token (prompt position ``p0``, segment token ``s0``): then the
         run's head is reused too, not computed (``recompute_head`` repairs the tokens right
         after a change of context). Not for the base or other receivers' recorded versions:
         their text further back differs (another agent's system text), and their heads, measured,
         still cut KL (on the shared-history workload (f): 0.0017 without them, 0.0004 with)."""
-        if not check or not self.config.experimental.recompute_head or self.config.method != "kvcomm":
+        if not check or not self.config.recompute_head or self.config.method != "kvcomm":
             return False
         context = self.layout.ids[max(0, p0 - CONTEXT_TOKENS):p0].tolist()
 
         def framed_fits(segment: KVSegment) -> bool:
-            verdict = self.anchors.recorded(self.agent, segment, (s0, end_s), context)
+            verdict = self._recorded(segment, (s0, end_s), context)
             return verdict is not None and is_framed(verdict.source)
 
         # the twins (a scan of the store) only when the matched segment's own version does not fit
@@ -343,10 +335,10 @@ class _RunDecider:
         two agents that replied alike) that has a recorded version fitting ``context`` where
         ``occ``'s segment has none: text is matched to one segment per text, the most recent,
         and the version that fits may be the other producer's."""
-        if tokens is None or self.anchors.recorded(self.agent, occ.segment, tokens, context) is not None:
+        if tokens is None or self._recorded(occ.segment, tokens, context) is not None:
             return occ
         for twin in self.twins(occ.segment):
-            if self.anchors.recorded(self.agent, twin, tokens, context) is not None:
+            if self._recorded(twin, tokens, context) is not None:
                 if isinstance(occ, TokenMatch):
                     return replace(occ, segment=twin)
                 return replace(occ, segment=twin, segment_id=twin.id, ref=twin.ref)

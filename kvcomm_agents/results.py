@@ -61,8 +61,8 @@ class CallStats(BaseModel):
                     "own text; recomputed positions left out). Empty where the runtime does not report it.")
     framed_versions: int = Field(
         default=0, description="Versions recorded after the reply: copies of this call's reply in its readers' "
-        "framing (experimental.framed_replies) and of its shared prompt text after later readers' prefixes "
-        "(experimental.framed_texts), per message segment.")
+        "framing (reply_copies) and of its shared prompt text after later readers' prefixes "
+        "(text_copies), per message segment.")
     framed_s: float = Field(default=0.0, description="Seconds spent after the reply feeding what the copies still "
                             "lacked and recording them (in total_s, not ttft_s).")
     anchors_consulted: int = Field(default=0, description="Anchors the gate consulted, over all segments.")

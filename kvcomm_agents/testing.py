@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from .broker import KVCommBroker
+from .paged.broker import KVCommBroker
 from .config import KVCommConfig
 from .engines import hf
 from .support import model_fingerprint, rotator_from_config

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from kvcomm_agents import KVCommConfig
-from kvcomm_agents.broker import for_runtime
-from kvcomm_agents.config import ExperimentalSettings
+from kvcomm_agents.paged.broker import for_runtime
 from kvcomm_agents.engines import hf
 from kvcomm_agents.testing import PrefixOnlyRuntime
 
@@ -93,9 +92,9 @@ def test_requests_are_planned_once_and_forgotten_when_finished(llama, tokenizer)
 
 
 def test_runtime_settings_never_make_holes():
-    config = for_runtime(KVCommConfig(experimental=ExperimentalSettings(framed_replies=True)))
-    assert config.experimental.recompute_head == 0 and config.experimental.own_text == "reuse"
-    assert not config.experimental.framed_replies  # copies ride on the HF engine's decode steps
+    config = for_runtime(KVCommConfig(reply_copies=True))
+    assert config.recompute_head == 0 and config.experimental.own_text == "reuse"
+    assert not config.reply_copies  # copies ride on the HF engine's decode steps
     assert config.audit_every == 0 and config.method == "kvcomm"
 
 
@@ -123,7 +122,7 @@ def test_without_audits_estimated_offsets_are_held_back_unless_asked_for(llama, 
 
 
 def test_a_prefix_only_request_claims_its_exact_prefix_only_and_is_kept_as_one(llama, tokenizer):
-    """The client's copies (kvcomm_agents.reply_ahead) ask for exact prefixes only: where the same
+    """The client's copies (kvcomm_vllm.reply_ahead) ask for exact prefixes only: where the same
     prompt would be claimed past B's own prefix with a re-rotated run, a prefix_only request
     claims B's exact prefix and computes the rest; what it computed then serves as an exact
     prefix of the same ids (the reader's own request)."""

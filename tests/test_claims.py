@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcomm_agents.claims import contiguous_claim
+from kvcomm_agents.paged.claims import contiguous_claim
 from kvcomm_agents.kv.block import KVBlock
 from kvcomm_agents.kv.segments import KVSegment
 from kvcomm_agents.kv.store import PrefixEntry
@@ -86,8 +86,7 @@ def test_recomputed_positions_are_refused():
 def test_the_dense_tail_is_computed_a_shared_run_claimed_up_to_it_and_an_exact_prefix_kept_whole():
     first, second, own = _segment(10), _segment(20), _segment(3, ("a", "own_text"))
     key = torch.arange(2 * 1 * 20 * 4, dtype=torch.float32).reshape(2, 1, 20, 4)
-    runs = (ReusedRun(first, 5, 0, 10), ReusedRun(second, 15, 0, 20, key_offsets=key, value_offsets=key + 1,
-                                                  spread=torch.arange(20.0)),
+    runs = (ReusedRun(first, 5, 0, 10), ReusedRun(second, 15, 0, 20, key_offsets=key, value_offsets=key + 1),
             ReusedRun(own, 35, 0, 3, own_text=True))
     decisions = (_decision(first, (5, 15), 10), _decision(second, (15, 35), 20))
     plan = CallPlan(torch.arange(48), _prefix(5), runs, decisions)
@@ -98,7 +97,6 @@ def test_the_dense_tail_is_computed_a_shared_run_claimed_up_to_it_and_an_exact_p
     assert claim.length == 32 and claim.dropped_tokens == 3 + 3
     shortened = claim.plan.runs[1]
     assert shortened.length == 17 and shortened.key_offsets.shape[2] == 17
-    assert shortened.spread.tolist() == list(range(17))
     torch.testing.assert_close(shortened.value_offsets, key[:, :, :17] + 1)
     assert [(d.status, d.reused_tokens) for d in claim.plan.decisions] == [("reused", 10), ("reused", 17)]
     assert claim.plan.reused_tokens == claim.length

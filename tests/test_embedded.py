@@ -3,7 +3,6 @@
 import pytest
 
 from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
-from kvcomm_agents.config import ExperimentalSettings
 
 pytestmark = pytest.mark.embedded
 
@@ -92,7 +91,7 @@ def test_without_framed_replies_estimates_wait_for_the_kl_budget(engine):
     one's reply, but no audit has measured estimated offsets within kl_budget yet, so solver two
     computes it (and records it), and solver three reuses solver two's record."""
     kvcomm = KVCommEngine(engine.model, engine.tokenizer,
-                          config=KVCommConfig(experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))
+                          config=KVCommConfig(reply_copies=False, text_copies=False))
     last = _debates(kvcomm)[-1]
     held = _by_kind(last[1])[("solver-1", "assistant")]
     assert (held.reason, held.gate.anchors) == ("over_kl_budget", 2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcomm_agents import (
-    ChatResult, ExperimentalSettings, InvalidMessagesError, InvalidRequestError, KVCommConfig, KVCommEngine,
+    ChatResult, InvalidMessagesError, InvalidRequestError, KVCommConfig, KVCommEngine,
     KVCommError, ReuseSummary,
 )
 from kvcomm_agents.fidelity import first_token_kl
@@ -345,10 +345,10 @@ def test_shared_text_inside_a_new_message_is_found_by_token_runs(model, tokenize
 
 
 def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, tokenizer, make_engine):
-    """``experimental.recompute_head=4``: every reused run gives up its first 4 tokens to the
+    """``recompute_head=4``: every reused run gives up its first 4 tokens to the
     prefill; a head as long as the runs leaves nothing reused and the call equals dense."""
     def second_call(head: int):
-        engine = make_engine(llama, prefix_cache=False, experimental=ExperimentalSettings(recompute_head=head))
+        engine = make_engine(llama, prefix_cache=False, recompute_head=head)
         first = replayed(engine, solver_messages("You are solver one."), "s1")
         messages = solver_messages("You are solver two.", first.text)
         return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]), messages

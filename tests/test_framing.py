@@ -9,11 +9,11 @@ import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.anchors.kvcomm import offsets
-from kvcomm_agents.anchors.versions import framed_receiver
-from kvcomm_agents.config import ExperimentalSettings
+from kvcomm_agents.versions.match import framed_receiver
 from kvcomm_agents.engines import hf
 from kvcomm_agents.fidelity import first_token_kl
-from kvcomm_agents.framing import ALIGN_IDS, FramingRule, ReaderFraming, learn_rule
+from kvcomm_agents.framing import ALIGN_IDS, FramingRule
+from kvcomm_agents.framing.replies import ReaderFraming, learn_rule
 from kvcomm_agents.plan import CallPlan, Observation
 from kvcomm_agents.prompt import render_prompt
 
@@ -47,7 +47,7 @@ def test_no_rule_where_the_base_fits_or_the_reader_does_not_repeat_the_sender():
     assert learn_rule(SENDER, SENDER[: ALIGN_IDS - 1]) is None  # too little known of the sender
 
 
-FRAMED = KVCommConfig(audit_every=0)  # framed_replies is on by default
+FRAMED = KVCommConfig(audit_every=0)  # reply_copies is on by default
 QUESTION = "Sam has twelve apples and eats three of them. How many apples are left now, after lunch?"
 REPLIES = ["Twelve minus three is nine, so Sam has nine apples left. The final number is 9.",
            "Three eaten of twelve leaves nine apples on the table. The final number is nine."]
@@ -78,7 +78,7 @@ def test_the_first_reader_reuses_the_reply_its_sender_computed_in_its_framing_ex
     token's logits are dense's."""
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
     unframed = KVCommEngine(model, tokenizer, config=KVCommConfig(
-        audit_every=0, experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))
+        audit_every=0, reply_copies=False, text_copies=False))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     sent, read, messages = _debate(engine, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 1 and sent.stats.framed_s > 0
@@ -108,7 +108,7 @@ def test_a_reader_with_another_system_text_still_gains_on_re_rotation(model, tok
 
 def test_nothing_is_framed_when_switched_off_or_inside_frozen_anchors(model, tokenizer):
     off = KVCommEngine(model, tokenizer, config=KVCommConfig(
-        audit_every=0, experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))
+        audit_every=0, reply_copies=False, text_copies=False))
     sent, read, _ = _debate(off, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 0
     on = KVCommEngine(model, tokenizer, config=FRAMED)  # on, but a call opted out of reuse stays dense's
@@ -135,12 +135,12 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     pass over its framing gives. Copies fed with every decode step (CUDA) or 16 tokens at a
     time, the rest after the reply (CPU): the 24-token decode takes both paths. With a small
     mask budget a replay's teacher-forced pass goes in windows."""
-    monkeypatch.setattr("kvcomm_agents.framer.copy_chunk", lambda device: chunk)
+    monkeypatch.setattr("kvcomm_agents.framing.framer.copy_chunk", lambda device: chunk)
     if budget is not None:
         monkeypatch.setattr(hf, "MASK_BUDGET", budget)
     framed = KVCommEngine(model, tokenizer, config=FRAMED)
     plain = KVCommEngine(model, tokenizer, config=KVCommConfig(
-        audit_every=0, experimental=ExperimentalSettings(framed_replies=False, framed_texts=False)))
+        audit_every=0, reply_copies=False, text_copies=False))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     for engine in (framed, plain):
         _debate(engine, tokenizer, "You are a solver.", rounds=1)
@@ -158,7 +158,7 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     assert decoded.token_ids == reference.token_ids and decoded.stats.framed_versions == 1
     # the decoded reply's framed copy is what a dense pass over its framing computes
     segment = framed.store.get(decoded.segment.id)
-    (rule,) = framed._framer.framings.rules("s1")
+    (rule,) = framed._framer.reply_framing.rules("s1")
     prompt = render_prompt(tokenizer, sender + [{"role": "user", "content": "Again, in other words."}]).ids
     keep = prompt.numel() - rule.drop
     ids = torch.cat([prompt[:keep], torch.tensor(rule.lead_in), torch.tensor(segment.token_ids)])
@@ -215,7 +215,7 @@ def test_a_reply_the_model_split_into_other_ids_is_still_reused_from_its_framed_
     """A sender generates a word in ids the tokenizer would not make (``'ta', 'ble'``); the
     reader pastes the reply's text, read back as ``'table'``: its reused runs leave a gap there
     (computed). The text before every run is still the sender's copy's, so the framed version
-    serves all of them (runs compared through the gap as text, kvcomm_agents.token_texts), the
+    serves all of them (runs compared through the gap as text, kvcomm_agents.versions.token_texts), the
     first token stays closer to dense than re-rotation only's, and with ids compared the reply is
     judged new (mutation check)."""
     model, tokenizer = merging
@@ -246,7 +246,7 @@ def test_a_reply_the_model_split_into_other_ids_is_still_reused_from_its_framed_
     reference = first_logits(dense, messages, agent="s2")
     kl = first_token_kl(reference, read.first_token_logits)
     assert kl < first_token_kl(reference, rerotated.first_token_logits), kl
-    engine.anchors.texts = None  # mutation check: compared as ids, the runs are not one text
+    engine.versions.token_texts = None  # mutation check: compared as ids, the runs are not one text
     again = engine.replay(messages, agent="s3", reply_ids=[tokenizer.eos_token_id]).result.stats
     after = next(d for d in again.shared_decisions if d.segment.kind == ("s1", "assistant"))
     assert after.gate is None or after.gate.offsets != "framed", after
@@ -261,7 +261,7 @@ def test_a_reply_generated_over_estimated_prompt_kv_is_copied_over_the_audits_de
     reply computed in its framing: it reuses it, its first token near dense's. Without that step
     the reader finds no version of the reply and computes it (mutation check). With a small mask
     budget the copies are fed in several forwards, with the same outcome."""
-    from kvcomm_agents.framer import Framer
+    from kvcomm_agents.framing.framer import Framer
 
     if mask_budget is not None:
         monkeypatch.setattr(hf, "MASK_BUDGET", mask_budget)

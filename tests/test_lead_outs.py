@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
-from kvcomm_agents.anchors.versions import framed_receiver
+from kvcomm_agents.versions.match import framed_receiver
 from kvcomm_agents.fidelity import first_token_kl
-from kvcomm_agents.framing import ReaderFraming
+from kvcomm_agents.framing.replies import ReaderFraming
 from kvcomm_agents.plan import CallPlan, Observation
 from kvcomm_agents.prompt import render_prompt
 
@@ -47,7 +47,7 @@ def test_a_closing_line_after_the_reply_is_computed_in_the_copy_and_reused_exact
         sent = engine.replay(_one_message(question, []), agent="s1", reply_ids=reply_ids).result
         messages = _one_message(question, [reply])
         read = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id])
-    (rule,) = engine._framer.framings.rules("s1")
+    (rule,) = engine._framer.reply_framing.rules("s1")
     assert tokenizer.decode(rule.lead_out).strip().endswith(CLOSING[-20:]), rule
     assert sent.stats.framed_versions == 2  # the reply and its lead-out
     stats = read.result.stats
@@ -91,7 +91,7 @@ def test_a_closing_line_after_a_reply_ending_in_newlines_is_reused_though_its_id
     (``'\n\n', '\n'`` or ``'\n\n\n', '\n'``), where the sender's copy fed the reply's ids,
     then the lead-out (learned from a reply that did not end in a newline). The text is the same,
     the ids before the line are not: the version is found with whitespace compared as text
-    (kvcomm_agents.token_texts), the run starting after the reader's whitespace ids (computed),
+    (kvcomm_agents.versions.token_texts), the run starting after the reader's whitespace ids (computed),
     and the first token stays near dense's (closer than re-rotation only). With two newlines the stored reply holds fewer ids
     than the copy was fed (its trailing ``'\n', '\n'`` tokenize otherwise on their own): the
     lead-out is recorded from the ids fed, not the stored reply's."""
@@ -121,7 +121,7 @@ def test_a_closing_line_after_a_reply_ending_in_newlines_is_reused_though_its_id
     # near dense (the closing line's version was computed after the same text, other whitespace
     # ids) and closer than re-rotation only on both families
     assert kl < 1e-2 and kl < first_token_kl(reference, rerotated.first_token_logits), kl
-    engine.anchors.texts = None  # mutation check: compared as ids, the version does not fit
+    engine.versions.token_texts = None  # mutation check: compared as ids, the version does not fit
     again = engine.replay(messages, agent="s3", reply_ids=[tokenizer.eos_token_id]).result.stats.decisions[-1]
     assert not (again.status == "reused" and again.gate is not None and again.gate.offsets == "framed"), again
 
@@ -129,7 +129,7 @@ def test_a_closing_line_after_a_reply_ending_in_newlines_is_reused_though_its_id
 def test_a_lead_out_is_learned_only_right_after_a_whole_reply_and_only_short():
     """The shared text must start within LEAD_OUT_GAP ids of the reply's stored ids and be at
     most MAX_LEAD_OUT ids; a later rule without a lead-out keeps the framing's lead-out."""
-    from kvcomm_agents.framing import LEAD_OUT_GAP, MAX_LEAD_OUT
+    from kvcomm_agents.framing.replies import LEAD_OUT_GAP, MAX_LEAD_OUT
     seg = dataclasses.replace(segment(1, tokens=6), context_ids=SENDER + HEADER)
     closing = segment(2, tokens=MAX_LEAD_OUT + 1, kind=("x", "user"))  # stored shared text
     lead_in = (60, 61)
@@ -161,6 +161,7 @@ def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
     from kvcomm_agents.matching import TokenMatch
     from kvcomm_agents.planner import _RunDecider
     from kvcomm_agents.prompt import PromptLayout
+    from kvcomm_agents.versions import Versions
 
     from .anchors.synthetic import DIM
 
@@ -169,17 +170,17 @@ def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
     home = dataclasses.replace(segment(6, tokens=16, kind=("user", None)), token_ids=(2,) * 4 + line)
     before = tuple(range(900, 920))  # the reader's ids before the line: the reply's tail
     anchors = KVCommAnchors(estimator="mean", max_bytes=1 << 30)
+    versions = Versions(anchors)
     rotator = RopeRotator(torch.ones(DIM // 2))
     real = home.kv.window(4, 16)  # stands for the copy's KV of the line (any values do)
-    assert anchors.record_version(framed_receiver(0), home, real, 40, before[-16:], rotator, min_match=16,
-                                  segment_start=4)
-    anchors.homes.note(line, home.id, 4)
+    assert versions.record(framed_receiver(0), home, real, 40, before[-16:], rotator, min_match=16, segment_start=4)
+    versions.homes.note(line, home.id, 4)
     layout = PromptLayout.of_ids(before + line + (7,))
     run = TokenMatch(matched, len(before), 8, len(line), 0)
-    decider = _RunDecider(layout, 0, KVCommConfig(), "reader", anchors,
+    decider = _RunDecider(layout, 0, KVCommConfig(), "reader", anchors, versions,
                           home=lambda segment_id: home if segment_id == home.id else None)
     moved = decider._at_home(run)
     assert moved.segment is home and moved.segment_start == 4 and moved.prompt_start == run.prompt_start
     elsewhere = PromptLayout.of_ids(tuple(range(500, 520)) + line + (7,))  # other text before the line
-    assert _RunDecider(elsewhere, 0, KVCommConfig(), "reader", anchors,
+    assert _RunDecider(elsewhere, 0, KVCommConfig(), "reader", anchors, versions,
                        home=lambda segment_id: home)._at_home(run) is run

@@ -26,14 +26,14 @@ def plan() -> CallPlan:
 
 def test_positions_and_counts():
     p = plan()
-    assert p.reused_tokens == 11 and p.own_text_tokens == 2 and p.exact_until() == 4
+    assert p.reused_tokens == 11 and p.own_text_tokens == 2 and p.first_rerotated() == 4
     assert p.computed_positions().tolist() == [0, 1, 2, 3, 12, 13, 17, 18, 19]
     assert p.reused_positions().tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 14, 15, 16]
     assert p.runs[2].shift == 13 and p.runs[2].prompt_end == 17
     hooked = dataclasses.replace(p, recompute=torch.tensor([5, 15]))
     assert hooked.reused_tokens == 9 and hooked.reused_positions().tolist() == [4, 6, 7, 8, 9, 10, 11, 14, 16]
     assert hooked.computed_positions().tolist() == [0, 1, 2, 3, 5, 12, 13, 15, 17, 18, 19]
-    assert CallPlan(torch.arange(5)).exact_until() == 5
+    assert CallPlan(torch.arange(5)).first_rerotated() == 5
 
 
 def test_plans_are_frozen():
@@ -48,7 +48,7 @@ def test_as_observed_turns_reused_shared_runs_into_observations():
     p = plan()
     seen = p.as_observed()
     assert seen.runs == () and seen.prefix is None and seen.reused_tokens == 0
-    assert seen.exact_until() == 20 and torch.equal(seen.prompt_ids, p.prompt_ids)
+    assert seen.first_rerotated() == 20 and torch.equal(seen.prompt_ids, p.prompt_ids)
     assert [(o.segment, o.prompt_start, o.segment_start, o.length) for o in seen.observations] == [
         (p.runs[0].segment, 4, 0, 6), (p.runs[2].segment, 14, 1, 3)]  # own-text runs are not segments
     assert [(x.start, x.end, x.key, x.reused, x.observed) for x in seen.pieces] == [

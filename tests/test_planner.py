@@ -4,7 +4,7 @@ prompts of the tiny tokenizer's chat template and a store of segments (KV: zeros
 import torch
 
 from kvcomm_agents.anchors import KVCommAnchors
-from kvcomm_agents.config import ExperimentalSettings, KVCommConfig
+from kvcomm_agents.config import KVCommConfig
 from kvcomm_agents.kv.block import KVBlock
 from kvcomm_agents.kv.store import SegmentStore
 from kvcomm_agents.planner import plan_call
@@ -45,11 +45,11 @@ def test_rerotation_reuses_both_segments_as_runs_of_their_own_ids():
             run.segment.token_ids[run.segment_start : run.segment_start + run.length])
         assert run.key_offsets is None and run.verdict is None  # re-rotation only
     assert sum(d.reused_tokens for d in plan.decisions) == plan.reused_tokens
-    assert plan.exact_until() == plan.runs[0].prompt_start
+    assert plan.first_rerotated() == plan.runs[0].prompt_start
     partition(plan)
     # own text after each segment running to its end: up to the next segment (its computed
     # head tokens belong to the segment) or the last token
-    assert [run.head for run in plan.runs] == [config.experimental.recompute_head] * 2
+    assert [run.head for run in plan.runs] == [config.recompute_head] * 2
     assert [(p.start, p.end, p.after.id) for p in plan.pieces] == [
         (plan.runs[0].prompt_end, plan.runs[1].prompt_start - plan.runs[1].head, question.id),
         (plan.runs[1].prompt_end, plan.num_prompt - 1, reply.id)]
@@ -100,16 +100,3 @@ def test_kvcomm_without_anchors_computes_from_the_first_new_segment_on():
     assert [o.segment.id for o in plan.observations] == [question.id, reply.id]
     assert all(p.observed for p in plan.pieces) and len(plan.pieces) == 2
     assert anchors.nbytes() == 0  # planning records nothing
-
-
-def test_only_itself_computes_a_new_segment_alone_and_records_after_reuse():
-    """experimental.new_segment="only_itself": no 'after_new_anchor'; every new segment is an
-    observation and the plan records observations that follow re-rotated runs."""
-    store, layout, config, reply, question = setup("kvcomm")
-    config = config.model_copy(update={"experimental": ExperimentalSettings(new_segment="only_itself")})
-    plan = plan_call(layout, store=store, fingerprint="m", config=config, agent="s2", anchors=KVCommAnchors())
-    assert [d.reason for d in plan.decisions] == ["new_anchor", "new_anchor"]
-    assert [o.segment.id for o in plan.observations] == [question.id, reply.id] and plan.observe_after_reuse
-    default = plan_call(layout, store=store, fingerprint="m", config=config.model_copy(update={"experimental": ExperimentalSettings()}),
-                        agent="s2", anchors=KVCommAnchors())
-    assert not default.observe_after_reuse

@@ -1,5 +1,5 @@
 """Shared prompt text computed by its first reader in each later reader's framing
-(kvcomm_agents.text_framing): the rule learned from ids, the copy fed in the sender's forwards
+(kvcomm_agents.framing.texts): the rule learned from ids, the copy fed in the sender's forwards
 after the reader's exact prefix, and the later reader's first token equal to dense's."""
 
 from __future__ import annotations
@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
-from kvcomm_agents.config import ExperimentalSettings
 from kvcomm_agents.engines import hf
 
 from .conftest import first_logits, tol
 
-FRAMED = KVCommConfig(audit_every=0)  # framed_texts is on by default
-OFF = KVCommConfig(audit_every=0, experimental=ExperimentalSettings(framed_texts=False))
+FRAMED = KVCommConfig(audit_every=0)  # text_copies is on by default
+OFF = KVCommConfig(audit_every=0, text_copies=False)
 SENDER_SYSTEM = "You are the planner of a small team. Read the task and write a short plan."
 READER_SYSTEM = "You are the reviewer of the team. Read the task, then check the plan line by line."
 TASK = ("{} Write a function that returns the sum of the even numbers in a list of integers, "

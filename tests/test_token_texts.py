@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from kvcomm_agents.anchors.pool import AnchorPool
-from kvcomm_agents.anchors.versions import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix
-from kvcomm_agents.token_texts import TokenTexts
+from kvcomm_agents.versions.match import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix
+from kvcomm_agents.versions.token_texts import TokenTexts
 
 from .anchors.synthetic import KIND, offsets, segment
 

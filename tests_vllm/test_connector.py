@@ -142,12 +142,12 @@ def test_unsupported_models_are_refused_at_start(model_dir):
 
 
 def test_prefill_ahead_copies_serve_the_shared_question_to_a_later_reader_exactly(client):
-    """The client's prefill-ahead (kvcomm_agents.ahead, what VLLMEngine sends by default): once
+    """The client's prefill-ahead (kvcomm_vllm.text_ahead, what VLLMEngine sends by default): once
     B was seen reading A's question after its own system text, A's next question comes with a
     one-token copy of B's prefix and that question. B's request is then claimed up to the end of
     the question (an exact prefix), and its greedy output is vLLM dense's token for token; a
     question sent without the copy is claimed no further than B's own prefix."""
-    from kvcomm_agents.ahead import PrefillAhead
+    from kvcomm_vllm.text_ahead import PrefillAhead
     from kvcomm_agents.prompt import render_prompt
 
     book = PrefillAhead()
@@ -181,13 +181,13 @@ def test_prefill_ahead_copies_serve_the_shared_question_to_a_later_reader_exactl
 
 
 def test_reply_copies_serve_the_newest_reply_to_its_reader_exactly(client):
-    """The client's reply copies (kvcomm_agents.reply_ahead, what VLLMEngine sends by default while
+    """The client's reply copies (kvcomm_vllm.reply_ahead, what VLLMEngine sends by default while
     a sender streams): once B was seen reading A's reply, A's next reply is copied into B's
     prompt every CHUNK ids as prefix_only one-token requests. Each copy claims exact prefixes
     only; B's own request is then claimed up to the reply's last chunk, and its greedy output is
     vLLM dense's token for token. Without the copies the claim ends before the reply."""
     from examples.tasks import debate_messages
-    from kvcomm_agents.reply_ahead import CHUNK, HOLD, ReplyAhead, copy_prompt
+    from kvcomm_vllm.reply_ahead import CHUNK, HOLD, ReplyAhead, copy_prompt
 
     book = ReplyAhead()
     encode = lambda text: client.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731

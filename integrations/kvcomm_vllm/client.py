@@ -18,7 +18,7 @@ decisions; ``chat`` has them unless it sends copies (below: then it is streamed 
 ``VLLMEngine(prefill_ahead=False, reply_ahead=False)``. Replies carry no segment reference (the
 server finds shared text by token runs).
 
-**Prefill ahead** (``prefill_ahead=True``, the default; :mod:`kvcomm_agents.ahead`): a prompt
+**Prefill ahead** (``prefill_ahead=True``, the default; :mod:`kvcomm_vllm.text_ahead`): a prompt
 whose new shared text (a task, documents) later agents were seen to read after their own system
 text is streamed, and once its first token arrived one one-token request per later reader (its
 prefix, then the text) is sent, so the copies ride on its decode steps, never on its prefill; the
@@ -27,9 +27,9 @@ connector claims only what it can rebuild without holes, and shared text read af
 agent's system text is what it could not. Copies are not waited for; a failed copy costs that
 reader's reuse, never the call. :class:`~kvcomm_vllm.fleet.FleetEngine` sends them too.
 
-**Replies ahead** (``reply_ahead=True``, the default; :mod:`kvcomm_agents.reply_ahead`): when
+**Replies ahead** (``reply_ahead=True``, the default; :mod:`kvcomm_vllm.reply_ahead`): when
 earlier graphs showed which agents read an agent's reply, and after which ids, that agent's call
-is streamed, and every :data:`~kvcomm_agents.reply_ahead.CHUNK` new reply ids one one-token
+is streamed, and every :data:`~kvcomm_vllm.reply_ahead.CHUNK` new reply ids one one-token
 ``prefix_only`` request per reader is sent: the reader's prompt as it will be, up to the reply so
 far. The server computes them beside the sender's decode steps and keeps each as an exact prefix,
 so the reader's own request claims up to the reply's last chunk. Such a call's stats come from
@@ -48,11 +48,10 @@ import time
 import urllib.request
 from typing import Any, Iterator, Optional, Sequence
 
-from kvcomm_agents.ahead import PrefillAhead
-from kvcomm_agents.plan import SegmentDecision
-from kvcomm_agents.reply_ahead import CHUNK, ReplyAhead, copy_prompt
-from kvcomm_agents.prompt import render_prompt
-from kvcomm_agents.results import CallStats, ChatResult
+from kvcomm_vllm.text_ahead import PrefillAhead
+from kvcomm_vllm.reply_ahead import CHUNK, ReplyAhead, copy_prompt
+from kvcomm_agents.paged import render_prompt
+from kvcomm_agents import CallStats, ChatResult, SegmentDecision
 
 __all__ = ["VLLMEngine", "prepare_prompt", "remember_reply"]
 
@@ -100,7 +99,7 @@ class VLLMEngine:
         if not copies and not bases:
             result = self.complete(ids, **options)
         else:  # streamed, so that the copies go out after the first token and while the reply is generated
-            *_, result = self._stream_with_copies(ids, copies, bases, options)
+            *_, result = self.stream_with_copies(ids, copies, bases, options)
         self._finished(agent, ids, result)
         return result
 
@@ -111,12 +110,12 @@ class VLLMEngine:
     def _finished(self, agent: str, ids: list[int], result: ChatResult) -> None:
         remember_reply(self.tokenizer, self.replies, agent, ids, result)
 
-    def _stream_with_copies(self, ids: list[int], copies: list[tuple[str, list[int]]],
-                            bases: list[tuple[str, list[int]]], options: dict,
-                            sent: Optional[list[list[int]]] = None) -> Iterator[Any]:
+    def stream_with_copies(self, ids: list[int], copies: list[tuple[str, list[int]]],
+                           bases: list[tuple[str, list[int]]], options: dict,
+                           sent: Optional[list[list[int]]] = None) -> Iterator[Any]:
         """:meth:`stream_ids`, sending the prefill-ahead ``copies`` once the first piece arrived (so
         that they never share this request's prefill; at the end when no piece came), and each
-        reader's copy of the reply so far every :data:`~kvcomm_agents.reply_ahead.CHUNK` ids.
+        reader's copy of the reply so far every :data:`~kvcomm_vllm.reply_ahead.CHUNK` ids.
         Copies are not waited for, and nothing about them fails the call. ``sent`` collects the
         prompts of the copies sent."""
         text, done, pieces, shared_out = "", 0, 0, False
@@ -189,7 +188,7 @@ class VLLMEngine:
         """Text pieces as the server generates them, then the :class:`~kvcomm_agents.ChatResult`
         (its stats without per-segment decisions; see the module's docstring)."""
         ids, copies, bases = self._prepare(messages, agent, tools, options.get("reuse"))
-        pieces = self._stream_with_copies(ids, copies, bases, {"agent": agent, **options}) if copies or bases else \
+        pieces = self.stream_with_copies(ids, copies, bases, {"agent": agent, **options}) if copies or bases else \
             self.stream_ids(ids, agent=agent, **options)
         for piece in pieces:
             if not isinstance(piece, str):
@@ -261,8 +260,8 @@ def prepare_prompt(tokenizer, messages: Sequence[dict], agent: str, tools: Optio
                    ahead: Optional[PrefillAhead], replies: Optional[ReplyAhead]
                    ) -> tuple[list[int], list[tuple[str, list[int]]], list[tuple[str, list[int]]]]:
     """A prompt's ids, the prefill-ahead copies of its new shared text for its later readers
-    (:mod:`kvcomm_agents.ahead`) and the ids before its reply in each learned reader's prompt
-    (:mod:`kvcomm_agents.reply_ahead`); both books learn from the prompt (not when ``reuse`` is
+    (:mod:`kvcomm_vllm.text_ahead`) and the ids before its reply in each learned reader's prompt
+    (:mod:`kvcomm_vllm.reply_ahead`); both books learn from the prompt (not when ``reuse`` is
     False, nor without a book). A failure in the books costs the copies, never the call."""
     layout = render_prompt(tokenizer, messages, tools=tools)
     ids = layout.ids.tolist()
@@ -318,7 +317,7 @@ def _load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if not Path(name).is_dir():
-        from kvcomm_agents.embedded import embedded_model_dir
+        from kvcomm_agents.paged import embedded_model_dir
 
         name = str(embedded_model_dir())
     return AutoTokenizer.from_pretrained(name)

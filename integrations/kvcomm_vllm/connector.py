@@ -9,7 +9,7 @@ it). Per request, on token ids alone:
   rest. The agent comes from the request's ``kv_transfer_params`` (``{"agent": "solver"}``;
   ``{"reuse": false}`` runs it dense and records it; ``{"prefix_only": true}`` claims exact
   prefixes only, so that what it computes is kept as an exact prefix: a client's copy of a later
-  reader's prompt, :mod:`kvcomm_agents.reply_ahead`).
+  reader's prompt, :mod:`kvcomm_vllm.reply_ahead`).
 - **worker side** (:meth:`start_load_kv`): the claimed KV is aligned on the worker's device and
   written into the request's blocks with the backend's own cache-update op. A failed load marks
   the blocks for vLLM to recompute (``kv_load_failure_policy="recompute"``).
@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,10 +44,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcomm_agents import KVCommConfig
-from kvcomm_agents.broker import KVCommBroker
-from kvcomm_agents.errors import UnsupportedModelError
-from kvcomm_agents.support import rotator_from_config
+from kvcomm_agents import KVCommConfig, UnsupportedModelError
+from kvcomm_agents.paged import KVCommBroker, rotator_from_config
 
 from .paged import PagedKV
 
@@ -104,7 +101,7 @@ def _shared_tier(extra: dict):
     url = extra.get("shared_store")
     if not url:
         return None
-    from kvcomm_agents.kv.redis_tier import RedisSegments
+    from kvcomm_agents.paged import RedisSegments
 
     return RedisSegments(url, namespace=extra.get("shared_namespace", "kvcomm"))
 

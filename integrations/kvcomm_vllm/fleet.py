@@ -24,11 +24,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from kvcomm_agents.ahead import PrefillAhead
-from kvcomm_agents.kv.run_index import TokenRunIndex, scan
-from kvcomm_agents.prompt import render_prompt
-from kvcomm_agents.reply_ahead import ReplyAhead
-from kvcomm_agents.results import ChatResult
+from kvcomm_vllm.text_ahead import PrefillAhead
+from kvcomm_agents.paged import TokenRunIndex, scan
+from kvcomm_vllm.reply_ahead import ReplyAhead
+from kvcomm_agents import ChatResult
 
 from .client import VLLMEngine, prepare_prompt, remember_reply
 
@@ -173,7 +172,7 @@ class FleetEngine:
             if not streamed:
                 pieces: Iterator[Any] = iter([engine.complete(ids, agent=agent, **options)])
             elif copies or bases:
-                pieces = engine._stream_with_copies(ids, copies, bases, {"agent": agent, **options}, sent)
+                pieces = engine.stream_with_copies(ids, copies, bases, {"agent": agent, **options}, sent)
             else:
                 pieces = engine.stream_ids(ids, agent=agent, **options)
             for item in pieces:

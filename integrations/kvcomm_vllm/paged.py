@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from kvcomm_agents.kv.block import KVBlock
+from kvcomm_agents.paged import KVBlock
 
 __all__ = ["BlockReader", "READERS", "PagedKV", "slots_of"]
 

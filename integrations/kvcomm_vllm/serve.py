@@ -41,7 +41,7 @@ def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dty
                "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
                "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm, shared_store)),
                "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--max-logprobs", "-1",
-               # prefill-ahead copies (kvcomm_agents.ahead) go after the requests waiting with them
+               # prefill-ahead copies (kvcomm_vllm.text_ahead) go after the requests waiting with them
                "--scheduling-policy", "priority",
                # the client's ttft_s and a streamed answer's cache_read come from these
                "--enable-per-request-metrics", "--enable-prompt-tokens-details"]
@@ -103,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_vllm_version()
     model = args.model
     if model is None:
-        from kvcomm_agents.embedded import embedded_model_dir
+        from kvcomm_agents.paged import embedded_model_dir
 
         model = str(embedded_model_dir())
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")

@@ -26,16 +26,12 @@ class OffsetEstimate:
     """Estimated canonical-frame offsets, ``[L-1, kv_heads, tokens, head_dim]`` float32.
 
     ``own_text_keys``/``own_text_values`` (``[L-1, kv_heads, P, head_dim]``) are for the own-text
-    piece after the segment (None when the anchors hold none for it). ``spread`` (``[tokens]``,
-    asked for with ``spread=True``): per token, the variance of the consulted anchors' offsets
-    across anchors, averaged over layers, heads and channels, keys plus values: where the
-    anchors disagree, the estimate is least sure."""
+    piece after the segment (None when the anchors hold none for it)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     own_text_keys: Optional[torch.Tensor] = None
     own_text_values: Optional[torch.Tensor] = None
-    spread: Optional[torch.Tensor] = None
 
 
 def estimate_offsets(
@@ -48,22 +44,14 @@ def estimate_offsets(
     temperature: float,
     piece: Optional[str] = None,
     source: Optional[str] = None,
-    spread: bool = False,
 ) -> OffsetEstimate:
     """Offsets of a segment with canonical base ``keys``/``values`` ``[L-1, H, T, D]`` for
     ``receiver``, from the anchors in ``slots`` (``[N]``, all holding this receiver's offsets and
     at least ``T`` tokens long); with ``piece``, also the own-text offsets of that piece.
     ``source``: whose placeholder offsets the anchors are read from (default ``receiver``; a
-    recorded version of the segment, :mod:`.versions`). ``spread``: also the anchors'
-    disagreement per token (anchors covering the whole segment only)."""
+    recorded version of the segment, :mod:`kvcomm_agents.versions`)."""
     t = keys.shape[2]
     stack = pool.placeholder[source or receiver]
-    if estimator == "mean" and bool((pool.lengths[slots] < t).any()):
-        width = max(t, int(pool.lengths[slots].max()))
-        est_k, est_v = _mean_any_length(*stack.dense(slots, width), pool.lengths[slots], t)
-        device = est_k.device
-        return _with_own_text(OffsetEstimate(est_k, est_v), pool, receiver, slots, keys, keys.float().to(device),
-                              values.float().to(device), estimator, temperature, piece)
     k_off, v_off = stack.dense(slots, t)
     device = k_off.device
     query_k, query_v = keys.float().to(device), values.float().to(device)
@@ -75,37 +63,7 @@ def estimate_offsets(
         est_v = torch.einsum("nt,nlhtd->lhtd", w_v, v_off)
     else:
         est_k, est_v = k_off.mean(dim=0), v_off.mean(dim=0)
-    result = OffsetEstimate(est_k, est_v)
-    if spread and k_off.shape[0] > 1:
-        result.spread = k_off.var(dim=0).mean(dim=(0, 1, 3)) + v_off.var(dim=0).mean(dim=(0, 1, 3))  # [T]
-    return _with_own_text(result, pool, receiver, slots, keys, query_k, query_v, estimator, temperature, piece)
-
-
-def _mean_any_length(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                     t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean offsets ``[L-1, H, t, D]`` from anchors of any length (``keys``/``values``
-    ``[N, L-1, H, cap, D]``, ``lengths`` ``[N]``): token ``i`` takes the mean over the anchors
-    covering ``i`` from their start; a token no anchor covers that way takes the mean over the
-    anchors covering it counted from the end (anchor token ``len - (t - i)``); a token neither
-    covers gets no offset (re-rotation only)."""
-    n, cap = keys.shape[0], keys.shape[3]
-    device = keys.device
-    i = torch.arange(t, device=device)
-    lengths = lengths.to(device)
-    from_start = (i[None] < lengths[:, None]) & (i[None] < cap)  # [N, t]
-    index_end = lengths[:, None] - (t - i[None])  # [N, t]
-    from_end = index_end >= 0
-    use_end = ~from_start.any(dim=0)  # [t]: tokens past every anchor
-    index = torch.where(use_end[None], index_end, i[None].expand(n, -1)).clamp(0, cap - 1)
-    weight = torch.where(use_end[None], from_end, from_start).float()  # [N, t]
-    count = weight.sum(dim=0).clamp_min(1.0)
-
-    def gather_mean(stack: torch.Tensor) -> torch.Tensor:
-        expanded = index[:, None, None, :, None].expand(-1, stack.shape[1], stack.shape[2], -1, stack.shape[4])
-        picked = stack.float().gather(3, expanded) * weight[:, None, None, :, None]
-        return picked.sum(dim=0) / count[None, None, :, None]
-
-    return gather_mean(keys), gather_mean(values)
+    return _with_own_text(OffsetEstimate(est_k, est_v), pool, receiver, slots, keys, query_k, query_v, estimator, temperature, piece)
 
 
 def _with_own_text(result: OffsetEstimate, pool: AnchorPool, receiver: str, slots: torch.Tensor, keys: torch.Tensor,

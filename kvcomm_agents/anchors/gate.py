@@ -80,11 +80,9 @@ def entropy_score(distances: torch.Tensor) -> tuple[float, torch.Tensor]:
     return entropy / math.log2(distances.numel()), p.float()
 
 
-def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamma: float, min_anchors: int,
-          length_share: float = 1.0) -> GateVerdict:
-    """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor.
-    ``length_share``: consult anchors at least this share of the segment's length (below 1:
-    shorter anchors too, compared over their tokens)."""
+def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamma: float,
+          min_anchors: int) -> GateVerdict:
+    """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor."""
     if pool is None:
         return GateVerdict(False, 0)
     own = pool.slot_of(segment.id)
@@ -94,7 +92,7 @@ def judge(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, *, gamm
             # the receiver recorded this very segment: its own offsets, weight 1
             return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([own]), own_offsets=True,
                                source=receiver)
-    slots = pool.candidates(receiver, segment.num_tokens, exclude=own, length_share=length_share)
+    slots = pool.candidates(receiver, segment.num_tokens, exclude=own)
     verdict = GateVerdict(False, int(slots.numel()), candidates=slots)
     if slots.numel() == 0:
         return verdict

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import BudgetWarning
 from ..kv.block import KVBlock
-from ..kv.blocks import BlockCount
+from ..kv.block_count import BlockCount
 from ..kv.rope import RopeRotator
 from ..kv.segments import CONTEXT_TOKENS, Kind, KVSegment
 from ..plan import CallPlan, OwnTextPiece, ReusedRun
@@ -33,9 +33,6 @@ from .persist import load_pools, save_pools
 from .budget import fit_budget
 from .pool import AnchorPool
 from .tracker import OffsetTracker
-from .versions import VersionHomes
-from ..token_texts import TokenTexts
-from .versions import best_recorded_version
 
 __all__ = ["KVCommAnchors", "ExactKV"]
 
@@ -57,11 +54,6 @@ class KVCommAnchors:
         temperature: softmax temperature of the weighted estimator.
         activation_top_p: anchors credited per reuse decision (eviction keeps the credited).
         freeze: the engine's freeze count (shared with its own-text store).
-        length_share: consult anchors at least this share of a segment's length (1: the paper;
-            below 1 with the mean estimator only: covered tokens from the anchors' starts, the
-            rest from their ends).
-        recorded_versions: before the gate, reuse the version of a segment (its base, or a
-            receiver's recorded offsets) computed after the same text as here (:mod:`.versions`).
         kl_budget: audited first-token KL above which a receiver's segments of a kind are
             prefilled rather than reused with estimated offsets (:mod:`.tracker`; None: none).
     """
@@ -78,35 +70,27 @@ class KVCommAnchors:
         temperature: float = 1.0,
         activation_top_p: float = 0.9,
         freeze: Optional[BlockCount] = None,
-        length_share: float = 1.0,
-        recorded_versions: bool = True,
         kl_budget: Optional[float] = None,
     ) -> None:
-        self.recorded_versions, self.kl_budget = recorded_versions, kl_budget
-        self.length_share = length_share if estimator == "mean" else 1.0
+        self.kl_budget = kl_budget
         self.max_anchors, self.eviction_window, self.max_bytes = max_anchors, eviction_window, max_bytes
         self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
         self.temperature, self.activation_top_p = temperature, activation_top_p
         self._pools: OrderedDict[Kind, AnchorPool] = OrderedDict()
-        self.homes = VersionHomes()  # where partial versions of short texts were recorded
-        # the tokenizer's id texts: version contexts compared as text, the same text split into
-        # other ids still matching (from_config's tokenizer; None compares ids)
-        self.texts: Optional[TokenTexts] = None
-        self._lock = threading.RLock()
+        #: guards the pools (recorded versions, :class:`~kvcomm_agents.versions.Versions`, take it too)
+        self.lock = threading.RLock()
         self._batch = threading.local()  # segments recorded inside this thread's recording() block
         self._freeze = freeze or BlockCount()
         self._warned = False
         self.tracker = OffsetTracker()
-        self.spread = False  # estimates carry the anchors' disagreement (experimental.recompute_spread)
 
     @classmethod
     def from_config(cls, config, *, default_max_bytes: int, freeze: Optional[BlockCount] = None,
-                    can_audit: bool = True, tokenizer=None) -> "KVCommAnchors":
+                    can_audit: bool = True) -> "KVCommAnchors":
         """The anchors a :class:`~kvcomm_agents.config.KVCommConfig` asks for;
-        ``default_max_bytes`` applies when ``config.anchor_max_bytes`` is None; with
-        ``tokenizer``, version contexts are compared as its text (:attr:`texts`). The KL budget is
+        ``default_max_bytes`` applies when ``config.anchor_max_bytes`` is None. The KL budget is
         off without audits (``audit_every=0``): nothing would ever measure it. ``can_audit=False``
-        (a runtime with no dense shadow pass, :mod:`kvcomm_agents.broker`): the budget holds and
+        (a runtime with no dense shadow pass, :mod:`kvcomm_agents.paged.broker`): the budget holds and
         nothing probes, so estimated offsets are never used (set ``kl_budget=None`` to use
         them unmeasured)."""
         c, x = config, config.experimental
@@ -115,15 +99,10 @@ class KVCommAnchors:
             max_bytes=c.anchor_max_bytes if c.anchor_max_bytes is not None else default_max_bytes,
             estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
             activation_top_p=x.activation_top_p, freeze=freeze,
-            length_share={"at_least": 1.0, "most": 0.75, "any": 0.0}[x.anchor_lengths],
-            recorded_versions=x.recorded_versions,
             kl_budget=c.kl_budget if c.audit_every or not can_audit else None,
         )
         if not can_audit:
             anchors.tracker.probe_every = 0
-        anchors.spread = x.recompute_spread > 0
-        if tokenizer is not None and c.method == "kvcomm":
-            anchors.texts = TokenTexts.of(tokenizer)
         return anchors
 
     # ---- inspection -----------------------------------------------------------------------
@@ -136,13 +115,12 @@ class KVCommAnchors:
         return len(pool) if pool else 0
 
     def nbytes(self) -> int:
-        with self._lock:
+        with self.lock:
             return sum(pool.nbytes for pool in self._pools.values())
 
     def clear(self) -> None:
-        with self._lock:
+        with self.lock:
             self._pools.clear()
-            self.homes.clear()
             self.tracker.clear()
 
     @property
@@ -153,7 +131,7 @@ class KVCommAnchors:
     # ---- warm start ---------------------------------------------------------------------------
     def save(self, path, header: dict) -> int:
         """Write every pool to ``path`` (:mod:`.persist`); returns the anchors written."""
-        with self._lock:
+        with self.lock:
             pools = list(self._pools.values())
             save_pools(pools, path, header)
             return sum(len(pool) for pool in pools)
@@ -163,28 +141,21 @@ class KVCommAnchors:
         change when the file is unreadable or of another model); returns the anchors loaded."""
         pools, _ = load_pools(path, fingerprint=fingerprint, shape=shape, max_anchors=self.max_anchors,
                               eviction_window=self.eviction_window, device=device, dtype=dtype)
-        with self._lock:
+        with self.lock:
             self._pools = OrderedDict((pool.kind, pool) for pool in pools)
             self._enforce_budget()
             return sum(len(pool) for pool in self._pools.values())
 
     # ---- 1. decide --------------------------------------------------------------------------
     @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
-    def decide(self, receiver: str, segment: KVSegment, tokens: Optional[tuple[int, int]] = None,
-               context: Sequence[int] = ()) -> GateVerdict:
-        """Reuse ``segment`` for ``receiver`` with recorded or estimated offsets, or make it a
-        new anchor. ``tokens``: the segment tokens ``(first, last)`` (exclusive) the prompt
-        reuses; ``context``: the prompt's ids before token ``first``. A recorded version of the
-        segment whose context matches better than the base's is reused first (:mod:`.versions`);
-        otherwise the gate judges (:mod:`.gate`)."""
-        with self._lock:
+    def decide(self, receiver: str, segment: KVSegment) -> GateVerdict:
+        """Reuse ``segment`` for ``receiver`` with estimated offsets, or make it a new anchor: the
+        gate judges (:mod:`.gate`), then the KL budget. Ask the recorded versions first
+        (:meth:`kvcomm_agents.versions.Versions.recorded`): one computed after the same text as
+        here is reused without the gate."""
+        with self.lock:
             pool = self.pool(segment.ref.kind)
-            if tokens is not None:
-                recorded = self.recorded(receiver, segment, tokens, context)
-                if recorded is not None:
-                    return recorded
-            verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors,
-                            length_share=self.length_share)
+            verdict = judge(pool, receiver, segment, gamma=self.gamma, min_anchors=self.min_anchors)
             # the receiver's own offsets of this very segment, found by the gate but recorded
             # after other text than here (no version matched this context), are an estimate
             # like any other: the KL budget and the offset check apply to them too
@@ -197,25 +168,6 @@ class KVCommAnchors:
                 if not self.frozen and not verdict.own_offsets:
                     pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
             return verdict
-
-    @torch.inference_mode()
-    def recorded(self, receiver: str, segment: KVSegment, tokens: Optional[tuple[int, int]],
-                 context: Sequence[int]) -> Optional[GateVerdict]:
-        """A reuse verdict with the version of ``segment`` (its base, or a receiver's recorded
-        offsets) whose context fits ``context`` (the prompt's ids before segment token
-        ``tokens[0]``) longest, or None when none fits (:mod:`.versions`; also None with
-        ``recorded_versions`` off)."""
-        if not self.recorded_versions or tokens is None:
-            return None
-        with self._lock:
-            version = best_recorded_version(self.pool(segment.ref.kind), receiver, segment, tokens[0], tokens[1],
-                                            context, self.texts.matched if self.texts else None)
-        if version is None:
-            return None
-        if version.receiver is None:
-            return GateVerdict(True, 0, score=0.0, base_fits=True, context_matched=True)
-        return GateVerdict(True, 1, score=0.0, weights=torch.ones(1), candidates=torch.tensor([version.slot]),
-                           own_offsets=version.receiver == receiver, source=version.receiver, context_matched=True)
 
     # ---- 2. attach offsets ----------------------------------------------------------------
     @torch.inference_mode()
@@ -244,8 +196,7 @@ class KVCommAnchors:
                     estimates[(run.segment.id, id(run.verdict))] = est
                 window = slice(run.segment_start, run.segment_start + run.length)
                 kept.append(replace(run, key_offsets=est.keys[:, :, window], value_offsets=est.values[:, :, window],
-                                    offsets_on=run.verdict.offsets_on,
-                                    spread=None if est.spread is None else est.spread[window]))
+                                    offsets_on=run.verdict.offsets_on))
             else:
                 piece = reused_pieces[run.prompt_start]
                 est = estimates.get((piece.after.id, id(run.verdict)))  # the segment run's verdict
@@ -258,14 +209,13 @@ class KVCommAnchors:
         return kept, pieces
 
     def _estimate(self, receiver: str, segment: KVSegment, verdict: GateVerdict, piece: Optional[str]) -> OffsetEstimate:
-        with self._lock:
+        with self.lock:
             kind = tuple(segment.ref.kind)
             pool = self._pools[kind]
             self._pools.move_to_end(kind)
             keys, values = segment.kv.upper_layers()
             return estimate_offsets(pool, receiver, keys, values, verdict.candidates, self.estimator,
-                                    self.temperature, piece, source=verdict.source,
-                                    spread=self.spread and not verdict.context_matched)
+                                    self.temperature, piece, source=verdict.source)
 
     # ---- 3. observe -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -279,7 +229,7 @@ class KVCommAnchors:
     ) -> None:
         """Record the offsets a pass observed: for each of ``plan.observations`` and each observed
         own-text piece (its base KV in ``own_text``, by piece start) lying wholly before the
-        first re-rotated token (anywhere with ``plan.observe_after_reuse``), ``real - base`` KV
+        first re-rotated token, ``real - base`` KV
         of layers ``1..L-1`` in the canonical frame.
 
         Args:
@@ -289,64 +239,30 @@ class KVCommAnchors:
             rotator: moves real keys into the canonical frame of the base.
             own_text: base KV of the plan's own-text pieces, by piece start.
         """
-        exact_until = plan.num_prompt if plan.observe_after_reuse else plan.observable_until()
+        observed_until = plan.first_estimated()
         if not self.frozen:
             for seen in plan.observations:
-                if seen.length <= 0 or seen.prompt_start + seen.length > exact_until:
+                if seen.length <= 0 or seen.prompt_start + seen.length > observed_until:
                     continue
                 keys, values = offsets(exact_kv(seen.prompt_start, seen.length), seen.segment.kv,
                                        seen.prompt_start - seen.segment_start, seen.segment_start, rotator)
                 context = tuple(plan.prompt_ids[max(0, seen.prompt_start - CONTEXT_TOKENS):seen.prompt_start].tolist())
-                self._record(receiver, seen.segment, seen.segment_start, keys, values, context)
+                self.record_offsets(receiver, seen.segment, seen.segment_start, keys, values, context)
         for piece in plan.pieces:
             base = own_text.get(piece.start)
-            if piece.reused or base is None or not piece.observed or piece.end > exact_until:
+            if piece.reused or base is None or not piece.observed or piece.end > observed_until:
                 continue
             keys, values = offsets(exact_kv(piece.start, piece.end - piece.start), base.kv, piece.start, 0, rotator)
             self._record_own_text(receiver, piece.after, piece.key, keys, values)
 
-    @torch.inference_mode()
-    def record_version(self, receiver: str, segment: KVSegment, real: KVBlock, prompt_start: int,
-                       context: tuple[int, ...], rotator: RopeRotator, min_match: int = 0,
-                       segment_start: int = 0) -> bool:
-        """Record ``real`` (``n`` tokens of ``segment`` from token ``segment_start``, all of them
-        by default; keys at prompt positions ``prompt_start..+n``, computed after the ids
-        ``context``) as ``receiver``'s version of those tokens, reused only where a prompt shares
-        at least ``min_match`` ids of that context (:mod:`kvcomm_agents.framing`). Returns whether
-        it was recorded (not inside ``freeze_anchors``)."""
-        if self.frozen:
-            return False
-        keys, values = offsets(real, segment.kv, prompt_start - segment_start, segment_start, rotator)
-        self._record(receiver, segment, segment_start, keys, values, context, min_match)
-        return True
-
-    def version_span(self, receiver: str, segment: KVSegment) -> Optional[tuple[int, int]]:
-        """The segment tokens ``(start, end)`` of ``receiver``'s recorded version of ``segment``
-        ((0, 0) for offsets whose context is unknown), or None when it holds none."""
-        with self._lock:
-            pool = self._pools.get(tuple(segment.ref.kind))
-            slot = pool.slot_of(segment.id) if pool is not None else None
-            stack = pool.placeholder.get(receiver) if slot is not None else None
-            if stack is None or slot >= stack.has.numel() or not bool(stack.has[slot]):
-                return None
-            context = stack.contexts.get(slot)
-            return (0, 0) if context is None else (context.start, context.end)
-
-    def forget_version(self, receiver: str, segment: KVSegment) -> None:
-        """Drop ``receiver``'s recorded offsets of ``segment`` (the slot stays an anchor)."""
-        with self._lock:
-            pool = self._pools.get(tuple(segment.ref.kind))
-            slot = pool.slot_of(segment.id) if pool is not None else None
-            stack = pool.placeholder.get(receiver) if slot is not None else None
-            if stack is not None:
-                stack.clear_slot(slot)
-
-    def _record(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor,
+    def record_offsets(self, receiver: str, segment: KVSegment, start: int, keys: torch.Tensor, values: torch.Tensor,
                 context: Optional[tuple[int, ...]] = None, min_match: int = 0) -> None:
-        """Offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``, observed after the ids
-        ``context``; the segment becomes an anchor of its kind's pool if it is not one yet."""
+        """Record ``receiver``'s offsets ``[L-1, H, n, D]`` of segment tokens ``start..start+n``,
+        observed after the ids ``context`` (reused as a version only where a prompt shares at
+        least ``min_match`` of them); the segment becomes an anchor of its kind's pool if it is
+        not one yet."""
         kind = tuple(segment.ref.kind)
-        with self._lock:
+        with self.lock:
             pool = self._pools.get(kind)
             if pool is None:
                 pool = self._pools[kind] = AnchorPool(kind, self.max_anchors, self.eviction_window)
@@ -364,7 +280,7 @@ class KVCommAnchors:
         """Offsets ``[L-1, H, P, D]`` of ``receiver``'s own-text piece after ``segment`` (an anchor)."""
         if self.frozen:
             return
-        with self._lock:
+        with self.lock:
             pool = self.pool(segment.ref.kind)
             slot = pool.slot_of(segment.id) if pool is not None else None
             if slot is None:

@@ -52,7 +52,7 @@ def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -
                 _put(tensors, f"{name}.stack{j}.part{slot}.values", values)
                 _put(tensors, f"{name}.stack{j}.part{slot}.start", torch.tensor([stack.starts.get(slot, 0)]))
         described.append({
-            "kind": list(pool.kind), "segment_ids": pool.segment_ids, "created": pool.created, "clock": pool._clock,
+            "kind": list(pool.kind), "segment_ids": pool.segment_ids, "created": pool.created, "clock": pool.clock,
             "stacks": [[role, list(key) if isinstance(key, tuple) else key] for role, key, _ in stacks],
             "contexts": [{str(slot): [c.start, c.end, list(c.ids), c.min_match] for slot, c in stack.contexts.items()}
                          for _, _, stack in stacks],
@@ -102,7 +102,7 @@ def _pool(name: str, desc: dict, tensors: dict, shape: tuple[int, int, int], max
     pool = AnchorPool(tuple(desc["kind"]), max_anchors, eviction_window)
     pool.segment_ids = [str(s) if s is not None else None for s in desc["segment_ids"]]
     pool.created = [int(c) for c in desc["created"]]
-    pool._clock = int(desc["clock"])
+    pool.clock = int(desc["clock"])
     slots = len(pool.segment_ids)
     if slots > max_anchors or len(pool.created) != slots:
         raise ValueError(f"{slots} anchors in a pool, max_anchors is {max_anchors}")

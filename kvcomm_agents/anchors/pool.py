@@ -193,7 +193,7 @@ class AnchorPool:
         self.bases: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = []  # per slot: [L-1, H, length, D] x 2
         self.placeholder: dict[str, OffsetStack] = {}
         self.own_text: dict[tuple[str, str], OffsetStack] = {}
-        self._clock = 0
+        self.clock = 0  # anchors added so far: a slot's creation time (eviction takes the oldest)
 
     # ---- membership -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -224,8 +224,8 @@ class AnchorPool:
         self.segment_ids[slot] = segment.id
         self.lengths[slot] = tokens
         self.activations[slot] = 0
-        self._clock += 1
-        self.created[slot] = self._clock
+        self.clock += 1
+        self.created[slot] = self.clock
         for stack in (*self.placeholder.values(), *self.own_text.values()):
             stack.clear_slot(slot)
         return slot
@@ -282,14 +282,13 @@ class AnchorPool:
         return _padded([(0, *self.base(int(s))) if self.base(int(s)) is not None else None for s in slots], width)
 
     # ---- matching -------------------------------------------------------------------------
-    def candidates(self, receiver: str, length: int, exclude: Optional[int] = None,
-                   length_share: float = 1.0) -> torch.Tensor:
-        """``[N]`` slots of anchors at least ``length_share x length`` tokens long (and at least
-        one) holding ``receiver``'s offsets."""
+    def candidates(self, receiver: str, length: int, exclude: Optional[int] = None) -> torch.Tensor:
+        """``[N]`` slots of anchors at least ``length`` tokens long (and at least one) holding
+        ``receiver``'s offsets (the paper's rule: an anchor covers the whole segment)."""
         stack = self.placeholder.get(receiver)
         if stack is None or not self.segment_ids:
             return torch.zeros(0, dtype=torch.long)
-        ok = self.held_by(stack) & (self.lengths >= max(1, math.ceil(length_share * length)))
+        ok = self.held_by(stack) & (self.lengths >= max(1, length))
         if exclude is not None:
             ok[exclude] = False
         return ok.nonzero().flatten()

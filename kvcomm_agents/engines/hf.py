@@ -336,6 +336,23 @@ def kv_at_positions(cache: DynamicCache, slot_positions: torch.Tensor, positions
     return KVBlock(tuple(keys), tuple(values), tuple(starts))
 
 
+def append_kv(cache: DynamicCache, block: KVBlock) -> None:
+    """Append ``block``'s KV (``[L][1, kv_heads, n, head_dim]``) to every layer of ``cache`` as
+    ``n`` more slots, on each layer's device and in its dtype."""
+    for layer, (keys, values) in enumerate(block.layers()):
+        held = layer_kv(cache, layer)[0]
+        cache.update(keys.to(held.device, held.dtype), values.to(held.device, held.dtype), layer)
+
+
+def keep_slots(cache: DynamicCache, slots: torch.Tensor) -> None:
+    """Keep only the cache slots ``slots`` (``[k]`` int64 slot indices, in the order given) in
+    every layer of ``cache``; the others are dropped."""
+    for layer in cache.layers:
+        index = slots.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)
+
+
 def kv_reader(cache: DynamicCache, slot_positions: torch.Tensor):
     """``positions -> KVBlock`` (:func:`kv_at_positions`) over a filled cache whose slot ``i``
     holds position ``slot_positions[i]``."""

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
-from .blocks import BlockCount
+from .block_count import BlockCount
 from .segments import KVSegment
 
 __all__ = ["OwnTextStore", "piece_key"]

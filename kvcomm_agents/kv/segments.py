@@ -71,7 +71,7 @@ class KVSegment:
             position ``i``.
         context_ids: the last ids (at most :data:`CONTEXT_TOKENS`) before the segment's first
             token where its KV was computed (empty where nothing preceded it or it is unknown):
-            which context the KV belongs to (:mod:`kvcomm_agents.anchors.versions`).
+            which context the KV belongs to (:mod:`kvcomm_agents.versions.match`).
     """
 
     ref: SegmentRef

@@ -7,10 +7,9 @@ and any run of token ids shared with any entry, wherever it sits (:meth:`Segment
 a rolling-hash index kept with the entries).
 
 With a shared tier (:mod:`.shared`, e.g. Redis for a fleet of replicas), every entry computed here
-is also published, and entries other replicas published are found by token runs, exact prefix or
-id like local ones; their KV is fetched on first use and then held here under the same budget
-(:mod:`.tier_link`: the round trips run outside the store's lock, so a slow tier delays only the
-lookups that need it, never another call's local lookups).
+is also published, and entries other replicas published are found like local ones; their KV is
+fetched on first use and held here under the same budget (:mod:`.tier_link`: round trips run
+outside the store's lock, so a slow tier delays only the lookups that need it).
 """
 
 from __future__ import annotations
@@ -107,7 +106,9 @@ class SegmentStore:
         self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
         self._view_entries: dict[str, str] = {}  # the entry id of each view id
         self.shared = shared
-        self._tier = TierLink(shared, self, PrefixEntry) if shared is not None else None
+        self._tier = TierLink(shared, store_lock=self._lock, entries=self._entries, runs=self._runs,
+                              insert=lambda key, entry: self._insert(key, entry, publish=False),
+                              prefix_entry=PrefixEntry) if shared is not None else None
 
     # ---- segments -------------------------------------------------------------------------
     def put(self, segment: KVSegment) -> bool:

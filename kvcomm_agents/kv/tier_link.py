@@ -13,16 +13,14 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Union
+from typing import Any, Callable, Mapping, Union
 
 import torch
 
 from ..errors import SharedTierWarning
+from .run_index import TokenRunIndex
 from .segments import KVSegment
 from .shared import CatalogItem, SharedSegments, decode_entry, encode_entry
-
-if TYPE_CHECKING:
-    from .store import PrefixEntry, SegmentStore
 
 __all__ = ["TierLink", "REMOTE"]
 
@@ -31,7 +29,8 @@ REMOTE = "shared:"
 #: Catalog items remembered (oldest forgotten first).
 MAX_REMOTE = 100_000
 
-Entry = Union[KVSegment, "PrefixEntry"]
+#: A stored entry: a segment, or an exact prefix entry (``kv.store.PrefixEntry``).
+Entry = Union[KVSegment, Any]
 
 
 class TierLink:
@@ -39,14 +38,17 @@ class TierLink:
 
     Args:
         shared: the tier.
-        store: the store it links (its lock, entries and run index; fetched entries are
-            inserted there).
+        store_lock: the linked store's lock (guards ``entries`` and ``runs``).
+        entries: the store's entries by key (read only here).
+        runs: the store's run index (the tier's entries are indexed there under :data:`REMOTE`).
+        insert: ``insert(key, entry)`` holds a fetched entry in the store (not published again).
         prefix_entry: builds a prefix entry from ``(key, ids, kv, fingerprint)``.
     """
 
-    def __init__(self, shared: SharedSegments, store: "SegmentStore",
-                 prefix_entry: Callable[..., "PrefixEntry"]) -> None:
-        self.shared, self.store, self.prefix_entry = shared, store, prefix_entry
+    def __init__(self, shared: SharedSegments, *, store_lock, entries: Mapping[str, Entry], runs: TokenRunIndex,
+                 insert: Callable[[str, Entry], Any], prefix_entry: Callable[..., Entry]) -> None:
+        self.shared, self.prefix_entry = shared, prefix_entry
+        self.store_lock, self.entries, self.runs, self.insert = store_lock, entries, runs, insert
         self.lock = threading.Lock()  # one catalog read at a time (the cursor)
         self.remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
         self._cursor = None  # the tier's catalog cursor (opaque)
@@ -58,50 +60,47 @@ class TierLink:
         """Read the catalog items published since the last read: the round trip without the
         store's lock, the items merged under it. One reader at a time, read and merge together
         (another call's sync returns only once what was read before it is findable here)."""
-        store = self.store
         with self.lock:
             try:
                 items, self._cursor = self.shared.catalog(self._cursor)
             except Exception as error:
-                with store._lock:
+                with self.store_lock:
                     self.failed(error)
                 return
-            with store._lock:
+            with self.store_lock:
                 for item in items:
-                    if item.key in self.remote or item.key in store._entries:
+                    if item.key in self.remote or item.key in self.entries:
                         continue
                     self.remote[item.key] = item
-                    store._runs.add(REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
+                    self.runs.add(REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
                 while len(self.remote) > MAX_REMOTE:
                     key, _ = self.remote.popitem(last=False)
-                    store._runs.remove(REMOTE + key)
+                    self.runs.remove(REMOTE + key)
 
     def publish(self, key: str, entry: Entry) -> None:
         """Put an entry computed here into the tier, before the call that computed it returns (an
         agent reading it next, on any replica, must find it). Runs without the store's lock (the
         entry's tensors are never written after insertion), so other calls' lookups do not wait
         for the tier's round trip."""
-        store = self.store
         try:
             item, blob = encode_entry(entry)
             self.shared.publish(item, blob)
         except Exception as error:  # a tier that is down must not stop the engine
-            with store._lock:
+            with self.store_lock:
                 self.failed(error)
             return
-        with store._lock:
+        with self.store_lock:
             self._devices = [k.device for k in entry.kv.keys]
             self.remote[key] = item
-            if key not in store._entries:  # evicted meanwhile: findable again, fetched on use
-                store._runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
+            if key not in self.entries:  # evicted meanwhile: findable again, fetched on use
+                self.runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
 
     def fetch(self, item: CatalogItem) -> Entry | None:
         """Fetch and hold an entry of the tier (the round trip and decoding without the store's
         lock); None (and forgotten) when the tier no longer has it, fails, or returns a blob that
         is not the announced entry. Two calls fetching the same entry at once both get it."""
-        store = self.store
-        with store._lock:
-            held = store._entries.get(item.key)
+        with self.store_lock:
+            held = self.entries.get(item.key)
             devices = self._devices
         if held is not None:  # another call fetched it meanwhile
             return held
@@ -109,24 +108,24 @@ class TierLink:
             blob = self.shared.fetch(item.key)
             decoded = decode_entry(item, blob, devices) if blob is not None else None
         except Exception as error:
-            with store._lock:
+            with self.store_lock:
                 self.failed(error)
             decoded = None
-        with store._lock:
+        with self.store_lock:
             if decoded is None:
                 self.misses += 1
-                if item.key not in store._entries:
+                if item.key not in self.entries:
                     self.remote.pop(item.key, None)
-                    store._runs.remove(REMOTE + item.key)
-                return store._entries.get(item.key)
-            held = store._entries.get(item.key)
+                    self.runs.remove(REMOTE + item.key)
+                return self.entries.get(item.key)
+            held = self.entries.get(item.key)
             if held is not None:
                 return held
             entry = (decoded if isinstance(decoded, KVSegment)
                      else self.prefix_entry(item.key, decoded[0], decoded[1], item.fingerprint))
             self.fetched += 1
-            store._insert(item.key, entry, publish=False)
-            return store._entries.get(item.key)
+            self.insert(item.key, entry)
+            return self.entries.get(item.key)
 
     def longer_prefixes(self, ids: torch.Tensor, fingerprint: str, beat: int) -> list[CatalogItem]:
         """The tier's prefixes (not held here) sharing more than ``beat`` leading ids with ``ids``,
@@ -134,7 +133,7 @@ class TierLink:
         prompt = ids.tolist()
         scored = []
         for key, item in self.remote.items():
-            if not item.prefix or item.fingerprint != fingerprint or key in self.store._entries:
+            if not item.prefix or item.fingerprint != fingerprint or key in self.entries:
                 continue
             n = 0
             for a, b in zip(item.token_ids, prompt):
@@ -154,7 +153,7 @@ class TierLink:
         use). Call under the store's lock."""
         item = self.remote.get(key)
         if item is not None:
-            self.store._runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
+            self.runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
 
     def failed(self, error: Exception) -> None:
         """Warn once that the tier failed; the store serves from memory."""

@@ -61,30 +61,3 @@ def test_own_text_weights_are_right_aligned_per_channel():
     torch.testing.assert_close(mean.own_text_keys, (k_own + offsets(11, tokens=3)[0]) / 2, atol=1e-6, rtol=0)
     assert estimate_offsets(pool, "s2", query_k, query_v, pool.candidates("s2", 6), "mean", 1.0,
                             piece="other").own_text_keys is None
-
-
-def test_a_longer_segment_takes_covered_tokens_from_starts_and_the_rest_from_ends():
-    """anchor_lengths="any": anchors of 4 and 6 tokens for a 9-token segment. Tokens 0-3 average
-    both anchors from their starts, 4-5 take the 6-token anchor's, 6-8 (past both) average the
-    anchors' last tokens (token i from the end of each anchor that reaches that far)."""
-    short, longer = segment(0, tokens=4), segment(1, tokens=6)
-    pool = AnchorPool(KIND, max_anchors=20, eviction_window=5)
-    pool.record(pool.add(short), "s2", 0, *offsets(0, 4))
-    pool.record(pool.add(longer), "s2", 0, *offsets(1, 6))
-    assert pool.candidates("s2", 9).numel() == 0
-    slots = pool.candidates("s2", 9, length_share=0.0)
-    assert slots.tolist() == [0, 1]
-    assert pool.candidates("s2", 8, length_share=0.75).tolist() == [1]  # 6 >= 0.75 x 8, 4 is not
-    query_k, query_v = upper(segment(7, tokens=9))
-    est = estimate_offsets(pool, "s2", query_k, query_v, slots, "mean", 1.0)
-    (k0, v0), (k1, v1) = offsets(0, 4), offsets(1, 6)
-    expected = torch.zeros_like(est.values)
-    expected[:, :, :4] = (v0 + v1[:, :, :4]) / 2
-    expected[:, :, 4:6] = v1[:, :, 4:6]
-    for i in range(6, 9):  # from the ends: anchor token len - (9 - i), where >= 0
-        picks = [v[:, :, n - (9 - i)] for v, n in ((v0, 4), (v1, 6)) if n - (9 - i) >= 0]
-        expected[:, :, i] = torch.stack(picks).mean(dim=0)
-    torch.testing.assert_close(est.values, expected, atol=1e-6, rtol=0)
-    assert est.keys.shape == est.values.shape == (*v0.shape[:2], 9, v0.shape[3])
-    distances = pool.value_distances(query_v, slots)  # per-token scale: finite, compared fairly
-    assert distances.shape == (2,) and bool(torch.isfinite(distances).all())

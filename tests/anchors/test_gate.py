@@ -6,7 +6,7 @@ import torch
 
 from kvcomm_agents.anchors import KVCommAnchors
 from kvcomm_agents.anchors.gate import entropy_score, judge
-from kvcomm_agents.kv.blocks import BlockCount
+from kvcomm_agents.kv.block_count import BlockCount
 
 from .synthetic import KIND, LAYERS, offsets, observe, segment
 

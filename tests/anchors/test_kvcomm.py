@@ -8,7 +8,7 @@ import torch
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.anchors import KVCommAnchors
 from kvcomm_agents.fidelity import first_token_kl
-from kvcomm_agents.kv.blocks import BlockCount
+from kvcomm_agents.kv.block_count import BlockCount
 from kvcomm_agents.plan import CallPlan, Observation, ReusedRun
 from kvcomm_agents.prompt import render_prompt
 

@@ -9,7 +9,7 @@ import torch
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.anchors.persist import load_pools, save_pools
 from kvcomm_agents.anchors.pool import AnchorPool
-from kvcomm_agents.anchors.versions import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix, framed_receiver
+from kvcomm_agents.versions.match import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix, framed_receiver
 from kvcomm_agents.fidelity import first_token_kl
 
 from ..conftest import first_logits

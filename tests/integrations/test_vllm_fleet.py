@@ -169,14 +169,14 @@ def test_streamed_answers_arrive_piece_by_piece_with_the_servers_ttft_and_cache_
 
 
 def test_a_fleet_sends_reply_copies_to_the_senders_replica_and_routes_the_reader_there(tokenizer):
-    """Replies ahead on a fleet (kvcomm_agents.reply_ahead): learned over the fleet, each reply's
+    """Replies ahead on a fleet (kvcomm_vllm.reply_ahead): learned over the fleet, each reply's
     copies go to the replica serving the sender and are recorded there, so the router sends the
     reader to that replica, not back to the one that served its own start before."""
     from examples.tasks import debate_messages
 
     from kvcomm_agents.prompt import render_prompt
 
-    from ..test_reply_ahead import QUESTIONS, _reply, _Streamer
+    from .test_vllm_reply_ahead import QUESTIONS, _reply, _Streamer
 
     servers, graph = [], [0]
     for _ in range(2):

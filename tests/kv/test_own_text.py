@@ -3,7 +3,7 @@
 import torch
 
 from kvcomm_agents.kv.block import KVBlock
-from kvcomm_agents.kv.blocks import BlockCount
+from kvcomm_agents.kv.block_count import BlockCount
 from kvcomm_agents.kv.own_text import OwnTextStore, piece_key
 from kvcomm_agents.kv.segments import KVSegment
 

@@ -1,4 +1,4 @@
-"""Replies prefilled ahead in their readers' prompts (kvcomm_agents.reply_ahead): the rule learned
+"""Replies prefilled ahead in their readers' prompts (kvcomm_vllm.reply_ahead): the rule learned
 from one graph's ids gives, in the next graph, copies that are exact starts of each reader's
 real prompt, in three prompt formats; and VLLMEngine streams a sender's call and sends the
 copies to a stand-in server while the reply is generated (tests_vllm serves them on vLLM)."""
@@ -12,10 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from benchmarks.workloads import one_message_prompt
-from examples.tasks import debate_messages
 from kvcomm_agents.prompt import render_prompt
-from kvcomm_agents.reply_ahead import ALIGN_IDS, CHUNK, HOLD, ReplyAhead, copy_prompt, learn_copy_rule
+from kvcomm_vllm.reply_ahead import ALIGN_IDS, CHUNK, HOLD, ReplyAhead, copy_prompt, learn_copy_rule
 
 AGENTS = 4
 QUESTIONS = ["A farmer has 12 cows and buys 7 more. Each cow gives 9 liters of milk a day. How much milk is that?",
@@ -31,6 +29,23 @@ def _history(k: int, agents: int, question: str, replies: list[str]) -> list[dic
     """(f) one growing message list: own system text, the task, every earlier turn as an assistant message."""
     return [{"role": "system", "content": f"You are agent {k} of {agents}, keep it short."},
             {"role": "user", "content": question}] + [{"role": "assistant", "content": r} for r in replies]
+
+
+def debate_messages(k: int, agents: int, question: str, replies: list[str]) -> list[dict]:
+    """Solver ``k``'s prompt: its system text, the question, each earlier reply as a message."""
+    system = f"You are solver {k} of {agents} in a team solving a math word problem. End with the final number."
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return messages + [{"role": "user", "content": f"Solver {j} answered:\n{reply}"}
+                       for j, reply in enumerate(replies, start=1)]
+
+
+def one_message_prompt(k: int, agents: int, question: str, replies: list[str]) -> list[dict]:
+    """Solver ``k``'s prompt as one user message embedding the task and every earlier reply."""
+    parts = [f"Solve this math word problem with the other solvers.\n\nProblem: {question}"]
+    parts += [f"Solution from solver {j}:\n{reply}" for j, reply in enumerate(replies, start=1)]
+    parts.append("Check the solutions above, then give your own answer.")
+    return [{"role": "system", "content": f"You are solver {k} of {agents}. Be concise."},
+            {"role": "user", "content": "\n\n".join(parts)}]
 
 
 FORMATS = {"debate": debate_messages, "one_message": one_message_prompt, "history": _history}

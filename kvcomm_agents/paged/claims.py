@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .plan import CallPlan, ReusedRun
+from ..plan import CallPlan, ReusedRun
 
 __all__ = ["Claim", "contiguous_claim", "DENSE_TAIL"]
 
@@ -103,9 +103,8 @@ def contiguous_claim(plan: CallPlan, start: int = 0, dense_tail: int = 0) -> Cla
 
 
 def _shortened(run: ReusedRun, length: int) -> ReusedRun:
-    """``run``'s first ``length`` tokens (its offsets and spread sliced alike)."""
+    """``run``'s first ``length`` tokens (its offsets sliced alike)."""
     def first(tensor, dim):
         return None if tensor is None else tensor.narrow(dim, 0, length)
 
-    return replace(run, length=length, key_offsets=first(run.key_offsets, 2), value_offsets=first(run.value_offsets, 2),
-                   spread=first(run.spread, 0))
+    return replace(run, length=length, key_offsets=first(run.key_offsets, 2), value_offsets=first(run.value_offsets, 2))

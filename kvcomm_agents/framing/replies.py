@@ -3,7 +3,7 @@
 A reply's base KV is computed after the sender's generation header
 (``<|im_start|>assistant\\n``). Readers paste the reply after a lead-in of their own
 (``<|im_start|>user\\nSolver 2 answered:\\n``, ``\\n\\nSolver 2: ``), so the first reader of each
-reply finds no version of it computed after that text (:mod:`.anchors.versions`) and either
+reply finds no version of it computed after that text (:mod:`.versions.match`) and either
 estimates offsets (over the KL budget on the embedded model) or computes the reply: in a debate
 the newest reply, every time. Yet the text before the lead-in is, in most graphs, what the
 sender itself read: the reader's prompt repeats the sender's.
@@ -21,7 +21,7 @@ forwards after its prefill (decode steps, or a replay's teacher-forced pass) als
 reply's tokens after ``prompt[:N - drop] + lead_in``, in the same cache, kept apart by a mask;
 only for calls whose prompt KV had no estimated offsets. After the reply,
 :func:`record_framed_versions` records each framed copy's ``real - base`` offsets under a
-pseudo-receiver (:func:`~.anchors.versions.framed_receiver`) with the ids before it as
+pseudo-receiver (:func:`~.versions.match.framed_receiver`) with the ids before it as
 context. The reader's planner finds that version like any recorded one (its context matches
 for ``ALIGN_IDS + len(lead_in)`` ids or more) and reuses it (``GateRecord.offsets ==
 "framed"``).
@@ -46,28 +46,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import torch
+from ..kv.segments import CONTEXT_TOKENS, KVSegment
+from ..plan import CallPlan
+from .rules import ALIGN_IDS, COVERED, MAX_LEAD_IN, align_lead_in
 
-from .engines import hf
-from .anchors.versions import MIN_CONTEXT_MATCH, framed_receiver
-from .framed_decode import FramedDecode
-from .kv.segments import CONTEXT_TOKENS, KVSegment
-from .plan import CallPlan
-from .reply_ahead import align_lead_in
+__all__ = ["FramingRule", "ReaderFraming", "learn_rule", "lead_out", "MAX_RULES", "MAX_LEAD_OUT", "LEAD_OUT_GAP"]
 
-__all__ = ["FramingRule", "ReaderFraming", "learn_rule", "lead_out", "record_framed_versions", "ALIGN_IDS",
-           "MAX_LEAD_IN", "MAX_LEAD_OUT", "MAX_RULES", "COVERED"]
-
-#: Ids of the sender's prompt the reader's text must repeat right before the lead-in (as
-#: :data:`~kvcomm_agents.anchors.versions.MIN_CONTEXT_MATCH`: a shared role header alone never
-#: qualifies).
-ALIGN_IDS = 16
-#: Longest lead-in (ids between the repeated text and the reply) taken for a framing; longer
-#: means the reader put other text there, not a framing.
-MAX_LEAD_IN = 40
-#: Share of a reply a reader's prompt must hold from its first token for its framing to be
-#: learned (a reply pasted whole, not a sentence of it that another text repeats).
-COVERED = 0.9
 #: Distinct framings kept per sender (each costs one prefill after each of its replies).
 MAX_RULES = 2
 #: Longest lead-out: shared text (a stored segment's ids) a reader puts right after a reply, up
@@ -78,10 +62,7 @@ MAX_LEAD_OUT = 40
 #: Ids between a reply's stored ids and the shared text after it still taken as its lead-out
 #: (the reply's last generated token is never fed, so never stored: one id).
 LEAD_OUT_GAP = 2
-#: Framed pseudo-receivers a lead-out version may take (the first that holds nothing of its
-#: segment): as many as the text copies' (:data:`~kvcomm_agents.text_framing.MAX_READERS`), so
-#: that a lead-out adds no offset stack of its own to a pool.
-LEAD_OUT_RECEIVERS = 4
+
 
 @dataclass(frozen=True)
 class FramingRule:
@@ -191,84 +172,4 @@ class ReaderFraming:
     def clear(self) -> None:
         with self._lock:
             self._rules.clear()
-
-
-def record_framed_versions(framed: FramedDecode, cache, plan: CallPlan, segment: Optional[KVSegment], anchors,
-                           rotator, store=None, fingerprint: str = "", turn: int = 0) -> int:
-    """Record the framed copies of ``segment`` (the reply of the call ``plan`` prefilled; its
-    ``T`` ids are the first reply tokens the sender was fed; None when the reply was not kept,
-    too short) as versions: framing ``i`` as pseudo-receiver ``framed_receiver(i)``'s offsets;
-    with ``store``, each framing's lead-out too (:func:`_record_lead_out`; also for a reply
-    not kept: its readers compute the reply, then reuse the closing line). Call after
-    :meth:`FramedDecode.flush`. Returns the versions recorded."""
-    done = 0
-    n = segment.num_tokens if segment is not None else 0
-    if n > framed.fed:
-        return 0
-    for index in range(len(framed.rules)):
-        if segment is not None:
-            start = framed.reply_start(index)
-            real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(start, start + n))
-            lead = len(framed.rules[index].lead_in)
-            done += anchors.record_version(framed_receiver(index), segment, real, start,
-                                           framed.context_ids(plan.prompt_ids, index), rotator,
-                                           min_match=MIN_CONTEXT_MATCH + lead)
-        if store is not None:
-            done += _record_lead_out(framed, cache, index, plan, anchors, rotator, store, fingerprint, turn + index)
-    return done
-
-
-def _lead_out_receiver(anchors, text: KVSegment, turn: int) -> Optional[str]:
-    """The framed pseudo-receiver a lead-out version of ``text`` goes to: the first holding no
-    version of it, else one holding a lead-out (a part of the segment), in turn (``turn``
-    counts lead-outs recorded); never one holding a text copy's version (the whole segment).
-    None when all hold text copies' versions."""
-    names = [framed_receiver(i) for i in range(LEAD_OUT_RECEIVERS)]
-    spans = [anchors.version_span(name, text) for name in names]
-    free = [name for name, span in zip(names, spans) if span is None]
-    if free:
-        return free[0]
-    parts = [name for name, span in zip(names, spans) if span != (0, text.num_tokens) and span != (0, 0)]
-    if not parts:
-        return None
-    name = parts[turn % len(parts)]
-    anchors.forget_version(name, text)
-    return name
-
-
-def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, anchors, rotator,
-                     store, fingerprint: str, turn: int) -> int:
-    """Record framing ``index``'s lead-out (fed right after the reply ``segment``) as a version
-    of the stored text its readers will find it in: the runs the store's token-run lookup gives
-    for those ids (what a reader's planner finds, as long as no newer entry holds them), each
-    under a framed pseudo-receiver (:func:`_lead_out_receiver`); the planner finds it there
-    even where it matched the same ids to another stored text (``KVCommAnchors.homes``).
-    Returns the versions recorded."""
-    rule = framed.rules[index]
-    if not rule.lead_out or not framed.led_out:
-        return 0
-    ids = torch.tensor(rule.lead_out, dtype=torch.long)
-    first = framed.lead_out_start(index)
-    real = hf.kv_at_positions(cache, framed.slot_positions(index + 1), torch.arange(first, first + len(ids)))
-    # the copy's ids before it: every reply id it was fed (the stored reply may hold fewer: its
-    # trailing ids whose text tokenizes otherwise on its own are left out), then the tail
-    before = framed.context_ids(plan.prompt_ids, index) + tuple(framed.reply_ids) + framed.tail
-    # the line's leading whitespace is left out: readers split it into other ids where the reply
-    # ends in whitespace too (their runs start after it, :meth:`~.planner.Planner._at_home`)
-    skip = anchors.texts.leading(rule.lead_out) if anchors.texts is not None else 0
-    done = 0
-    for text, at, text_start, length in store.find_runs(ids[skip:], fingerprint,
-                                                        torch.ones(len(ids) - skip, dtype=torch.bool), len(ids) - skip):
-        at += skip
-        if text.ref.kind[1] == "assistant":
-            continue  # a reply that repeats the closing line: not what readers read it as
-        receiver = _lead_out_receiver(anchors, text, turn)
-        if receiver is None:
-            continue
-        context = (before + rule.lead_out[:at])[-CONTEXT_TOKENS:]
-        if anchors.record_version(receiver, text, real.window(at, at + length), first + at, context, rotator,
-                                  min_match=MIN_CONTEXT_MATCH, segment_start=text_start):
-            anchors.homes.note(rule.lead_out[at:at + length], text.id, text_start)
-            done += 1
-    return done
 

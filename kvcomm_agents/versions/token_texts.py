@@ -4,7 +4,7 @@ The same text is not always the same ids. A model often generates a non-canonica
 (``'group', 'by'`` where the tokenizer, reading the reply pasted into a reader's prompt, makes
 ``'groupby'``), and whitespace merges across a paste (a reply ending in a newline, read before
 a reader's ``"\\n\\nCheck the solutions above"``, becomes ``'\\n\\n\\n', '\\n'`` where the sender's
-copy holds ``'\\n', '\\n\\n'``). Comparing the ids before a stored version (:mod:`.anchors.versions`)
+copy holds ``'\\n', '\\n\\n'``). Comparing the ids before a stored version (:mod:`.versions.match`)
 then stops at the split, and text whose every other id repeats is computed (traced: the
 one-message workload (e), two of its three computed calls; the RAG workload (c), both readers of
 one reply whose ``groupby`` the reader had generated in two ids).
@@ -13,7 +13,7 @@ one reply whose ``groupby`` the reader had generated in two ids).
 after a fixed word: SentencePiece drops a first piece's leading space) and compares id sequences
 by their text: :meth:`TokenTexts.matched` is the number of a context's last ids whose text lies
 inside the common text suffix of two contexts, so a match is still counted in the prompt's ids
-(the thresholds, :data:`~.anchors.versions.MIN_CONTEXT_MATCH`, are in ids). An id without a clean
+(the thresholds, :data:`~.versions.match.MIN_CONTEXT_MATCH`, are in ids). An id without a clean
 text of its own (a special token, a byte of a multi-byte character) stands for itself: an
 escape (its decimal id between two U+FFFF noncharacters) that no clean text holds, so it only
 ever matches the same id.

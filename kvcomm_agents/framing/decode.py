@@ -3,9 +3,9 @@
 Two kinds of copy ride on the forwards a sender runs after its prefill (decode steps, or a
 replay's teacher-forced pass), in the same cache, kept apart by a 4-D mask:
 
-- **reply copies** (:mod:`kvcomm_agents.framing`): the reply's tokens, as they are generated,
+- **reply copies** (:mod:`.replies`): the reply's tokens, as they are generated,
   after the sender's prompt without its last ``drop`` ids and a lead-in;
-- **text copies** (:mod:`kvcomm_agents.text_framing`): text of the sender's prompt that later
+- **text copies** (:mod:`.texts`): text of the sender's prompt that later
   readers read after a prefix of their own (their system text), fed after that prefix's exact
   KV (taken from the exact-prefix store and put in the cache once).
 
@@ -20,12 +20,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import forwards
-from .engines import hf
-from .kv.block import KVBlock
-from .kv.segments import CONTEXT_TOKENS
+from .. import forwards
+from ..engines import hf
+from ..kv.block import KVBlock
+from ..kv.segments import CONTEXT_TOKENS
 
-__all__ = ["FramedDecode", "TextCopy", "copy_chunk", "text_rate", "CPU_CHUNK", "CPU_TEXT_IDS", "CUDA_TEXT_IDS"]
+__all__ = ["FramedDecode", "TextCopy", "copy_mask", "copy_chunk", "text_rate", "CPU_CHUNK", "CPU_TEXT_IDS", "CUDA_TEXT_IDS"]
 
 
 def copy_chunk(device: torch.device) -> int:
@@ -55,6 +55,30 @@ def text_rate(device: torch.device, copies: int) -> int:
     """Ids of each of ``copies`` text copies fed per sender token on ``device``."""
     total = CUDA_TEXT_IDS if torch.device(device).type == "cuda" else CPU_TEXT_IDS
     return max(1, total // max(1, copies))
+
+
+def copy_mask(key_pos: torch.Tensor, key_ctx: torch.Tensor, q_pos: torch.Tensor, q_ctx: torch.Tensor,
+              keep: Sequence[int], *, dtype: torch.dtype) -> torch.Tensor:
+    """``[Q, K]`` additive mask of one forward that feeds copies beside the sender.
+
+    A query of context ``c`` at position ``p`` sees a key of context ``s`` at position ``q`` iff
+    ``q <= p`` and either ``s == c``, or ``s`` is the sender's (0) and ``q < keep[c - 1]`` (a
+    copy reads the sender's prompt up to where its reader's text departs from it; a text copy,
+    ``keep`` 0, reads none of it). The sender (context 0) sees its own keys only.
+
+    Args:
+        key_pos, key_ctx: ``[K]`` int64 position and context of each key (cached slots, then the
+            forward's own queries).
+        q_pos, q_ctx: ``[Q]`` int64 position and context of each query.
+        keep: per copy context ``1..C``, how many of the sender's first positions it reads.
+        dtype: the mask's dtype (hidden positions hold its most negative value).
+    """
+    limit = torch.tensor([torch.iinfo(torch.long).max] + list(keep), dtype=torch.long)[q_ctx]
+    visible = (key_pos[None, :] <= q_pos[:, None]) & (
+        (key_ctx[None, :] == q_ctx[:, None]) | ((key_ctx[None, :] == 0) & (key_pos[None, :] < limit[:, None])))
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask
 
 
 @dataclass
@@ -101,7 +125,7 @@ class FramedDecode:
         prompt_slot_positions: ``[S]`` prompt position of each cache slot after the prefill.
         num_prompt: ``N``, the sender's prompt length.
         chunk: reply tokens fed to the reply copies at once (:func:`copy_chunk`).
-        texts: the text copies (:mod:`kvcomm_agents.text_framing`).
+        texts: the text copies (:mod:`.texts`).
         rate: ids of each text copy fed per sender token (:func:`text_rate`).
     """
 
@@ -118,7 +142,7 @@ class FramedDecode:
         self.reply_ids: list[int] = []  # those tokens
         self.pending: list[int] = []  # reply tokens the reply copies have not been fed yet
         self.led_out = False  # the reply framings' lead-outs were fed (after the whole reply)
-        self.tail: tuple[int, ...] = ()  # reply ids fed to the copies before their lead-outs only (flush)
+        self.unfed: tuple[int, ...] = ()  # reply ids fed to the copies before their lead-outs only (flush)
         self._prefixes_in = not self.texts  # the text copies' prefixes are in the cache
         self._texts_out = not self.texts  # the text copies' KV left the cache
 
@@ -137,7 +161,7 @@ class FramedDecode:
             pos += list(range(first, first + len(lead) + len(copies)))
             ctx += [c] * (len(lead) + len(copies))
         for c, rule in enumerate(self.rules if lead_outs else (), start=1):
-            fed = (self.tail + rule.lead_out) if rule.lead_out else ()
+            fed = (self.unfed + rule.lead_out) if rule.lead_out else ()
             first = self.reply_start(c - 1) + self.fed + len(copies)  # after the reply, ``copies`` included
             ids += list(fed)
             pos += list(range(first, first + len(fed)))
@@ -155,15 +179,9 @@ class FramedDecode:
 
     def mask(self, q_pos: torch.Tensor, q_ctx: torch.Tensor, *, dtype: torch.dtype, device) -> torch.Tensor:
         """``[1, 1, Q, S + Q]`` additive mask of queries at ``q_pos`` in contexts ``q_ctx`` over
-        the cached slots then the queries themselves."""
-        key_pos = torch.cat([self.slot_pos, q_pos])
-        key_ctx = torch.cat([self.slot_ctx, q_ctx])
-        limit = torch.tensor([torch.iinfo(torch.long).max] + self.keep, dtype=torch.long)[q_ctx]
-        visible = (key_pos[None, :] <= q_pos[:, None]) & (
-            (key_ctx[None, :] == q_ctx[:, None]) | ((key_ctx[None, :] == 0) & (key_pos[None, :] < limit[:, None])))
-        mask = torch.zeros(visible.shape, dtype=dtype)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[None, None].to(device)
+        the cached slots then the queries themselves (:func:`copy_mask`)."""
+        return copy_mask(torch.cat([self.slot_pos, q_pos]), torch.cat([self.slot_ctx, q_ctx]), q_pos, q_ctx,
+                         self.keep, dtype=dtype)[None, None].to(device)
 
     def forward(self, model, cache, tokens: Sequence[int], *, last_logits_only: bool = True) -> torch.Tensor:
         """Feed ``tokens`` to the sender, and the copies their due share (``cache`` grows);
@@ -223,7 +241,7 @@ class FramedDecode:
         unless an end of sequence), in forwards whose mask stays within the budget."""
         lead_outs = bool(self.fed or self.pending) and not self.led_out and any(rule.lead_out for rule in self.rules)
         if lead_outs:  # in the same forward as the reply's last ids
-            self.tail = tuple(tail)
+            self.unfed = tuple(tail)
             self._run(model, cache, self.pending, [], 1, 0, lead_outs=True)
             self.led_out = True
         elif self.pending and self.rules:
@@ -234,9 +252,7 @@ class FramedDecode:
     def _inject_prefixes(self, cache) -> None:
         """Put each text copy's prefix KV into the cache, as slots of its context."""
         for c, text in enumerate(self.texts, start=len(self.rules) + 1):
-            for layer, (keys, values) in enumerate(text.prefix.layers()):
-                held = hf.layer_kv(cache, layer)[0]
-                cache.update(keys.to(held.device, held.dtype), values.to(held.device, held.dtype), layer)
+            hf.append_kv(cache, text.prefix)
             self.slot_pos = torch.cat([self.slot_pos, torch.arange(text.start)])
             self.slot_ctx = torch.cat([self.slot_ctx, torch.full((text.start,), c, dtype=torch.long)])
         self._prefixes_in = True
@@ -253,10 +269,7 @@ class FramedDecode:
             text.kv = hf.kv_at_positions(cache, self.slot_positions(self.text_context(index)),
                                          torch.arange(text.start, text.start + len(text.ids)))
         keep = (~text_contexts[self.slot_ctx]).nonzero().flatten()
-        for layer in cache.layers:
-            index = keep.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+        hf.keep_slots(cache, keep)
         self.slot_pos, self.slot_ctx = self.slot_pos[keep], self.slot_ctx[keep]
         self._texts_out = True
 
@@ -298,8 +311,8 @@ class FramedDecode:
         return self.keep[index] + len(self.rules[index].lead_in)
 
     def lead_out_start(self, index: int) -> int:
-        """Position of framing ``index``'s lead-out (after the reply and its :attr:`tail`)."""
-        return self.reply_start(index) + self.fed + len(self.tail)
+        """Position of framing ``index``'s lead-out (after the reply and its :attr:`unfed`)."""
+        return self.reply_start(index) + self.fed + len(self.unfed)
 
     def context_ids(self, prompt_ids: torch.Tensor, index: int) -> tuple[int, ...]:
         """The last ids before the reply in framing ``index``."""

@@ -1,5 +1,6 @@
-"""An engine's framed copies: which calls feed copies of their reply (:mod:`.framing`) and of
-their shared prompt text (:mod:`.text_framing`), and the versions recorded after each reply.
+"""The one object an engine's calls talk to about copies: which calls feed copies of their reply
+(:mod:`.replies`) and of their shared prompt text (:mod:`.texts`), and the versions recorded
+after each reply (:mod:`.record`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .framed_decode import FramedDecode, copy_chunk, text_rate
-from .framing import ReaderFraming, record_framed_versions
-from .kv.segments import KVSegment
-from .plan import CallPlan
-from .prompt import PromptLayout
-from .text_framing import TextFraming, record_text_versions
+from ..kv.segments import KVSegment
+from ..plan import CallPlan
+from ..prompt import PromptLayout
+from .decode import FramedDecode, copy_chunk, text_rate
+from .record import record_framed_versions, record_text_versions
+from .replies import ReaderFraming
+from .texts import TextFraming
 
 __all__ = ["Framer"]
 
@@ -25,26 +27,27 @@ class Framer:
 
     Args:
         config: the engine's :class:`~kvcomm_agents.config.KVCommConfig`.
-        anchors: its :class:`~kvcomm_agents.anchors.KVCommAnchors`.
+        anchors: its :class:`~kvcomm_agents.anchors.KVCommAnchors` (frozen or not; one call's
+            records protect each other from the budget's evictions).
+        versions: its :class:`~kvcomm_agents.versions.Versions` (where the copies are recorded).
         info: its model facts (``sliding_window``, ``max_positions``, ``rotator``).
         store: its :class:`~kvcomm_agents.kv.store.SegmentStore` (readers' prefixes, message segments).
     """
 
-    def __init__(self, config, anchors, info, store) -> None:
-        self.config, self.anchors, self.info, self.store = config, anchors, info, store
-        self.framings = ReaderFraming()
-        self.texts = TextFraming()
+    def __init__(self, config, anchors, versions, info, store) -> None:
+        self.config, self.anchors, self.versions, self.info, self.store = config, anchors, versions, info, store
+        self.reply_framing = ReaderFraming()
+        self.text_framing = TextFraming()
         self._turns = itertools.count()  # calls that recorded reply versions (lead-outs take turns)
 
     @property
     def on(self) -> bool:
         c = self.config
-        return c.method == "kvcomm" and c.experimental.recorded_versions and (
-            c.experimental.framed_replies or c.experimental.framed_texts)
+        return c.method == "kvcomm" and c.recorded_versions and (c.reply_copies or c.text_copies)
 
     def clear(self) -> None:
-        self.framings.clear()
-        self.texts.clear()
+        self.reply_framing.clear()
+        self.text_framing.clear()
 
     def for_call(self, plan: CallPlan, layout: PromptLayout, agent: str, fingerprint: str,
                  slot_positions: torch.Tensor, new_tokens: int, device, *,
@@ -57,9 +60,9 @@ class Framer:
                 or plan.dense_reason == "reuse_off" or calibrating):
             return None
         n, limit = plan.num_prompt, self.info.max_positions
-        rules = self._rules(agent, n, new_tokens) if plan.observable_until() >= n else []
-        texts = (self.texts.copies_for(plan, layout, agent, self.store, fingerprint, limit)
-                 if self.config.experimental.framed_texts else [])
+        rules = self._rules(agent, n, new_tokens) if plan.first_estimated() >= n else []
+        texts = (self.text_framing.copies_for(plan, layout, agent, self.store, fingerprint, limit)
+                 if self.config.text_copies else [])
         if not rules and not texts:
             return None
         return FramedDecode(rules, slot_positions, n, chunk=copy_chunk(device), texts=texts,
@@ -68,10 +71,10 @@ class Framer:
     def _rules(self, agent: str, n: int, new_tokens: int) -> list:
         """The reply framings learned for ``agent``'s replies that fit the model's positions after
         an ``n``-id prompt and ``new_tokens`` reply ids."""
-        if not self.config.experimental.framed_replies:
+        if not self.config.reply_copies:
             return []
         limit = self.info.max_positions
-        return [r for r in self.framings.rules(agent)
+        return [r for r in self.reply_framing.rules(agent)
                 if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens + 1  # + the tail
                                        + len(r.lead_out) <= limit)]
 
@@ -86,7 +89,7 @@ class Framer:
         :meth:`after_call`'s. Returns (versions recorded, seconds)."""
         n = plan.num_prompt
         if (not self.on or self.anchors.frozen or self.info.sliding_window is not None or not fed
-                or plan.observable_until() >= n):
+                or plan.first_estimated() >= n):
             return 0, 0.0
         rules = self._rules(agent, n, len(fed))
         if not rules:
@@ -96,7 +99,7 @@ class Framer:
         framing.feed_copies(model, dense.cache, fed)
         framing.flush(model, dense.cache, tail)  # the lead-outs
         with self.anchors.recording():
-            done = record_framed_versions(framing, dense.cache, plan, reply, self.anchors, self.info.rotator,
+            done = record_framed_versions(framing, dense.cache, plan, reply, self.versions, self.info.rotator,
                                           self.store, fingerprint, next(self._turns))
         return done, time.perf_counter() - started
 
@@ -109,10 +112,10 @@ class Framer:
         seconds)."""
         if not self.on or self.anchors.frozen:
             return 0, 0.0
-        if self.config.experimental.framed_replies:
-            self.framings.learn(plan)
-        if self.config.experimental.framed_texts and plan.dense_reason != "reuse_off":
-            self.texts.learn(plan, agent)
+        if self.config.reply_copies:
+            self.reply_framing.learn(plan)
+        if self.config.text_copies and plan.dense_reason != "reuse_off":
+            self.text_framing.learn(plan, agent)
         replied = bool(framing and framing.rules)  # a reply not kept (too short) still leads out
         if reply is not None and not reply.context_ids:
             reply = None
@@ -123,9 +126,9 @@ class Framer:
         done = 0
         with self.anchors.recording():  # this call's copies do not evict each other
             if replied:
-                done += record_framed_versions(framing, cache, plan, reply, self.anchors, self.info.rotator,
+                done += record_framed_versions(framing, cache, plan, reply, self.versions, self.info.rotator,
                                                self.store, fingerprint, next(self._turns))
             if framing.texts:
-                done += record_text_versions(framing, layout, self.store, fingerprint, self.anchors,
+                done += record_text_versions(framing, layout, self.store, fingerprint, self.versions,
                                              self.info.rotator)
         return done, time.perf_counter() - started

@@ -18,57 +18,35 @@ per context and :data:`MAX_CONTEXTS` contexts.
 **Applied** (:meth:`TextFraming.copies_for`): a later call whose prompt computes new text right
 after those ids feeds that text (to the end of its last message) after each reader's prefix, the
 prefix's exact KV taken from the exact-prefix store (no copy where it was evicted), inside its
-own forwards (:class:`~kvcomm_agents.framed_decode.FramedDecode`): no forward of its own. After
+own forwards (:class:`~kvcomm_agents.framing.decode.FramedDecode`): no forward of its own. After
 the reply each message segment the copy holds is recorded as a version under a pseudo-receiver
 (:func:`record_text_versions`); the reader's planner finds it by its context, as any version.
 
 What it costs, and where: the sender's forwards carry up to
-:func:`~kvcomm_agents.framed_decode.text_rate` text ids per generated token (all copies), the
+:func:`~kvcomm_agents.framing.decode.text_rate` text ids per generated token (all copies), the
 rest after the reply (``CallStats.framed_s``). The same ids a reader would compute in its
 prefill, computed once per reader, earlier.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .ahead import remember_reader
-from .anchors.versions import MIN_CONTEXT_MATCH, common_suffix, framed_receiver
-from .framed_decode import FramedDecode, TextCopy
-from .framing import ALIGN_IDS, COVERED
-from .kv.segments import KVSegment
-from .plan import CallPlan
-from .prompt import PromptLayout
+from ..kv.segments import KVSegment
+from ..plan import CallPlan
+from ..prompt import PromptLayout
+from ..versions.match import MIN_CONTEXT_MATCH, common_suffix
+from .decode import TextCopy
+from .rules import ALIGN_IDS, COVERED, MAX_PREFIX, MAX_READERS, ReaderRule, ReadersByContext
 
-__all__ = ["TextRule", "TextFraming", "record_text_versions", "MAX_PREFIX", "MAX_READERS", "MAX_CONTEXTS"]
-
-#: Longest reader prefix (ids before the shared text, from its prompt's first id) a copy is
-#: computed after: a system text and a header, not a conversation.
-MAX_PREFIX = 512
-#: Readers per shared text (each costs the text's ids once more).
-MAX_READERS = 4
-#: Sender contexts (the ids before a shared text) whose readers are remembered.
-MAX_CONTEXTS = 8
-
-
-@dataclass(frozen=True)
-class TextRule:
-    """Text after ``after`` (the last :data:`ALIGN_IDS` ids before it in the prompt that computed
-    it first) is read by ``reader`` after ``prefix`` (the reader's ids from its first)."""
-
-    after: tuple[int, ...]
-    reader: str
-    prefix: tuple[int, ...]
+__all__ = ["TextFraming"]
 
 
 def _shared_text(item) -> Optional[KVSegment]:
     """The segment of a plan item that is shared user, tool or document text held from its first
-    token (not a reply: those are framed by their sender, :mod:`.framing`)."""
+    token (not a reply: those are framed by their sender, :mod:`.replies`)."""
     segment: KVSegment = item.segment
     if getattr(item, "own_text", False) or segment.ref.kind[1] == "assistant":
         return None
@@ -83,10 +61,9 @@ class TextFraming:
     """Which readers read text that follows given ids, after which prefix (thread-safe; ids only)."""
 
     def __init__(self) -> None:
-        self._rules: OrderedDict[tuple[int, ...], OrderedDict[str, TextRule]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._readers = ReadersByContext()
 
-    def learn(self, plan: CallPlan, agent: str) -> Optional[TextRule]:
+    def learn(self, plan: CallPlan, agent: str) -> Optional[ReaderRule]:
         """Learn from ``agent``'s call: the first shared text its prompt holds right after a
         prefix of its own. Returns the rule, or None."""
         firsts = []
@@ -100,10 +77,7 @@ class TextFraming:
         prefix = tuple(plan.prompt_ids[:start].tolist())
         if not 0 < start <= MAX_PREFIX or common_suffix(prefix, segment.context_ids) >= MIN_CONTEXT_MATCH:
             return None  # a conversation before it, or its base already fits
-        rule = TextRule(tuple(segment.context_ids[-ALIGN_IDS:]), agent, prefix)
-        with self._lock:
-            remember_reader(self._rules, rule.after, agent, rule, max_readers=MAX_READERS, max_contexts=MAX_CONTEXTS)
-        return rule
+        return self._readers.remember(ReaderRule(tuple(segment.context_ids[-ALIGN_IDS:]), agent, prefix))
 
     def copies_for(self, plan: CallPlan, layout: PromptLayout, agent: str, store, fingerprint: str,
                    max_positions: Optional[int]) -> list[TextCopy]:
@@ -111,8 +85,7 @@ class TextFraming:
         holds right before text it computes itself (at least half of it; the exact prefix may
         cover the text's first ids), that text to the end of the prompt's last message, after
         each other reader's prefix whose exact KV the store holds."""
-        with self._lock:
-            contexts = {after: list(readers.values()) for after, readers in self._rules.items()}
+        contexts = self._readers.by_context()
         if not contexts or not layout.content_spans or layout.content_spans[-1] is None:
             return []
         ids = plan.prompt_ids.tolist()
@@ -136,34 +109,5 @@ class TextFraming:
         return copies
 
     def clear(self) -> None:
-        with self._lock:
-            self._rules.clear()
+        self._readers.clear()
 
-
-def record_text_versions(framed: FramedDecode, layout: PromptLayout, store, fingerprint: str, anchors,
-                         rotator) -> int:
-    """Record every message segment each text copy holds (stored by the sender's call, same
-    ids) as a version under pseudo-receiver ``framed_receiver(i)`` for copy ``i``, its context the
-    copy's ids before it. Call after :meth:`FramedDecode.flush` (which takes the copies out of
-    the cache). Returns the versions recorded."""
-    done = 0
-    ids = layout.ids
-    for index, text in enumerate(framed.texts):
-        if text.kv is None:
-            continue
-        first, last = text.source_start, text.source_start + len(text.ids)
-        for span in layout.content_spans:
-            if span is None:
-                continue
-            tokens = layout.tokens_within(*span)
-            if tokens.start < first or tokens.stop > last or tokens.stop <= tokens.start:
-                continue
-            segment = store.find_text(layout.text[span[0]:span[1]], fingerprint)
-            if segment is None or segment.token_ids != tuple(ids[tokens.start:tokens.stop].tolist()):
-                continue
-            offset = tokens.start - first
-            at = text.start + offset
-            real = text.kv.window(offset, offset + len(tokens))
-            done += anchors.record_version(framed_receiver(index), segment, real, at, text.context_ids(offset),
-                                           rotator, min_match=MIN_CONTEXT_MATCH)
-    return done

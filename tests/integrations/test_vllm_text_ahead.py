@@ -1,4 +1,4 @@
-"""Shared input prefilled ahead for its later readers (kvcomm_agents.ahead): the rule learned
+"""Shared input prefilled ahead for its later readers (kvcomm_vllm.text_ahead): the rule learned
 from ids, the copies it gives, and VLLMEngine sending them beside the first reader's request
 to a stand-in server (tests_vllm/test_connector.py serves them on vLLM)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from kvcomm_agents.ahead import ALIGN_IDS, MAX_READERS, PrefillAhead
+from kvcomm_vllm.text_ahead import ALIGN_IDS, MAX_READERS, PrefillAhead
 from kvcomm_agents.prompt import render_prompt
 
 HEADER = (7, 8)  # a role header every prompt has before its message
@@ -77,7 +77,7 @@ def test_the_client_sends_copies_the_server_then_serves_as_exact_prefixes(tokeni
 
     from kvcomm_vllm.client import VLLMEngine
 
-    from .integrations.test_vllm_fleet import _Replica
+    from .test_vllm_fleet import _Replica
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Replica)
     server.seen = []

@@ -1,7 +1,7 @@
 """Shared input prefilled ahead in its later readers' framing, as requests of their own.
 
 The HF engine computes shared input (a task, retrieved documents) in each later reader's framing
-inside the first reader's decode steps (:mod:`.text_framing`). A serving engine that batches
+inside the first reader's decode steps (``kvcomm_agents.framing.texts``). A serving engine that batches
 requests (vLLM with the KVCOMM connector) has no such steps to ride on, but it batches: the
 client sends, beside the first reader's request, one short request per later reader whose prompt
 is that reader's own prefix (its system text and header) followed by the new text, one token
@@ -27,46 +27,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["AheadRule", "PrefillAhead", "remember_reader", "ALIGN_IDS", "MAX_PREFIX", "MAX_READERS", "MAX_CONTEXTS", "RECENT"]
+from kvcomm_agents.framing import ALIGN_IDS, MAX_PREFIX, MAX_READERS, ReaderRule, ReadersByContext
 
-#: Ids before a text that key a rule (as :data:`kvcomm_agents.framing.ALIGN_IDS`: a role header
-#: alone never qualifies), and the shortest text copied.
-ALIGN_IDS = 16
-#: Longest reader prefix a copy is computed after: a system text and a header, not a conversation.
-MAX_PREFIX = 512
-#: Readers per context (each costs the text once more).
-MAX_READERS = 4
-#: Sender contexts whose readers are remembered.
-MAX_CONTEXTS = 8
+__all__ = ["PrefillAhead", "RECENT"]
+
 #: Recent messages remembered (by their ids) to learn from and to tell new text from old.
 RECENT = 256
-
-
-@dataclass(frozen=True)
-class AheadRule:
-    """Text after ``after`` (the last :data:`ALIGN_IDS` ids before it where it was first read) is
-    read by ``reader`` right after ``prefix`` (its ids from its prompt's first)."""
-
-    after: tuple[int, ...]
-    reader: str
-    prefix: tuple[int, ...]
-
-
-def remember_reader(rules: OrderedDict, after: tuple[int, ...], reader: str, rule, *, max_readers: int = MAX_READERS,
-                    max_contexts: int = MAX_CONTEXTS) -> None:
-    """``rules[after][reader] = rule``, the most recent last, keeping the latest ``max_readers``
-    readers per context and the latest ``max_contexts`` contexts (the caller holds its lock)."""
-    readers = rules.setdefault(after, OrderedDict())
-    readers[reader] = rule
-    readers.move_to_end(reader)
-    while len(readers) > max_readers:
-        readers.popitem(last=False)
-    rules.move_to_end(after)
-    while len(rules) > max_contexts:
-        rules.popitem(last=False)
 
 
 class PrefillAhead:
@@ -77,7 +45,7 @@ class PrefillAhead:
     """
 
     def __init__(self) -> None:
-        self._rules: OrderedDict[tuple[int, ...], OrderedDict[str, AheadRule]] = OrderedDict()
+        self._readers = ReadersByContext()
         self._seen: OrderedDict[tuple[int, ...], tuple[str, tuple[int, ...]]] = OrderedDict()  # text -> (agent, ids before)
         self._lock = threading.Lock()
 
@@ -88,14 +56,14 @@ class PrefillAhead:
         with self._lock:
             for span in spans:
                 text = tuple(ids[span.start:span.stop])
-                rules = self._rules.get(tuple(ids[max(0, span.start - ALIGN_IDS):span.start]))
+                rules = self._readers.after(ids[max(0, span.start - ALIGN_IDS):span.start])
                 if len(text) < ALIGN_IDS or span.start < ALIGN_IDS or not rules or text in self._seen:
                     continue
-                return [(rule.reader, list(rule.prefix) + list(text)) for rule in rules.values()
+                return [(rule.reader, list(rule.prefix) + list(text)) for rule in rules
                         if rule.reader != agent][:MAX_READERS]
         return []
 
-    def learn(self, agent: str, ids: Sequence[int], spans: Sequence[range]) -> Optional[AheadRule]:
+    def learn(self, agent: str, ids: Sequence[int], spans: Sequence[range]) -> Optional[ReaderRule]:
         """Learn from ``agent``'s prompt (the first message another agent read after other ids),
         then remember its messages. Returns the rule learned, or None."""
         ids = list(ids)
@@ -107,7 +75,7 @@ class PrefillAhead:
                 seen = self._seen.get(text)
                 if learned is None and seen is not None and seen[0] != agent and len(text) >= ALIGN_IDS \
                         and len(seen[1]) == ALIGN_IDS and seen[1] != before and 0 < span.start <= MAX_PREFIX:
-                    learned = self._remember_rule(AheadRule(seen[1], agent, tuple(ids[:span.start])))
+                    learned = self._readers.remember(ReaderRule(seen[1], agent, tuple(ids[:span.start])))
                 if len(text) >= ALIGN_IDS and seen is None:
                     self._seen[text] = (agent, before)
                 if text in self._seen:
@@ -116,11 +84,7 @@ class PrefillAhead:
                 self._seen.popitem(last=False)
         return learned
 
-    def _remember_rule(self, rule: AheadRule) -> AheadRule:
-        remember_reader(self._rules, rule.after, rule.reader, rule)
-        return rule
-
     def clear(self) -> None:
         with self._lock:
-            self._rules.clear()
             self._seen.clear()
+        self._readers.clear()

@@ -18,7 +18,7 @@ the reply, are off by 0.001-0.08; the mean of other anchors' offsets (KVCOMM's e
 Contexts are compared as the longest common suffix of their last ids (at most
 :data:`~kvcomm_agents.kv.segments.CONTEXT_TOKENS`), extended through the segment's own ids
 when a run starts inside the segment; with a tokenizer's texts, as the common suffix of their
-text (:mod:`kvcomm_agents.token_texts`). Pure bookkeeping over ids, no tensors.
+text (:mod:`kvcomm_agents.versions.token_texts`). Pure bookkeeping over ids, no tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from ..kv.segments import CONTEXT_TOKENS, KVSegment
-from .pool import AnchorPool
+from ..anchors.pool import AnchorPool
 
 __all__ = ["RecordedVersion", "VersionHomes", "common_suffix", "best_recorded_version", "MIN_CONTEXT_MATCH",
            "READERS", "HOMES", "framed_receiver", "is_framed"]
@@ -126,7 +126,7 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
     ``first..last`` and whose context is known. The longest match wins; ties go to the base,
     then to ``receiver``'s own version, then to the first receiver recorded. ``matched(context,
     other)``: how many of ``context``'s last ids ``other`` matches (by default the common id
-    suffix; :meth:`~kvcomm_agents.token_texts.TokenTexts.matched` compares text, so the same
+    suffix; :meth:`~kvcomm_agents.versions.token_texts.TokenTexts.matched` compares text, so the same
     text split into other ids still matches); a match is counted in the new prompt's ids.
     """
     wanted = tuple(prompt_context)[-CONTEXT_TOKENS:]

@@ -25,28 +25,29 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .alignment import assemble
-from .anchors import KVCommAnchors
-from .budgets import default_budgets
-from .capture import CallCapture, KVAt
+from ..alignment import assemble
+from ..anchors import KVCommAnchors
+from ..budgets import default_budgets
+from ..capture import CallCapture, KVAt
 from .claims import DENSE_TAIL, Claim, contiguous_claim
-from .config import KVCommConfig
-from .kv.block import KVBlock
-from .kv.blocks import BlockCount
-from .kv.own_text import OwnTextStore
-from .kv.rope import RopeRotator
-from .kv.shared import SharedSegments
-from .kv.store import SegmentStore
-from .planner import plan_call
-from .plan import CallPlan
-from .prompt import PromptLayout
+from ..config import KVCommConfig
+from ..kv.block import KVBlock
+from ..kv.block_count import BlockCount
+from ..kv.own_text import OwnTextStore
+from ..kv.rope import RopeRotator
+from ..kv.shared import SharedSegments
+from ..kv.store import SegmentStore
+from ..planner import plan_call
+from ..plan import CallPlan
+from ..prompt import PromptLayout
+from ..versions import Versions
 
 __all__ = ["KVCommBroker", "BrokeredRequest", "for_runtime"]
 
 
 def for_runtime(config: KVCommConfig) -> KVCommConfig:
-    """``config`` adapted to a runtime without holes: no recomputed run heads or least-sure tokens
-    (each would end the claim), the receiver's own text reused from its own-text KV (otherwise the template glue after
+    """``config`` adapted to a runtime without holes: no recomputed run heads (each would end the
+    claim), the receiver's own text reused from its own-text KV (otherwise the template glue after
     the first segment ends it), no audits (the runtime does not run the dense shadow pass yet),
     no framed copies of replies or shared text (they ride on the HF engine's own decode steps).
     Without audits the KL budget is never measured, so the broker serves no estimated offsets
@@ -54,8 +55,8 @@ def for_runtime(config: KVCommConfig) -> KVCommConfig:
     fidelity before its audits have measured the estimates)."""
     data = config.model_dump()
     data["audit_every"] = 0
-    data["experimental"] = {**data["experimental"], "recompute_head": 0, "recompute_spread": 0.0, "own_text": "reuse",
-                            "framed_replies": False, "framed_texts": False}
+    data.update(recompute_head=0, reply_copies=False, text_copies=False)
+    data["experimental"] = {**data["experimental"], "own_text": "reuse"}
     return KVCommConfig(**data)
 
 
@@ -91,8 +92,8 @@ class KVCommBroker:
         self.store = SegmentStore(c.store_max_bytes if c.store_max_bytes is not None else store_budget,
                                   min_run=c.min_match_tokens, shared=shared)
         freeze = BlockCount()
-        self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze, can_audit=False,
-                                                 tokenizer=tokenizer)
+        self.anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=freeze, can_audit=False)
+        self.versions = Versions.from_config(c, self.anchors, tokenizer)
         self.own_texts = OwnTextStore(c.experimental.own_text_max_bytes, freeze)
         self._prefix_config = c.model_copy(update={"method": "exact_prefix", "experimental": c.experimental.model_copy(
             update={"own_text": "in_context"})})
@@ -113,7 +114,7 @@ class KVCommBroker:
             held: prompt tokens the runtime already holds (its own exact prefix cache).
             prefix_only: claim exact prefixes only (no token runs, versions or own text), so
                 that what the request computes is exact and kept as an exact prefix: a client's
-                copy of a later reader's prompt (:mod:`~kvcomm_agents.reply_ahead`).
+                copy of a later reader's prompt (:mod:`~kvcomm_vllm.reply_ahead`).
         """
         with self._lock:
             known = self._requests.get(request_id)
@@ -127,7 +128,7 @@ class KVCommBroker:
                                  config=self._prefix_config if prefix_only else self.config,
                                  agent=agent, refuse_reason=None if reuse else "reuse_off",
                                  anchors=self.anchors if self.config.method == "kvcomm" else None,
-                                 own_texts=self.own_texts)
+                                 versions=self.versions, own_texts=self.own_texts)
             claim = contiguous_claim(plan, held, DENSE_TAIL)
             self._requests[request_id] = BrokeredRequest(agent, claim)
             return claim

@@ -4,7 +4,7 @@ In a graph, the agent after a sender reads the sender's reply the moment it is c
 server that claims only what it can rebuild without holes (vLLM with the KVCOMM connector), the
 claim ends where that reply starts, and the reader computes the reply and everything after it.
 The HF engine computes a reply in its readers' framing inside the sender's own decode steps
-(:mod:`.framing`); a batching server has no decode steps to ride on, but it batches whatever
+(``kvcomm_agents.framing.replies``); a batching server has no decode steps to ride on, but it batches whatever
 is waiting with the sender's decode. So while the sender streams its reply, the client sends,
 every :data:`CHUNK` new ids, one one-token request per later reader: the reader's prompt as it
 will be, up to the reply generated so far. Each is computed with exact prefixes only (the
@@ -15,14 +15,14 @@ sender's decode steps instead of waiting in front of each reader.
 
 **Learned** (ids only, :meth:`ReplyAhead.learn`): when a reader's prompt holds an earlier call's
 reply (its first :data:`ALIGN_IDS` ids, as the client tokenizes the reply's text), the ids
-before it are aligned with that sender's prompt: ``head + sender_prompt[a : N - drop] +
-lead_in``. ``head`` is the reader's own start (its system text, at most :data:`MAX_HEAD`
+before it are aligned with that sender's prompt: ``reader_start + sender_prompt[a : N - drop] +
+lead_in``. ``reader_start`` is the reader's own start (its system text, at most :data:`~kvcomm_agents.framing.rules.MAX_PREFIX`
 ids), ``sender_prompt[:a]`` the sender's own start, ``drop`` the sender's ids after the text
 the reader repeats (its closing line and generation header), ``lead_in`` the reader's ids
 before the reply (``Solver 1 answered:``). The latest rule per (sender, reader) is kept.
 
 **Applied** (:meth:`ReplyAhead.bases`): a prompt of that sender that starts with the same own
-ids gives, per reader, ``head + prompt[a : N - drop] + lead_in``; :func:`copy_prompt` appends
+ids gives, per reader, ``reader_start + prompt[a : N - drop] + lead_in``; :func:`copy_prompt` appends
 the reply's ids so far, less the last :data:`HOLD` (they may merge with what follows).
 
 Pure bookkeeping over ids: no tensors, no framework.
@@ -35,16 +35,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["CopyRule", "ReplyAhead", "align_lead_in", "learn_copy_rule", "copy_prompt", "ALIGN_IDS", "CHUNK", "HOLD", "MAX_HEAD",
-           "MAX_LEAD_IN", "MAX_READERS"]
+from kvcomm_agents.framing import ALIGN_IDS, MAX_PREFIX, MAX_READERS, align_lead_in
 
-#: Ids a reply's start and the text before a lead-in must repeat to be recognised (as
-#: :data:`kvcomm_agents.framing.ALIGN_IDS`: a role header alone never qualifies).
-ALIGN_IDS = 16
-#: Longest reader start (system text and header) a copy is computed after.
-MAX_HEAD = 512
-#: Longest lead-in (ids between the repeated text and the reply).
-MAX_LEAD_IN = 40
+__all__ = ["CopyRule", "ReplyAhead", "learn_copy_rule", "copy_prompt", "CHUNK", "HOLD"]
+
 #: New reply ids between two copies for one reader (each copy is one more request, a small
 #: prefill batched with the sender's decode steps; the reader computes at most this many reply
 #: ids itself). On vLLM's CPU build (workload (b), one run each): 16 gave readers 2.7-5.1x plain
@@ -53,21 +47,19 @@ CHUNK = 32
 #: Last ids of the partial reply left out of a copy: a token at the end of a stream may merge
 #: with the text after it once the reader's prompt is tokenized whole.
 HOLD = 2
-#: Readers copied per sender.
-MAX_READERS = 4
 #: Senders whose last call is remembered to learn from.
 MAX_SENDERS = 16
 
 
 @dataclass(frozen=True)
 class CopyRule:
-    """``reader`` reads ``sender``'s reply after ``head + prompt[len(sender_head) : N - drop] +
-    lead_in``, where the sender's prompt starts with ``sender_head``."""
+    """``reader`` reads ``sender``'s reply after ``reader_start + prompt[len(sender_start) : N - drop]
+    + lead_in``, where the sender's prompt starts with ``sender_start``."""
 
     sender: str
     reader: str
-    sender_head: tuple[int, ...]
-    head: tuple[int, ...]
+    sender_start: tuple[int, ...]
+    reader_start: tuple[int, ...]
     drop: int
     lead_in: tuple[int, ...]
 
@@ -84,10 +76,10 @@ class CopyRule:
         """The reader's ids before the reply, for a sender ``prompt``; None when the prompt does
         not start with the sender's own ids or is too short."""
         prompt = list(prompt)
-        a, end = len(self.sender_head), len(prompt) - self.drop
-        if end - a < ALIGN_IDS or tuple(prompt[:a]) != self.sender_head:
+        a, end = len(self.sender_start), len(prompt) - self.drop
+        if end - a < ALIGN_IDS or tuple(prompt[:a]) != self.sender_start:
             return None
-        return list(self.head) + prompt[a:end] + list(self.lead_in)
+        return list(self.reader_start) + prompt[a:end] + list(self.lead_in)
 
 
 def _find_last(haystack: Sequence[int], needle: Sequence[int]) -> int:
@@ -98,27 +90,6 @@ def _find_last(haystack: Sequence[int], needle: Sequence[int]) -> int:
         if haystack[start] == first and list(haystack[start:start + n]) == list(needle):
             return start
     return -1
-
-
-def align_lead_in(before: Sequence[int], sender: Sequence[int], *, align: int = ALIGN_IDS,
-                  max_lead_in: int = MAX_LEAD_IN) -> Optional[tuple[int, int]]:
-    """Where a reader's ids ``before`` a reply repeat the sender's prompt ``sender``: the shortest
-    lead-in ``before[cut:]`` after which ``before``'s last ``align`` ids occur in ``sender``,
-    ending at ``sender[:end]`` (its latest occurrence). ``(cut, end)``, or None when no lead-in
-    of at most ``max_lead_in`` ids has one. Shared by the HF engine's framed replies
-    (:func:`kvcomm_agents.framing.learn_rule`) and the client's copies (:func:`learn_copy_rule`)."""
-    before, sender = list(before), list(sender)
-    if len(sender) < align:
-        return None
-    ends: dict[tuple[int, ...], int] = {}
-    for end in range(align, len(sender) + 1):
-        ends[tuple(sender[end - align:end])] = end  # the latest occurrence wins
-    for lead in range(0, min(max_lead_in, len(before) - align) + 1):
-        cut = len(before) - lead
-        end = ends.get(tuple(before[cut - align:cut]))
-        if end is not None:
-            return cut, end
-    return None
 
 
 def learn_copy_rule(sender: str, sender_prompt: Sequence[int], reply_ids: Sequence[int], reader: str,
@@ -137,10 +108,10 @@ def learn_copy_rule(sender: str, sender_prompt: Sequence[int], reply_ids: Sequen
     common = ALIGN_IDS  # extended back to where the reader's own start and the sender's differ
     while common < min(cut, end) and q[cut - common - 1] == p[end - common - 1]:
         common += 1
-    head = cut - common
-    if head > MAX_HEAD:
+    own = cut - common  # the reader's own start
+    if own > MAX_PREFIX:
         return None
-    return CopyRule(sender, reader, tuple(p[:end - common]), tuple(q[:head]), len(p) - end, tuple(q[cut:s]))
+    return CopyRule(sender, reader, tuple(p[:end - common]), tuple(q[:own]), len(p) - end, tuple(q[cut:s]))
 
 
 def copy_prompt(base: Sequence[int], reply_ids: Sequence[int]) -> list[int]:

@@ -1,0 +1,41 @@
+"""Request checks: a bad argument is refused with a clear error before any compute."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .errors import InvalidMessagesError, InvalidRequestError
+from .prompt import PromptLayout
+
+__all__ = ["check_agent", "check_max_new_tokens", "check_reply_ids", "check_length"]
+
+
+def check_length(layout: PromptLayout, limit: Optional[int], new_tokens: int, what: str) -> None:
+    """Prompt plus reply must fit the model's ``limit`` positions (None: no limit)."""
+    n = int(layout.ids.numel())
+    if limit is not None and n + new_tokens > limit:
+        raise InvalidRequestError(
+            f"the prompt ({n} tokens) plus {what} ({new_tokens}) exceeds the model's {limit} positions; "
+            f"shorten the messages or lower {what} to at most {max(limit - n, 0)}"
+        )
+
+
+def check_agent(agent) -> None:
+    if not isinstance(agent, str) or not agent:
+        raise InvalidMessagesError("agent must be a non-empty string")
+
+
+def check_max_new_tokens(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+
+
+def check_reply_ids(ids, vocab_size: int) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or len(ids) == 0:
+        raise InvalidRequestError("reply_ids must be a non-empty sequence of token ids")
+    out = []
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"reply_ids holds {token!r}, not a token id of this vocabulary (0..{vocab_size - 1})")
+        out.append(token)
+    return out
