@@ -6,6 +6,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForC
 
 from kvcomm_agents import KVCommConfig, KVCommEngine, ModelNotAvailableError, UnsupportedModelError
 from kvcomm_agents import embedded
+from kvcomm_agents.support import check_rerotation, rotator_from_config
 from kvcomm_agents.testing import tiny_llama, tiny_tokenizer
 
 from .conftest import solver_messages
@@ -35,11 +36,24 @@ def test_unsupported_rope_types_fail_at_load(tokenizer, rope, match):
 
 
 @pytest.mark.model
-def test_linear_and_llama3_rope_are_accepted(tokenizer):
-    KVCommEngine(tiny_llama(tokenizer, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), tokenizer)
-    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-    KVCommEngine(tiny_llama(tokenizer, rope_parameters=llama3), tokenizer)
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+], ids=["linear", "llama3"])
+def test_linear_and_llama3_rope_are_accepted(tokenizer, rope):
+    """Accepted for reuse: the engine re-rotates with the model's scaled frequencies (as does the
+    config-only path a vLLM runtime takes), and re-rotated keys match the model's own."""
+    model = tiny_llama(tokenizer, rope_parameters=rope)
+    engine = KVCommEngine(model, tokenizer)
+    scaled = model.model.rotary_emb.inv_freq
+    head_dim = model.config.head_dim
+    unscaled = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    assert not torch.allclose(scaled, unscaled)  # the scaling changes the frequencies
+    assert engine.config.reuse and engine.info.rotator is not None
+    torch.testing.assert_close(engine.info.rotator.inv_freq_on(torch.device("cpu")), scaled)
+    torch.testing.assert_close(rotator_from_config(model.config).inv_freq_on(torch.device("cpu")), scaled)
+    assert check_rerotation(model, engine.info.rotator, tokenizer) < 1e-4
 
 
 @pytest.mark.model
