@@ -23,6 +23,7 @@ from .forwards import ForwardTally, charging
 from .anchors import KVCommAnchors
 from .audit import CallAuditor
 from .capture import CallCapture
+from .config import KVCommConfig
 from .kv.own_text import OwnTextStore
 from .kv.store import SegmentStore
 from .identity import WeightsWatch
@@ -66,10 +67,10 @@ class EngineParts:
 
     ``plan_hook()``: the plan hook to run now (the engine's ``plan_hook`` bound to the engine;
     None when unset), read per call. ``refresh_weights()``: drop what was learned from weights
-    that changed in place (the engine's reaction to :class:`~.support.WeightsWatch`)."""
+    that changed in place (the engine's reaction to :class:`~.identity.WeightsWatch`)."""
 
     model: Any
-    config: Any
+    config: KVCommConfig
     info: ModelInfo
     lock: Any
     weights: WeightsWatch

@@ -11,9 +11,22 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["KVCommConfig", "ExperimentalSettings", "Method"]
+
+#: Settings that left ``ExperimentalSettings``, and what a user writes instead (a clear error
+#: rather than pydantic's "extra inputs are not permitted").
+MOVED = {
+    "recompute_head": "KVCommConfig(recompute_head=...)",
+    "recorded_versions": "KVCommConfig(recorded_versions=...)",
+    "shared_runs": "KVCommConfig(shared_runs=...)",
+    "framed_replies": "KVCommConfig(reply_copies=...)",
+    "framed_texts": "KVCommConfig(text_copies=...)",
+    "anchor_lengths": "nothing: removed (anchors at least as long as the segment are consulted, the paper's rule)",
+    "new_segment": "nothing: removed (a new segment and everything after it are computed)",
+    "recompute_spread": "nothing: removed (measured and lost, benchmarks/LAB.md)",
+}
 
 #: How shared text is reused (``KVCommConfig.method``).
 Method = Literal["kvcomm", "rerotate", "exact_prefix", "dense"]
@@ -26,6 +39,15 @@ class ExperimentalSettings(BaseModel):
     experiment, not to tune a deployment."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        if isinstance(data, dict):
+            for name in data:
+                if name in MOVED:
+                    raise ValueError(f"experimental.{name} is no longer an experimental setting: use {MOVED[name]}")
+        return data
 
     estimator: Literal["mean", "weighted"] = Field(
         default="mean",

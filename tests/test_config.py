@@ -67,3 +67,11 @@ def test_configs_are_frozen_and_copied_with_updates():
 def test_sampler_arguments_are_request_errors(kwargs):
     with pytest.raises(InvalidRequestError):
         TokenSampler(**kwargs)
+
+
+def test_a_setting_that_left_experimental_says_where_it_went():
+    with pytest.raises(ValueError, match=r"reply_copies"):
+        ExperimentalSettings(framed_replies=False)
+    with pytest.raises(ValueError, match=r"removed"):
+        KVCommConfig(experimental={"recompute_spread": 0.1})
+    assert KVCommConfig(reply_copies=False).reply_copies is False

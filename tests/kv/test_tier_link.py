@@ -37,12 +37,16 @@ def indexed(runs: TokenRunIndex, key: str) -> bool:
     return True
 
 
-def test_sync_indexes_what_the_tier_holds_and_this_store_does_not():
+def tier_holding(*segments) -> MemorySegments:
     tier = MemorySegments()
-    mine, theirs = _segment(6), _segment(7)
-    for segment in (mine, theirs):
+    for segment in segments:
         tier.publish(*encode_entry(segment))
-    parts = Parts(tier)
+    return tier
+
+
+def test_sync_indexes_what_the_tier_holds_and_this_store_does_not():
+    mine, theirs = _segment(6), _segment(7)
+    parts = Parts(tier_holding(mine, theirs))
     parts.entries[mine.id] = mine
     parts.link.sync()
     assert set(parts.link.remote) == {theirs.id}
@@ -53,10 +57,8 @@ def test_sync_indexes_what_the_tier_holds_and_this_store_does_not():
 
 
 def test_fetch_inserts_the_entry_once_and_a_missing_blob_is_forgotten():
-    tier = MemorySegments()
     theirs, gone = _segment(7), _segment(8)
-    for segment in (theirs, gone):
-        tier.publish(*encode_entry(segment))
+    tier = tier_holding(theirs, gone)
     parts = Parts(tier)
     parts.link.sync()
     fetched = parts.link.fetch(parts.link.remote[theirs.id])
