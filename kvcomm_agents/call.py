@@ -35,6 +35,7 @@ from .framing import FramedDecode, Framer
 from .kv.segments import SegmentRef
 from .plan import CallPlan
 from .planner import plan_call
+from .prefill_cost import PrefillCost
 from .prompt import PromptLayout, normalize_messages
 from .results import CallStats, ChatResult, ForwardedTokens
 
@@ -84,6 +85,7 @@ class EngineParts:
     capture: CallCapture
     plan_hook: Callable[[], Optional[Callable[[CallPlan], CallPlan]]]
     refresh_weights: Callable[[], None]
+    prefill_cost: Optional[PrefillCost] = None  # None: reuse is never weighed against a whole prefill
 
 
 class CallSteps:
@@ -128,7 +130,8 @@ class CallSteps:
 
     def plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         """The call's plan (:func:`~kvcomm_agents.planner.plan_call`), or dense with the reason
-        (reuse off, the agent opted out, a sliding window the prompt and reply outgrow)."""
+        (reuse off, the agent opted out, a sliding window the prompt and reply outgrow, reuse too
+        little to pay for its masked forward: :mod:`.prefill_cost`)."""
         if not self.config.reuse:
             return CallPlan(layout.ids, dense_reason="reuse_off")
         refuse = None
@@ -137,9 +140,13 @@ class CallSteps:
             refuse = "reuse_off"
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
-        return plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config, agent=agent,
+        plan = plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config, agent=agent,
                          refuse_reason=refuse, anchors=self.anchors, versions=self.versions, own_texts=self.own_texts,
                          calibrating=self.calibrating.active)
+        cost = self.parts.prefill_cost
+        if cost is not None and self.config.dense_when_cheaper and plan.reused_tokens and not cost.worth_reusing(plan):
+            plan = plan.computed_whole("little_reuse")
+        return plan
 
     def decode(self, call: PreparedCall, next_id: int, sampler: TokenSampler, text: TextAccumulator,
                max_new_tokens: int) -> Iterator[str]:

@@ -128,6 +128,16 @@ class KVCommConfig(BaseModel):
             "already computed: a second debate round, a tool loop, a re-sent history."
         ),
     )
+    dense_when_cheaper: bool = Field(
+        default=True,
+        description=(
+            "Compute the whole prompt in one causal forward (dense_reason 'little_reuse', the "
+            "decisions that reused saying so) when the plan reuses too little of it to pay for the "
+            "masked forward that reused KV needs (kvcomm_agents.prefill_cost: a 2,048-token prompt "
+            "reusing 2% of it costs 1.14x dense on a CPU). CPU only; False: always reuse what was "
+            "planned."
+        ),
+    )
     capture_messages: bool = Field(
         default=True,
         description=(

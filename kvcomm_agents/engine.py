@@ -38,6 +38,7 @@ from .models import load_model
 from .plan import CallPlan
 from .prompt import render_prompt
 from .results import ChatResult
+from .prefill_cost import prefill_cost
 from .support import inspect_model, model_fingerprint
 from .versions import Versions
 
@@ -97,7 +98,8 @@ class KVCommEngine:
             model, c, self.info, self._lock, self._weights, self._calibrating, self._store, self._anchors,
             self._versions, self._own_texts, self._framer, self._auditor, self._capture,
             plan_hook=lambda: None if self.plan_hook is None else (lambda plan: self.plan_hook(self, plan)),
-            refresh_weights=self._refresh_changed_weights))
+            refresh_weights=self._refresh_changed_weights,
+            prefill_cost=prefill_cost(model, hf.input_device(model)) if c.dense_when_cheaper else None))
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":

@@ -45,6 +45,7 @@ DecisionReason = Literal[
     "bad_reference",  # prefilled: the message's segment reference is malformed (another version, hand-written)
     "after_hole",  # prefilled: an engine without holes (vLLM) computes everything after the first computed token
     "dense_tail",  # prefilled: an engine without holes computes the prompt's last tokens (claims.DENSE_TAIL)
+    "little_reuse",  # prefilled: the plan reused too little of the prompt to pay for its masked forward (prefill_cost)
 ]
 
 
@@ -271,6 +272,17 @@ class CallPlan:
         """Whether the estimated offsets of ``kind``'s runs are applied in this plan."""
         kind = tuple(kind)
         return any(run.offsets_on for run in self.runs if _estimated(run) and tuple(run.segment.ref.kind) == kind)
+
+    def computed_whole(self, reason: str) -> "CallPlan":
+        """The same prompt computed whole in one causal forward (``dense_reason=reason``): the
+        exact prefix and the reused runs are computed again, the runs as observations (their
+        context is exact there), and the decisions that reused say ``reason``."""
+        observed = self.as_observed()
+        decisions = tuple(d.model_copy(update={"status": "prefilled", "reason": reason, "reused_tokens": 0})
+                          if d.status == "reused" else d for d in self.decisions)
+        observations = tuple(sorted(self.observations + observed.observations, key=lambda o: o.prompt_start))
+        return CallPlan(self.prompt_ids, decisions=decisions, dense_reason=reason, observations=observations,
+                        pieces=observed.pieces)
 
     def as_observed(self) -> "CallPlan":
         """The same prompt as if computed densely: every reused shared run becomes an observation
