@@ -140,13 +140,9 @@ class CallSteps:
             refuse = "reuse_off"
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
-        plan = plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config, agent=agent,
+        return plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config, agent=agent,
                          refuse_reason=refuse, anchors=self.anchors, versions=self.versions, own_texts=self.own_texts,
-                         calibrating=self.calibrating.active)
-        cost = self.parts.prefill_cost
-        if cost is not None and self.config.dense_when_cheaper and plan.reused_tokens and not cost.worth_reusing(plan):
-            plan = plan.computed_whole("little_reuse")
-        return plan
+                         calibrating=self.calibrating.active, prefill_cost=self.parts.prefill_cost)
 
     def decode(self, call: PreparedCall, next_id: int, sampler: TokenSampler, text: TextAccumulator,
                max_new_tokens: int) -> Iterator[str]:

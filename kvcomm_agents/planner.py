@@ -30,6 +30,7 @@ from .kv.own_text import OwnTextStore, piece_key
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .kv.store import SegmentStore
 from .matching import Occurrence, TokenMatch, find_occurrences, find_token_matches, match_runs
+from .prefill_cost import PrefillCost
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
 
@@ -50,6 +51,7 @@ def plan_call(
     versions: Optional[Versions] = None,
     own_texts: Optional[OwnTextStore] = None,
     calibrating: bool = False,
+    prefill_cost: Optional[PrefillCost] = None,
 ) -> CallPlan:
     """Plan the prefill of one prompt.
 
@@ -66,6 +68,9 @@ def plan_call(
         own_texts: the agents' own-text KV; used with ``experimental.own_text="reuse"``.
         calibrating: with ``method="kvcomm"``, compute every shared segment after the exact
             prefix (reason ``calibration``) so that all of them are recorded as anchors.
+        prefill_cost: with ``config.dense_when_cheaper``, a plan whose reuse does not pay for its
+            masked forward computes the prompt whole (reason ``little_reuse``), decided before
+            any offsets are estimated.
     """
     n = int(layout.ids.numel())
     prefix = None
@@ -100,6 +105,11 @@ def plan_call(
     if refuse_reason is None:
         reuse_own = own_texts if config.experimental.own_text == "reuse" else None
         runs, pieces = _own_text(layout, runs, decider.observations, agent, reuse_own)
+        plan = CallPlan(layout.ids, prefix, tuple(runs), tuple(decisions), None, tuple(decider.observations),
+                        tuple(pieces))
+        if (prefill_cost is not None and config.dense_when_cheaper and plan.reused_tokens
+                and not prefill_cost.worth_reusing(plan)):
+            return plan.computed_whole("little_reuse")
         if decider.anchors is not None:
             runs, pieces = decider.anchors.attach_offsets(agent, runs, pieces)
     plan = CallPlan(layout.ids, prefix, tuple(runs), tuple(decisions), refuse_reason,

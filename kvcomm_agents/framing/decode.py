@@ -25,7 +25,7 @@ from ..engines import hf
 from ..kv.block import KVBlock
 from ..kv.segments import CONTEXT_TOKENS
 
-__all__ = ["FramedDecode", "TextCopy", "copy_mask", "copy_chunk", "text_rate", "CPU_CHUNK", "CPU_TEXT_IDS", "CUDA_TEXT_IDS"]
+__all__ = ["FramedDecode", "TextCopy", "copy_mask", "copy_chunk", "text_rate", "texts_alone", "CPU_CHUNK", "CPU_TEXT_IDS", "CUDA_TEXT_IDS"]
 
 
 def copy_chunk(device: torch.device) -> int:
@@ -55,6 +55,32 @@ def text_rate(device: torch.device, copies: int) -> int:
     """Ids of each of ``copies`` text copies fed per sender token on ``device``."""
     total = CUDA_TEXT_IDS if torch.device(device).type == "cuda" else CPU_TEXT_IDS
     return max(1, total // max(1, copies))
+
+
+def texts_alone(device: torch.device) -> bool:
+    """Whether text copies are computed each in a forward of its own after the reply rather
+    than riding on the sender's forwards. On a CPU a forward's cost grows with its ids from a few
+    ids on, so riding saves nothing, and a copy fed beside the sender and the other copies attends
+    over all of their slots under a 4-D mask: on the long document (h) the first agent's decode
+    ran at 819 ms per token against dense's 92 (benchmarks/LAB.md). Alone, a copy costs about
+    what its reader's own prefill of the text would. On CUDA a decode step is bound by reading
+    the weights, so riding is assumed nearly free (not measured)."""
+    return torch.device(device).type != "cuda"
+
+
+def _compute_alone(model, text: "TextCopy") -> None:
+    """Compute ``text``'s ids after its prefix in one forward of their own; sets ``text.kv``.
+    A prefix shorter than the text is computed again with it (one causal forward, no mask: on a
+    CPU the masked forward after a short cached prefix costs more than the prefix,
+    :mod:`kvcomm_agents.prefill_cost`); a longer one is reused from ``text.prefix``."""
+    ids = torch.tensor(text.prefix_ids + text.ids, dtype=torch.long)
+    start, n = text.start, len(text.prefix_ids) + len(text.ids)
+    if start < len(text.ids):
+        pre = hf.prefill(model, ids, torch.arange(n))
+    else:
+        pre = hf.prefill(model, ids, torch.arange(start, n), text.prefix, torch.arange(start))
+    text.kv = hf.kv_at_positions(pre.cache, pre.slot_positions, torch.arange(start, n))
+    text.fed = len(text.ids)
 
 
 def copy_mask(key_pos: torch.Tensor, key_ctx: torch.Tensor, q_pos: torch.Tensor, q_ctx: torch.Tensor,
@@ -127,10 +153,13 @@ class FramedDecode:
         chunk: reply tokens fed to the reply copies at once (:func:`copy_chunk`).
         texts: the text copies (:mod:`.texts`).
         rate: ids of each text copy fed per sender token (:func:`text_rate`).
+        texts_alone: compute each text copy after the reply in a forward of its own (its prefix's
+            KV, then its ids under the causal mask) instead of riding on the sender's forwards
+            (:func:`texts_alone`).
     """
 
     def __init__(self, rules: Sequence, prompt_slot_positions: torch.Tensor, num_prompt: int,
-                 chunk: int = 1, texts: Sequence[TextCopy] = (), rate: int = 1) -> None:
+                 chunk: int = 1, texts: Sequence[TextCopy] = (), rate: int = 1, texts_alone: bool = False) -> None:
         self.rules = list(rules)
         self.texts = list(texts)
         self.keep = [num_prompt - rule.drop for rule in self.rules] + [0] * len(self.texts)
@@ -143,8 +172,9 @@ class FramedDecode:
         self.pending: list[int] = []  # reply tokens the reply copies have not been fed yet
         self.led_out = False  # the reply framings' lead-outs were fed (after the whole reply)
         self.unfed: tuple[int, ...] = ()  # reply ids fed to the copies before their lead-outs only (flush)
-        self._prefixes_in = not self.texts  # the text copies' prefixes are in the cache
-        self._texts_out = not self.texts  # the text copies' KV left the cache
+        self.texts_alone = texts_alone and bool(self.texts)
+        self._prefixes_in = not self.texts or self.texts_alone  # the text copies' prefixes are in the cache
+        self._texts_out = not self.texts or self.texts_alone  # the text copies' KV left the cache (or never entered)
 
     def _queries(self, copies: Sequence[int], tokens: Sequence[int], take: int,
                  lead_outs: bool = False) -> tuple[list[int], list[int], list[int]]:
@@ -201,7 +231,7 @@ class FramedDecode:
     def _windows(self, n: int) -> list[slice]:
         """Slices of ``n`` tokens fed at once: each forward's queries times its keys within the
         mask budget (at least :data:`CPU_CHUNK` tokens a window)."""
-        live = [text for text in self.texts if text.fed < len(text.ids)]  # copies still fed
+        live = [text for text in self.texts if text.fed < len(text.ids) and not self.texts_alone]  # copies still fed
         per_token = len(self.rules) + 1 + self.rate * len(live)
         keys = (self.slot_pos.numel() + per_token * n + sum(len(rule.lead_in) for rule in self.rules)
                 + sum(len(text.prefix_ids) for text in live))
@@ -217,6 +247,8 @@ class FramedDecode:
         """Ids of each text copy one forward feeds: ``take``, halved (down to :data:`CPU_CHUNK`)
         until the forward's queries (``others`` besides the text ids) times its keys fit the
         mask budget; what is left rides on later forwards or :meth:`flush`."""
+        if self.texts_alone:
+            return 0
         k, slots = len(self.texts), self.slot_pos.numel()
         while take > CPU_CHUNK and (k * take + others) * (slots + k * take + others) > hf.MASK_BUDGET:
             take //= 2
@@ -246,6 +278,9 @@ class FramedDecode:
             self.led_out = True
         elif self.pending and self.rules:
             self._run(model, cache, self.pending, [], 1, 0)
+        if self.texts_alone:
+            for text in self.texts:
+                _compute_alone(model, text)
         while self.text_left:
             self._run(model, cache, [], [], 1, self._take(max(len(t.ids) - t.fed for t in self.texts), 0))
 

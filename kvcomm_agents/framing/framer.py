@@ -14,7 +14,7 @@ import torch
 from ..kv.segments import KVSegment
 from ..plan import CallPlan
 from ..prompt import PromptLayout
-from .decode import FramedDecode, copy_chunk, text_rate
+from .decode import FramedDecode, copy_chunk, text_rate, texts_alone
 from .record import record_framed_versions, record_text_versions
 from .replies import ReaderFraming
 from .texts import TextFraming
@@ -66,7 +66,7 @@ class Framer:
         if not rules and not texts:
             return None
         return FramedDecode(rules, slot_positions, n, chunk=copy_chunk(device), texts=texts,
-                            rate=text_rate(device, len(texts)))
+                            rate=text_rate(device, len(texts)), texts_alone=texts_alone(device))
 
     def _rules(self, agent: str, n: int, new_tokens: int) -> list:
         """The reply framings learned for ``agent``'s replies that fit the model's positions after
