@@ -93,6 +93,8 @@ class CallAuditor:
             kl_flipped = first_token_kl(dense.logits, flipped_logits)
             on, off = (kl, kl_flipped) if plan.offsets_applied(kind) else (kl_flipped, kl)
             tracker.record(agent, kind, on, off)
+        if kvcomm and not kinds and any(getattr(run.verdict, "rerotated", False) for run in plan.runs):
+            tracker.record_rerotated(agent, kl)  # served re-rotated where the gate would compute: keep measuring
         self.capture.observe(plan.as_observed(), agent, hf.kv_reader(dense.cache, dense.slot_positions),
                              self.anchors if kvcomm else None)
         return Audit(kl, dense)

@@ -36,6 +36,7 @@ from .kv.segments import SegmentRef
 from .plan import CallPlan
 from .planner import plan_call
 from .prefill_cost import PrefillCost
+from .rerotation_check import RerotationCheck
 from .prompt import PromptLayout, normalize_messages
 from .results import CallStats, ChatResult, ForwardedTokens
 
@@ -86,6 +87,7 @@ class EngineParts:
     plan_hook: Callable[[], Optional[Callable[[CallPlan], CallPlan]]]
     refresh_weights: Callable[[], None]
     prefill_cost: Optional[PrefillCost] = None  # None: reuse is never weighed against a whole prefill
+    rerotation_check: Optional[RerotationCheck] = None  # None: re-rotation is measured by audits only
 
 
 class CallSteps:
@@ -197,11 +199,16 @@ class CallSteps:
 
     def keep(self, call: PreparedCall, messages: Messages, agent: str,
              text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
-        """After the reply: keep its KV and what else the call computed, the audit, then the
+        """After the reply: a re-rotation check (:mod:`.rerotation_check`), keep its KV and what
+        else the call computed, the audit, then the
         reply's versions in its readers' framing (:mod:`.framing`: fed with the decode, or over
         the audit's dense prefill where the prompt KV held estimates). Returns the reply's
         reference and the audit's KL (None when not audited)."""
         with self.lock, torch.inference_mode():
+            check = self.parts.rerotation_check
+            if check is not None and check.due(call.plan, agent):  # before the call's KV is stored
+                with charging(call.tally, "audit"):
+                    check.check(call.layout, call.pre.logits, agent)
             segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             with charging(call.tally, "audit"):
                 audit = self.auditor.audit(call.plan, call.pre.logits, agent)

@@ -39,6 +39,7 @@ from .plan import CallPlan
 from .prompt import render_prompt
 from .results import ChatResult
 from .prefill_cost import prefill_cost
+from .rerotation_check import RerotationCheck
 from .support import inspect_model, model_fingerprint
 from .versions import Versions
 
@@ -99,7 +100,9 @@ class KVCommEngine:
             self._versions, self._own_texts, self._framer, self._auditor, self._capture,
             plan_hook=lambda: None if self.plan_hook is None else (lambda plan: self.plan_hook(self, plan)),
             refresh_weights=self._refresh_changed_weights,
-            prefill_cost=prefill_cost(model, hf.input_device(model)) if c.dense_when_cheaper else None))
+            prefill_cost=prefill_cost(model, hf.input_device(model)) if c.dense_when_cheaper else None,
+            rerotation_check=RerotationCheck(model, self.info.rotator, c, self._store, self.info.fingerprint,
+                                             self._anchors)))
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":

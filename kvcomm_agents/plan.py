@@ -58,15 +58,16 @@ class GateRecord(BaseModel):
     anchors: int = Field(description="Length-compatible anchors holding this receiver's offsets (consulted).")
     score: Optional[float] = Field(default=None, description="The score the gate compared with its threshold.")
     entropy: Optional[float] = Field(default=None, description="The paper's H / log2 N over the consulted anchors.")
-    offsets: Optional[Literal["estimated", "own", "recorded", "framed", "base", "off"]] = Field(
+    offsets: Optional[Literal["estimated", "own", "recorded", "framed", "base", "off", "rerotated"]] = Field(
         default=None,
         description="With decision 'reuse': 'estimated' from the anchors, 'own' (the receiver recorded this very "
         "segment), 'recorded' (another receiver recorded this very segment after the same text as this "
         "prompt has before it), 'framed' (the sender recorded this reply after the text its readers put "
         "before it, or the first reader of shared text recorded it after this reader's own prefix: "
         "kvcomm_agents.framing, kvcomm_agents.framing.texts), 'base' (the segment's own KV was computed after the same text: no "
-        "offsets), or 'off' (re-rotated only: audits measured that this kind's offsets hurt this receiver, or a "
-        "KL-budget probe of a kind not measured yet).")
+        "offsets), 'off' (re-rotated only: audits measured that this kind's offsets hurt this receiver, or a "
+        "KL-budget probe of a kind not measured yet), or 'rerotated' (the gate would have computed it, but "
+        "re-rotation alone was measured within kl_budget for this receiver: kvcomm_agents.anchors.tracker).")
 
 
 class SegmentDecision(BaseModel):

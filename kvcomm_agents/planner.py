@@ -366,6 +366,7 @@ def _gate_record(verdict) -> GateRecord:
     if verdict.reuse:
         offsets = ("own" if verdict.own_offsets else "framed" if is_framed(verdict.source)
                    else "recorded" if verdict.source is not None
-                   else "base" if verdict.base_fits else "estimated" if verdict.offsets_on else "off")
+                   else "base" if verdict.base_fits else "rerotated" if verdict.rerotated
+                   else "estimated" if verdict.offsets_on else "off")
     return GateRecord(decision="reuse" if verdict.reuse else "new_anchor", anchors=verdict.anchors,
                       score=verdict.score, entropy=verdict.entropy, offsets=offsets)

@@ -44,6 +44,9 @@ class GateVerdict:
             this kind's estimated offsets above ``kl_budget`` (:mod:`.tracker`): prefilled.
         offsets_on: the estimated offsets are applied (False: the audits measured that this
             kind's offsets hurt this receiver, :mod:`.tracker`; the segment is re-rotated only).
+        rerotated: the gate would have computed it (new anchor, over the budget), but re-rotation
+            alone was measured within the KL budget for this receiver (:mod:`.tracker`): reused
+            re-rotated, no offsets.
     """
 
     reuse: bool
@@ -58,6 +61,7 @@ class GateVerdict:
     base_fits: bool = False
     over_budget: bool = False
     context_matched: bool = False
+    rerotated: bool = False
 
     @property
     def from_version(self) -> bool:

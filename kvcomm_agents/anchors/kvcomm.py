@@ -162,12 +162,19 @@ class KVCommAnchors:
             if verdict.reuse and not verdict.context_matched:
                 if not self.tracker.within_budget(receiver, segment.ref.kind, self.kl_budget):
                     verdict.reuse, verdict.over_budget = False, True
-                    return verdict
+                    return self._rerotated_instead(receiver, verdict)
                 verdict.offsets_on = (self.tracker.offsets_on(receiver, segment.ref.kind)
                                       and not self.tracker.unmeasured_probe(receiver, segment.ref.kind))
                 if not self.frozen and not verdict.own_offsets:
                     pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
-            return verdict
+            return verdict if verdict.reuse else self._rerotated_instead(receiver, verdict)
+
+    def _rerotated_instead(self, receiver: str, verdict: GateVerdict) -> GateVerdict:
+        """A refused ``verdict`` turned into re-rotation alone where the receiver's re-rotation
+        was measured within the KL budget (:meth:`.tracker.OffsetTracker.rerotation_within_budget`)."""
+        if self.tracker.rerotation_within_budget(receiver, self.kl_budget):
+            verdict.reuse, verdict.rerotated, verdict.offsets_on = True, True, False
+        return verdict
 
     # ---- 2. attach offsets ----------------------------------------------------------------
     @torch.inference_mode()
@@ -186,7 +193,7 @@ class KVCommAnchors:
         dropped: set[int] = set()
         kept = []
         for run in runs:
-            if run.verdict is None or (run.verdict.base_fits and not run.own_text):
+            if run.verdict is None or (run.verdict.base_fits and not run.own_text) or run.verdict.rerotated:
                 kept.append(run)
             elif not run.own_text:
                 est = estimates.get((run.segment.id, id(run.verdict)))

@@ -23,6 +23,15 @@ pass measures them on): a probe never drifts further than re-rotation only befor
 measured. Versions of a segment computed after the same text
 (:mod:`.versions`) are not estimates and are never held back.
 
+Re-rotation alone is measured per receiver too (:meth:`OffsetTracker.record_rerotated`): the
+first-token KL of a call served with every shared segment re-rotated only, against the same
+call computed without estimates (a re-rotation check, :mod:`kvcomm_agents.rerotation_check`, or
+an audit of a call served that way). Once ``min_samples`` of them put a receiver within the KL
+budget, a segment the gate would compute (new anchor, over the budget) is served re-rotated
+instead (gate record ``offsets="rerotated"``) and its readers get no text copies
+(:mod:`kvcomm_agents.framing.texts`): measured faithful enough, and on one device the copies
+cost about what they save. Audits keep measuring those calls.
+
 Pure bookkeeping over floats: no tensors, no model.
 """
 
@@ -78,6 +87,7 @@ class OffsetTracker:
         self._held_back: dict[tuple[str, Kind], int] = {}
         self._samples: dict[tuple[str, Kind], deque[PairedSample]] = {}
         self._since_audit: dict[str, int] = {}
+        self._rerotated: dict[str, deque[float]] = {}
         self._lock = threading.Lock()
 
     def warmup_audit_due(self, receiver: str, kinds: Iterable[Kind]) -> bool:
@@ -166,6 +176,31 @@ class OffsetTracker:
             samples = self._samples.setdefault(key, deque(maxlen=self.window))
             samples.append(PairedSample(float(kl_on), float(kl_off)))
 
+    def record_rerotated(self, receiver: str, kl: float) -> None:
+        """Add the first-token KL of one of ``receiver``'s calls with its shared text re-rotated
+        only (the oldest beyond ``window`` is dropped)."""
+        with self._lock:
+            self._rerotated.setdefault(receiver, deque(maxlen=self.window)).append(float(kl))
+
+    def rerotated_kl(self, receiver: str) -> Optional[float]:
+        """Mean KL of ``receiver``'s re-rotation samples; None with fewer than ``min_samples``."""
+        with self._lock:
+            samples = list(self._rerotated.get(receiver, ()))
+        return sum(samples) / len(samples) if len(samples) >= self.min_samples else None
+
+    def wants_rerotation_sample(self, receiver: str) -> bool:
+        """True while ``receiver`` has fewer than ``min_samples`` re-rotation samples."""
+        with self._lock:
+            return len(self._rerotated.get(receiver, ())) < self.min_samples
+
+    def rerotation_within_budget(self, receiver: str, budget: Optional[float]) -> bool:
+        """Whether re-rotation alone was measured within ``budget`` for ``receiver`` (never
+        without a budget: then the gate alone decides)."""
+        if budget is None:
+            return False
+        kl = self.rerotated_kl(receiver)
+        return kl is not None and kl <= budget
+
     def records(self) -> list[KindRecord]:
         """One :class:`KindRecord` per ``(receiver, kind)`` sampled so far."""
         with self._lock:
@@ -182,3 +217,4 @@ class OffsetTracker:
             self._samples.clear()
             self._since_audit.clear()
             self._held_back.clear()
+            self._rerotated.clear()

@@ -61,12 +61,20 @@ class Framer:
             return None
         n, limit = plan.num_prompt, self.info.max_positions
         rules = self._rules(agent, n, new_tokens) if plan.first_estimated() >= n else []
-        texts = (self.text_framing.copies_for(plan, layout, agent, self.store, fingerprint, limit)
+        texts = (self.text_framing.copies_for(plan, layout, agent, self.store, fingerprint, limit,
+                                              rerotates=self._rerotates)
                  if self.config.text_copies else [])
         if not rules and not texts:
             return None
         return FramedDecode(rules, slot_positions, n, chunk=copy_chunk(device), texts=texts,
                             rate=text_rate(device, len(texts)), texts_alone=texts_alone(device))
+
+    def _rerotates(self, reader: str) -> bool:
+        """Whether ``reader`` is served shared text re-rotated, measured within the KL budget
+        (:meth:`~kvcomm_agents.anchors.tracker.OffsetTracker.rerotation_within_budget`): it gets
+        no text copy (on one device a copy costs about the prefill it saves)."""
+        return (self.config.method == "kvcomm"
+                and self.anchors.tracker.rerotation_within_budget(reader, self.config.kl_budget))
 
     def _rules(self, agent: str, n: int, new_tokens: int) -> list:
         """The reply framings learned for ``agent``'s replies that fit the model's positions after

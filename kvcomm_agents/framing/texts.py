@@ -30,7 +30,7 @@ prefill, computed once per reader, earlier.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -80,11 +80,12 @@ class TextFraming:
         return self._readers.remember(ReaderRule(tuple(segment.context_ids[-ALIGN_IDS:]), agent, prefix))
 
     def copies_for(self, plan: CallPlan, layout: PromptLayout, agent: str, store, fingerprint: str,
-                   max_positions: Optional[int]) -> list[TextCopy]:
+                   max_positions: Optional[int], rerotates: Callable[[str], bool] = lambda reader: False) -> list[TextCopy]:
         """The text copies ``agent``'s call feeds: at the first remembered context its prompt
         holds right before text it computes itself (at least half of it; the exact prefix may
         cover the text's first ids), that text to the end of the prompt's last message, after
-        each other reader's prefix whose exact KV the store holds."""
+        each other reader's prefix whose exact KV the store holds, unless ``rerotates(reader)``
+        (the reader is served the text re-rotated)."""
         contexts = self._readers.by_context()
         if not contexts or not layout.content_spans or layout.content_spans[-1] is None:
             return []
@@ -98,7 +99,7 @@ class TextFraming:
             if not rules or 2 * int(computed[start:end].sum()) < end - start:
                 continue  # text this call mostly reused: its readers have it already
             for rule in rules:
-                if rule.reader == agent or (max_positions is not None and len(rule.prefix) + end - start > max_positions):
+                if rule.reader == agent or rerotates(rule.reader) or (max_positions is not None and len(rule.prefix) + end - start > max_positions):
                     continue
                 hit = store.longest_prefix(torch.tensor(rule.prefix, dtype=torch.long), fingerprint)
                 if hit is None or hit[1] < len(rule.prefix):
