@@ -75,12 +75,23 @@ def model(request, llama, qwen2):
     return {"llama": llama, "qwen2": qwen2}[request.param]
 
 
+#: Tests of the reuse mechanics run on short texts (the tiny tokenizer: replies and shared
+#: messages of 10-40 ids). They pin the run head at 4 ids, so that such runs are re-rotated (the
+#: default's 16 computes a run that short whole): what they check is the mechanics of reuse.
+MECHANICS = {"recompute_head": 4}
+
+
+def mechanics(**config) -> KVCommConfig:
+    """A :class:`KVCommConfig` for a test of the reuse mechanics (:data:`MECHANICS`, then ``config``)."""
+    return KVCommConfig(**{**MECHANICS, **config})
+
+
 @pytest.fixture
 def make_engine(tokenizer):
     """Engines for tests of the reuse mechanics: re-rotation only unless ``method`` is given
     (the default, KVCOMM anchors, first prefills what it has not seen; tests/anchors)."""
     def make(model, *, plan_hook=None, **config):
-        return KVCommEngine(model, tokenizer, config=KVCommConfig(**{"method": "rerotate", **config}),
+        return KVCommEngine(model, tokenizer, config=mechanics(**{"method": "rerotate", **config}),
                             plan_hook=plan_hook)
 
     return make

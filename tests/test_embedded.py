@@ -3,6 +3,7 @@
 import pytest
 
 from kvcomm_agents import KVCommConfig, KVCommEngine, ReuseSummary
+from .conftest import mechanics
 
 pytestmark = pytest.mark.embedded
 
@@ -11,7 +12,7 @@ QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold 
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVCommEngine.from_pretrained(device="cpu", config=KVCommConfig(method="rerotate"))
+    return KVCommEngine.from_pretrained(device="cpu", config=mechanics(method="rerotate"))
 
 
 def solver_messages(k: int, question: str, replies: list[str]) -> list[dict]:
@@ -72,7 +73,7 @@ def test_default_kvcomm_records_anchors_then_reuses(engine):
     reuses that reply with solver two's recorded offsets (the same text precedes it). On the
     last question solver one's reply was computed in its readers' framing while it was decoded,
     and both readers reuse it."""
-    kvcomm = KVCommEngine(engine.model, engine.tokenizer)
+    kvcomm = KVCommEngine(engine.model, engine.tokenizer, config=mechanics())
     assert (kvcomm.config.method, kvcomm.config.experimental.estimator) == ("kvcomm", "mean")
     first, last = (per_question := _debates(kvcomm))[0], per_question[-1]
     second = _by_kind(first[1])
@@ -91,7 +92,7 @@ def test_without_framed_replies_estimates_wait_for_the_kl_budget(engine):
     one's reply, but no audit has measured estimated offsets within kl_budget yet, so solver two
     computes it (and records it), and solver three reuses solver two's record."""
     kvcomm = KVCommEngine(engine.model, engine.tokenizer,
-                          config=KVCommConfig(reply_copies=False, text_copies=False))
+                          config=mechanics(reply_copies=False, text_copies=False))
     last = _debates(kvcomm)[-1]
     held = _by_kind(last[1])[("solver-1", "assistant")]
     assert (held.reason, held.gate.anchors) == ("over_kl_budget", 2)

@@ -12,6 +12,7 @@ from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.testing import tiny_llama
 
 from .conftest import QUESTION, REPLY, first_logits, forced, replayed, solver_messages
+from .conftest import mechanics
 
 
 def generate_text(model, tokenizer, messages, max_new_tokens):
@@ -98,8 +99,8 @@ def test_evicted_segment_falls_back_to_dense(model, tokenizer, make_engine):
 
 def test_foreign_model_segment_is_never_used(tokenizer, llama):
     other = tiny_llama(tokenizer, seed=7)
-    engine_a = KVCommEngine(llama, tokenizer)
-    engine_b = KVCommEngine(other, tokenizer, store=engine_a.store)  # one store, two models
+    engine_a = KVCommEngine(llama, tokenizer, config=mechanics())
+    engine_b = KVCommEngine(other, tokenizer, config=mechanics(), store=engine_a.store)  # one store, two models
     ref = replayed(engine_a, solver_messages("You are solver one."), "s1").segment
     result = engine_b.chat(_receiver(ref), agent="judge", max_new_tokens=12)
     assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "foreign_model")]

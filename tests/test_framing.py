@@ -19,6 +19,7 @@ from kvcomm_agents.prompt import render_prompt
 
 from .anchors.synthetic import KIND, segment
 from .conftest import first_logits, tol
+from .conftest import mechanics
 
 SENDER = tuple(range(100, 140))  # 40 ids of the sender's prompt
 HEADER = (7, 8, 9)  # its generation header, at the end
@@ -47,7 +48,7 @@ def test_no_rule_where_the_base_fits_or_the_reader_does_not_repeat_the_sender():
     assert learn_rule(SENDER, SENDER[: ALIGN_IDS - 1]) is None  # too little known of the sender
 
 
-FRAMED = KVCommConfig(audit_every=0)  # reply_copies is on by default
+FRAMED = mechanics(audit_every=0)  # reply_copies is on by default
 QUESTION = "Sam has twelve apples and eats three of them. How many apples are left now, after lunch?"
 REPLIES = ["Twelve minus three is nine, so Sam has nine apples left. The final number is 9.",
            "Three eaten of twelve leaves nine apples on the table. The final number is nine."]
@@ -77,7 +78,7 @@ def test_the_first_reader_reuses_the_reply_its_sender_computed_in_its_framing_ex
     The reader's text before the reply is the sender's here, so the reuse is exact: its first
     token's logits are dense's."""
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
-    unframed = KVCommEngine(model, tokenizer, config=KVCommConfig(
+    unframed = KVCommEngine(model, tokenizer, config=mechanics(
         audit_every=0, reply_copies=False, text_copies=False))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     sent, read, messages = _debate(engine, tokenizer, "You are a solver.")
@@ -95,7 +96,7 @@ def test_a_reader_with_another_system_text_still_gains_on_re_rotation(model, tok
     nearest one there is (same lead-in, same question): it is reused, and the reader's first
     token drifts from dense less than under re-rotation only."""
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
-    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate", audit_every=0))
+    rerotate = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate", audit_every=0))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     _, read, messages = _debate(engine, tokenizer, "You are the second solver of the team.")
     gates = {d.segment.kind: d.gate for d in read.result.stats.shared_decisions}
@@ -107,7 +108,7 @@ def test_a_reader_with_another_system_text_still_gains_on_re_rotation(model, tok
 
 
 def test_nothing_is_framed_when_switched_off_or_inside_frozen_anchors(model, tokenizer):
-    off = KVCommEngine(model, tokenizer, config=KVCommConfig(
+    off = KVCommEngine(model, tokenizer, config=mechanics(
         audit_every=0, reply_copies=False, text_copies=False))
     sent, read, _ = _debate(off, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 0
@@ -139,7 +140,7 @@ def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_e
     if budget is not None:
         monkeypatch.setattr(hf, "MASK_BUDGET", budget)
     framed = KVCommEngine(model, tokenizer, config=FRAMED)
-    plain = KVCommEngine(model, tokenizer, config=KVCommConfig(
+    plain = KVCommEngine(model, tokenizer, config=mechanics(
         audit_every=0, reply_copies=False, text_copies=False))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     for engine in (framed, plain):
@@ -220,7 +221,7 @@ def test_a_reply_the_model_split_into_other_ids_is_still_reused_from_its_framed_
     judged new (mutation check)."""
     model, tokenizer = merging
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
-    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate", audit_every=0))
+    rerotate = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate", audit_every=0))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
 
     def ids(text: str) -> list[int]:
@@ -282,7 +283,7 @@ def test_a_reply_generated_over_estimated_prompt_kv_is_copied_over_the_audits_de
             read = engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id])
         return sent, read, messages
 
-    config = KVCommConfig(audit_every=1, kl_budget=None)
+    config = mechanics(audit_every=1, kl_budget=None)
     sent, read, messages = run(KVCommEngine(model, tokenizer, config=config))
     doc_decision = sent.stats.shared_decisions[0]
     assert doc_decision.status == "reused" and doc_decision.gate.offsets not in ("base", "recorded", "framed")

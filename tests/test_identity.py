@@ -10,6 +10,7 @@ from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.identity import WeightsWatch, weights_digest
 
 from .conftest import REPLY, first_logits, replayed, solver_messages
+from .conftest import mechanics
 
 pytestmark = pytest.mark.model
 
@@ -23,9 +24,9 @@ def _tuned(model):
 
 
 def test_a_tuned_copy_never_reuses_the_base_models_kv(llama, tokenizer):
-    base = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="rerotate"))
+    base = KVCommEngine(llama, tokenizer, config=mechanics(method="rerotate"))
     tuned_model = _tuned(llama)
-    tuned = KVCommEngine(tuned_model, tokenizer, config=KVCommConfig(method="rerotate"), store=base.store)
+    tuned = KVCommEngine(tuned_model, tokenizer, config=mechanics(method="rerotate"), store=base.store)
     assert tuned.fingerprint != base.fingerprint
     replayed(base, solver_messages("You are solver one."), "s1")  # the base's prefix, question, reply
     messages = solver_messages("You are solver one.", REPLY)  # extends the base's exact prefix
@@ -38,7 +39,7 @@ def test_a_tuned_copy_never_reuses_the_base_models_kv(llama, tokenizer):
 
 def test_an_in_place_weight_change_is_noticed_before_the_next_call(llama, tokenizer):
     model = copy.deepcopy(llama)
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="kvcomm", experimental={"min_anchors": 1}))
+    engine = KVCommEngine(model, tokenizer, config=mechanics(method="kvcomm", experimental={"min_anchors": 1}))
     replayed(engine, solver_messages("You are solver one."), "s1")
     replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
     before = engine.fingerprint
@@ -56,7 +57,7 @@ def test_an_in_place_weight_change_is_noticed_before_the_next_call(llama, tokeni
 
 def test_refresh_drops_anchors_learned_from_other_weights(llama, tokenizer):
     model = copy.deepcopy(llama)
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(experimental={"min_anchors": 1}))
+    engine = KVCommEngine(model, tokenizer, config=mechanics(experimental={"min_anchors": 1}))
     replayed(engine, solver_messages("You are solver one."), "s1")
     replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
     assert engine.anchors.nbytes() > 0

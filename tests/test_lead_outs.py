@@ -17,6 +17,7 @@ from kvcomm_agents.prompt import render_prompt
 from .anchors.synthetic import KIND, segment
 from .conftest import first_logits, tol
 from .test_framing import FRAMED, HEADER, QUESTION, REPLIES, SENDER
+from .conftest import mechanics
 
 
 CLOSING = "Check the solutions above, then give your own answer."
@@ -97,7 +98,7 @@ def test_a_closing_line_after_a_reply_ending_in_newlines_is_reused_though_its_id
     lead-out is recorded from the ids fed, not the stored reply's."""
     model, tokenizer = merging
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
-    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate"))
+    rerotate = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate"))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     newline = tokenizer.convert_tokens_to_ids("Ċ")
     for r, (reply, extra) in enumerate([(REPLIES[0], 0), (REPLIES[1], newlines)]):
@@ -177,10 +178,10 @@ def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
     versions.homes.note(line, home.id, 4)
     layout = PromptLayout.of_ids(before + line + (7,))
     run = TokenMatch(matched, len(before), 8, len(line), 0)
-    decider = _RunDecider(layout, 0, KVCommConfig(), "reader", anchors, versions,
+    decider = _RunDecider(layout, 0, mechanics(), "reader", anchors, versions,
                           home=lambda segment_id: home if segment_id == home.id else None)
     moved = decider._at_home(run)
     assert moved.segment is home and moved.segment_start == 4 and moved.prompt_start == run.prompt_start
     elsewhere = PromptLayout.of_ids(tuple(range(500, 520)) + line + (7,))  # other text before the line
-    assert _RunDecider(elsewhere, 0, KVCommConfig(), "reader", anchors, versions,
+    assert _RunDecider(elsewhere, 0, mechanics(), "reader", anchors, versions,
                        home=lambda segment_id: home)._at_home(run) is run

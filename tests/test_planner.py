@@ -11,6 +11,7 @@ from kvcomm_agents.planner import plan_call
 from kvcomm_agents.prompt import render_prompt
 
 from .test_matching import REPLY, TOKENIZER, make_segment
+from .conftest import mechanics
 
 QUESTION = "How many clips did Natalia sell in April and May?"
 
@@ -22,7 +23,7 @@ def setup(method="rerotate", **config):
     store.put(question)
     messages = [{"role": "system", "content": "You are solver two."}, {"role": "user", "content": QUESTION},
                 {"role": "user", "content": "Agent 1 said: " + REPLY, "segment": reply.ref.model_dump()}]
-    return store, render_prompt(TOKENIZER, messages), KVCommConfig(method=method, **config), reply, question
+    return store, render_prompt(TOKENIZER, messages), mechanics(method=method, **config), reply, question
 
 
 def partition(plan) -> None:
@@ -65,7 +66,7 @@ def test_refusals_and_short_runs_are_reported_per_segment():
     assert [d.reason for d in short.decisions] == ["too_short", "too_short"] and short.dense_reason == "nothing_to_reuse"
     foreign = plan_call(layout, store=store, fingerprint="other", config=config)
     assert [(d.reason, d.segment is not None) for d in foreign.decisions] == [("foreign_model", True)]  # by reference only
-    exact = plan_call(layout, store=store, fingerprint="m", config=KVCommConfig(method="exact_prefix"))
+    exact = plan_call(layout, store=store, fingerprint="m", config=mechanics(method="exact_prefix"))
     assert [d.reason for d in exact.decisions] == ["exact_only", "exact_only"] and exact.runs == ()
 
 

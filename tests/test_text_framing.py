@@ -9,11 +9,13 @@ import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.engines import hf
+from kvcomm_agents.framing import framer as framer_module
 
 from .conftest import first_logits, tol
+from .conftest import mechanics
 
-FRAMED = KVCommConfig(audit_every=0)  # text_copies is on by default
-OFF = KVCommConfig(audit_every=0, text_copies=False)
+FRAMED = mechanics(audit_every=0)  # text_copies is on by default
+OFF = mechanics(audit_every=0, text_copies=False)
 SENDER_SYSTEM = "You are the planner of a small team. Read the task and write a short plan."
 READER_SYSTEM = "You are the reviewer of the team. Read the task, then check the plan line by line."
 TASK = ("{} Write a function that returns the sum of the even numbers in a list of integers, "
@@ -56,15 +58,18 @@ def test_the_later_reader_reuses_the_task_its_first_reader_computed_after_its_pr
                                atol=tol(1e-4), rtol=0)
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "riding"])
 @pytest.mark.parametrize("budget", [None, 3000])
-def test_the_sender_is_unchanged_and_a_decoded_senders_copy_matches_dense(model, tokenizer, budget, monkeypatch):
-    """The text copy shares the sender's forwards and cache, masked apart: the sender's greedy
-    decode is that of an engine without copies; the reviewer, whose prompt also holds the plan
-    (a framed reply copy fed beside the text copy), reads the task exactly as dense computes it
-    and drifts from dense less than without the copies. With a small mask budget the copy's
-    rest is fed after the reply in several forwards."""
+def test_the_sender_is_unchanged_and_a_decoded_senders_copy_matches_dense(model, tokenizer, budget, alone,
+                                                                          monkeypatch):
+    """Computed alone after the reply (a CPU) or riding on the sender's forwards in the same
+    cache, masked apart (CUDA): the sender's greedy decode is that of an engine without copies;
+    the reviewer, whose prompt also holds the plan (a framed reply copy fed beside the sender),
+    reads the task exactly as dense computes it. With a small mask budget a riding copy's rest
+    is fed after the reply in several forwards."""
     if budget is not None:
         monkeypatch.setattr(hf, "MASK_BUDGET", budget)
+    monkeypatch.setattr(framer_module, "texts_alone", lambda device: alone)
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
     off = KVCommEngine(model, tokenizer, config=OFF)
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))

@@ -182,6 +182,11 @@ class OffsetTracker:
         with self._lock:
             self._rerotated.setdefault(receiver, deque(maxlen=self.window)).append(float(kl))
 
+    def rerotation_samples(self, receiver: str) -> list[float]:
+        """``receiver``'s re-rotation samples (KL in nats), oldest first."""
+        with self._lock:
+            return list(self._rerotated.get(receiver, ()))
+
     def rerotated_kl(self, receiver: str) -> Optional[float]:
         """Mean KL of ``receiver``'s re-rotation samples; None with fewer than ``min_samples``."""
         with self._lock:

@@ -14,6 +14,7 @@ from kvcomm_agents.prompt import render_prompt
 
 from ..conftest import REPLY, first_logits, forced, run_plan, solver_messages
 from .synthetic import KIND, offsets, observe, segment
+from ..conftest import mechanics
 
 
 def registry(**kw) -> KVCommAnchors:
@@ -143,7 +144,7 @@ def test_pools_never_exceed_their_limits():
 
 
 def _engine(model, tokenizer, method="kvcomm", **experimental):
-    config = KVCommConfig(method=method, prefix_cache=False, experimental={"min_anchors": 1, **experimental})
+    config = mechanics(method=method, prefix_cache=False, experimental={"min_anchors": 1, **experimental})
     return KVCommEngine(model, tokenizer, config=config)
 
 
@@ -207,7 +208,7 @@ def test_freeze_anchors_stops_learning_and_nests(llama, tokenizer):
 
 def test_audits_record_the_reused_segments_as_anchors(llama, tokenizer):
     # gamma 1 reuses as soon as two anchors are consulted (the entropy score is at most 1)
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(gamma=1.0, audit_every=1, prefix_cache=False, kl_budget=None))
+    engine = KVCommEngine(llama, tokenizer, config=mechanics(gamma=1.0, audit_every=1, prefix_cache=False, kl_budget=None))
     # each question shorter than the last, so earlier anchors are long enough to be consulted
     questions = [f"How many apples are left if Sam has {'very ' * (4 - i)}many and eats {i}?" for i in range(3)]
     for question in questions:

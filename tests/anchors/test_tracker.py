@@ -10,6 +10,7 @@ from kvcomm_agents.anchors.tracker import OffsetTracker
 from kvcomm_agents.fidelity import first_token_kl
 
 from ..conftest import first_logits
+from ..conftest import mechanics
 
 USER, REPLY_KIND = ("user", None), ("s1", "assistant")
 
@@ -82,7 +83,7 @@ def test_harmful_offsets_are_turned_off_after_paired_audits(model, tokenizer):
     measure them against re-rotation only on the same prompts, the tracker turns them off for
     this receiver and kind, and the next call is served exactly as re-rotation only serves it,
     its drift from dense no larger."""
-    config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False, kl_budget=None)  # only warm-up audits
+    config = mechanics(gamma=1.0, audit_every=1000, prefix_cache=False, kl_budget=None)  # only warm-up audits
     engine = KVCommEngine(model, tokenizer, config=config)
     engine.anchors.tracker.warmup_gap = 1  # every reused call may be a warm-up audit (default: one in 4)
     rerotate = KVCommEngine(model, tokenizer, config=config.model_copy(update={"method": "rerotate"}))
@@ -126,7 +127,7 @@ def test_under_a_kl_budget_estimates_wait_for_audits_and_held_back_calls_match_d
     """With a budget no estimate meets, a receiver's user-kind segments are prefilled (reason
     over_kl_budget, logits equal to dense prefill's) but for one probe in 4, which is reused
     and audited; the probes' samples keep the kind over the budget."""
-    config = KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False, kl_budget=1e-9)
+    config = mechanics(gamma=1.0, audit_every=1000, prefix_cache=False, kl_budget=1e-9)
     engine = KVCommEngine(model, tokenizer, config=config)
     engine.anchors.tracker.warmup_gap = 1
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
@@ -143,7 +144,7 @@ def test_under_a_kl_budget_estimates_wait_for_audits_and_held_back_calls_match_d
     assert [r.result.stats.audit_kl is not None for r in replays[5::4]] == [True, True]  # the probes
     # the first probe, nothing measured yet: served re-rotated only, its offsets measured by the audit
     assert replays[5].result.stats.shared_decisions[0].gate.offsets == "off"
-    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate", prefix_cache=False))
+    rerotate = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate", prefix_cache=False))
     for question in questions[:6]:
         rerotate.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)
     torch.testing.assert_close(replays[5].first_token_logits, first_logits(rerotate, _prompt(questions[5]), agent="s2"),
@@ -160,16 +161,16 @@ def test_probes_are_always_audited_and_the_budget_needs_audits(model, tokenizer)
     assert tracker.unmeasured_probe("s2", USER)  # nothing measured yet: served re-rotated only
     assert tracker.warmup_audit_due("s2", [USER])  # audited on the receiver's first call, whatever the gap
     # without audits nothing would measure the budget: the engine leaves it off
-    off = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=0))
+    off = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0))
     assert off.anchors.kl_budget is None
-    assert KVCommEngine(model, tokenizer).anchors.kl_budget == KVCommConfig().kl_budget == 0.015
+    assert KVCommEngine(model, tokenizer, config=mechanics()).anchors.kl_budget == KVCommConfig().kl_budget == 0.015
 
 
 def test_own_offsets_recorded_after_other_text_wait_for_the_budget_like_any_estimate(model, tokenizer):
     """A receiver's own offsets of a segment are exact only where they were recorded: after the
     same text, they are a version and always reused; after other text (no version fits) they are
     an estimate, held back by the KL budget until audits measure them (here nothing probes)."""
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(gamma=1.0, audit_every=1000, prefix_cache=False))
+    engine = KVCommEngine(model, tokenizer, config=mechanics(gamma=1.0, audit_every=1000, prefix_cache=False))
     engine.anchors.tracker.probe_every = 0
     question = "How many apples are left if Sam has very many apples and eats three of them?"
     engine.chat([{"role": "user", "content": question}], agent="s1", max_new_tokens=1)  # the sender

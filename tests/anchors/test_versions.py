@@ -14,6 +14,7 @@ from kvcomm_agents.fidelity import first_token_kl
 
 from ..conftest import first_logits
 from .synthetic import KIND, offsets, segment
+from ..conftest import mechanics
 
 
 def test_common_suffix_counts_matching_ids_from_the_end():
@@ -91,8 +92,8 @@ def test_a_reply_recorded_by_one_receiver_serves_the_next_with_near_exact_offset
     two's offsets. Its audit records solver three's exact offsets of the reply: solver two's are
     far nearer to them than none (re-rotation only), and the call drifts from dense less than
     re-rotation only's."""
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=1))
-    rerotate = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate", audit_every=0))
+    engine = KVCommEngine(model, tokenizer, config=mechanics(audit_every=1))
+    rerotate = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate", audit_every=0))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     question = "Sam has twelve apples and eats three of them. How many apples are left now?"
     reply = "Twelve minus three is nine, so Sam has nine apples left. The final number is 9."
@@ -122,7 +123,7 @@ def test_a_reply_recorded_by_one_receiver_serves_the_next_with_near_exact_offset
 def test_a_reply_generated_after_estimated_kv_is_no_version(model, tokenizer):
     """A reply keeps its context ids (and may serve as a version) only when no KV before it was
     estimated: after a call that reused a segment with estimated offsets it has none."""
-    config = KVCommConfig(gamma=1.0, audit_every=0, prefix_cache=False, kl_budget=None)
+    config = mechanics(gamma=1.0, audit_every=0, prefix_cache=False, kl_budget=None)
     engine = KVCommEngine(model, tokenizer, config=config)
     questions = [f"How many apples are left if Sam has {'very ' * (8 - i)}many and eats {i}?" for i in range(4)]
     estimated = None

@@ -16,6 +16,7 @@ from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.support import inspect_model
 
 from ..conftest import forced, rtol, run_plan, solver_messages, tol
+from ..conftest import mechanics
 
 
 @torch.inference_mode()
@@ -56,7 +57,7 @@ def _oracle_plan(model, tokenizer, ids, pieces, prefix_len=0):
     slots = torch.arange(ids.numel())
     info = inspect_model(model, tokenizer, reuse=True, verify_rope=False)
     store = SegmentStore(1 << 30)
-    capture = CallCapture(store, tokenizer, info.rotator, info.fingerprint, KVCommConfig())
+    capture = CallCapture(store, tokenizer, info.rotator, info.fingerprint, mechanics())
 
     def kv_at(positions):
         return hf.kv_at_positions(cache, slots, positions)

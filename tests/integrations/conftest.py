@@ -8,6 +8,8 @@ import pytest
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.testing import TOOLS_TEMPLATE, tiny_qwen2, tiny_tokenizer
 
+from ..conftest import mechanics
+
 
 class ScriptedEngine:
     """Wraps a real engine; each call's reply is the next scripted text, processed by the model
@@ -34,8 +36,9 @@ class ScriptedEngine:
 
 @pytest.fixture
 def engine(llama, tokenizer):
-    """Re-rotation only, so a second agent reuses on its first call (anchors: tests/anchors)."""
-    return KVCommEngine(llama, tokenizer, config=KVCommConfig(method="rerotate"))
+    """Re-rotation only, so a second agent reuses on its first call (anchors: tests/anchors), with
+    the mechanics tests' head (tests/conftest.py, MECHANICS): the replies here are short."""
+    return KVCommEngine(llama, tokenizer, config=mechanics(method="rerotate"))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from kvcomm_agents.prompt import render_prompt
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
 from .conftest import ScriptedEngine
+from ..conftest import mechanics
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 
@@ -49,7 +50,7 @@ def test_stream_matches_invoke_and_ends_with_usage(engine, llama, tokenizer):
     chunks = list(model.stream(prompt("You are solver one.")))
     assert len(chunks) > 2 and chunks[-1].usage_metadata is not None
     streamed = "".join(c.content for c in chunks)
-    fresh = ChatKVComm(engine=KVCommEngine(llama, tokenizer), agent="a", max_tokens=10)
+    fresh = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=mechanics()), agent="a", max_tokens=10)
     assert streamed == fresh.invoke(prompt("You are solver one.")).content
 
 

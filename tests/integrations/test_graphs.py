@@ -14,6 +14,7 @@ from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
 from .conftest import ScriptedEngine
+from ..conftest import mechanics
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 REPLY = "The answer is 72 because 48 plus 24 equals 72."
@@ -54,7 +55,7 @@ def test_reuse_off_graph_equals_dense(llama, tokenizer):
         model = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=config), max_tokens=12)
         return [m.content for m in two_solver_graph(model).invoke({"messages": [HumanMessage(QUESTION)]})["messages"]]
 
-    engine = KVCommEngine(llama, tokenizer)
+    engine = KVCommEngine(llama, tokenizer, config=mechanics())
     off = ChatKVComm(engine=engine, max_tokens=12, reuse=False)
     dense = run(KVCommConfig(method="dense"))
     assert [m.content for m in two_solver_graph(off).invoke({"messages": [HumanMessage(QUESTION)]})["messages"]] == dense
@@ -68,7 +69,7 @@ class FanOut(TypedDict):
 def test_send_fan_out_equals_serial_with_reuse_on_and_off(llama, tokenizer):
     systems = ["You are solver one.", "You are solver two.", "You are solver three."]
     for reuse in (True, False):
-        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="rerotate" if reuse else "dense"))
+        engine = KVCommEngine(llama, tokenizer, config=mechanics(method="rerotate" if reuse else "dense"))
         engine.add_segment(QUESTION, kind=("user", None))  # the shared input, registered before the fan-out
         model = ChatKVComm(engine=engine, max_tokens=8)
 
@@ -95,10 +96,10 @@ def _serial(model, system):
 def test_checkpointed_graph_resumes_on_a_fresh_engine(llama, tokenizer):
     saver = InMemorySaver()
     config = {"configurable": {"thread_id": "t1"}}
-    first = ScriptedEngine(KVCommEngine(llama, tokenizer), [REPLY, "I agree with 72."])
+    first = ScriptedEngine(KVCommEngine(llama, tokenizer, config=mechanics()), [REPLY, "I agree with 72."])
     two_solver_graph(ChatKVComm(engine=first), saver).invoke({"messages": [HumanMessage(QUESTION)]}, config)
     # a restart: new engine, empty store; the state holds only references
-    fresh = ScriptedEngine(KVCommEngine(llama, tokenizer), ["Still 72.", "Yes, 72."])
+    fresh = ScriptedEngine(KVCommEngine(llama, tokenizer, config=mechanics()), ["Still 72.", "Yes, 72."])
     out = two_solver_graph(ChatKVComm(engine=fresh), saver).invoke({"messages": [HumanMessage("Check again.")]}, config)
     assert len(out["messages"]) == 6
     reasons = {d["reason"] for d in kv(out["messages"][4])["stats"]["decisions"]}

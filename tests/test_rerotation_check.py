@@ -1,0 +1,88 @@
+"""Re-rotation measured on calls without estimates (kvcomm_agents.rerotation_check), and what the
+gate and the text copies do once it is within the KL budget (kvcomm_agents.anchors.tracker)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.anchors.tracker import OffsetTracker
+from kvcomm_agents.fidelity import first_token_kl
+
+from .conftest import first_logits
+from .test_text_framing import PLAN, READER_SYSTEM, SENDER_SYSTEM, TASK
+from .conftest import mechanics
+
+
+def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget():
+    tracker = OffsetTracker(min_samples=2, window=3)
+    assert tracker.wants_rerotation_sample("r") and tracker.rerotated_kl("r") is None
+    tracker.record_rerotated("r", 0.01)
+    assert not tracker.rerotation_within_budget("r", 1.0)  # one sample is not enough
+    tracker.record_rerotated("r", 0.03)
+    assert not tracker.wants_rerotation_sample("r") and abs(tracker.rerotated_kl("r") - 0.02) < 1e-12
+    assert tracker.rerotation_within_budget("r", 0.02) and not tracker.rerotation_within_budget("r", 0.019)
+    assert not tracker.rerotation_within_budget("r", None)  # no budget: the gate alone decides
+    assert not tracker.rerotation_within_budget("other", 1.0)
+    for _ in range(3):
+        tracker.record_rerotated("r", 0.5)  # the window keeps the most recent: trust is lost
+    assert not tracker.rerotation_within_budget("r", 0.1)
+    tracker.clear()
+    assert tracker.rerotated_kl("r") is None
+
+
+def _task(r: int) -> str:
+    return TASK.format(("Zebra", "Quail", "Otter", "Moose", "Heron", "Ibis")[r])
+
+
+def _sender(task: str) -> list[dict]:
+    return [{"role": "system", "content": SENDER_SYSTEM}, {"role": "user", "content": task}]
+
+
+def _reader(task: str) -> list[dict]:
+    return [{"role": "system", "content": READER_SYSTEM}, {"role": "user", "content": task},
+            {"role": "user", "content": f"The plan:\n{PLAN}"}]
+
+
+def _hand_off(engine, tokenizer, r: int):
+    plan_ids = tokenizer(PLAN, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    engine.replay(_sender(_task(r)), agent="planner", reply_ids=plan_ids)
+    return engine.replay(_reader(_task(r)), agent="reviewer", reply_ids=[tokenizer.eos_token_id])
+
+
+def test_the_check_measures_what_re_rotation_alone_would_have_served(model, tokenizer):
+    """The reviewer's first call computes the task (a new anchor, no estimate); the check then
+    records the KL a re-rotation-only engine's same call has against dense, and charges its
+    forward to the call."""
+    engine = KVCommEngine(model, tokenizer, config=mechanics(text_copies=False, reply_copies=False))
+    rerotate = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate", dense_when_cheaper=False,
+                                                                  audit_every=0))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    read = _hand_off(engine, tokenizer, 0)
+    rerotated = _hand_off(rerotate, tokenizer, 0)
+    assert read.result.stats.forwarded.audit > 0  # the check's prefill, charged to the call
+    kl = engine.anchors.tracker.rerotation_samples("reviewer")[-1]
+    expected = first_token_kl(first_logits(dense, _reader(_task(0)), agent="reviewer"), rerotated.first_token_logits)
+    assert rerotated.result.stats.reused_tokens > 0 and expected > 0
+    assert abs(kl - expected) <= 1e-4 + 0.05 * expected
+
+
+def test_a_receiver_within_the_budget_is_served_re_rotated_and_its_text_copies_stop(model, tokenizer):
+    """Two checks within a generous budget: the next call's task (which the gate would compute
+    as a new anchor) is reused re-rotated, visibly, and the planner feeds no text copy for the
+    reviewer. A budget no check meets keeps computing it."""
+    trusting = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=50.0, reply_copies=False))
+    strict = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=1e-12, reply_copies=False))
+    for r in range(2):
+        _hand_off(trusting, tokenizer, r)
+        _hand_off(strict, tokenizer, r)
+    assert trusting.anchors.tracker.rerotation_within_budget("reviewer", 50.0)
+    assert not strict.anchors.tracker.rerotation_within_budget("reviewer", 1e-12)
+    plan_ids = tokenizer(PLAN, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    sent = trusting.replay(_sender(_task(2)), agent="planner", reply_ids=plan_ids).result
+    assert sent.stats.framed_versions == 0  # no copy of the task for a reviewer served re-rotated
+    read = trusting.replay(_reader(_task(2)), agent="reviewer", reply_ids=[tokenizer.eos_token_id]).result
+    task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
+    assert task and all(d.status == "reused" and d.gate.offsets == "rerotated" for d in task), read.stats.decisions
+    strict_read = _hand_off(strict, tokenizer, 2).result
+    assert all(d.gate is None or d.gate.offsets != "rerotated" for d in strict_read.stats.decisions)
