@@ -6,7 +6,8 @@ and ``docs/benchmarks.md`` traces to a file. A test regenerates every block mark
     ...
     <!-- end generated -->
 
-in those pages and fails when a block differs from its file.
+in those pages and fails when a block differs from its file; ``python -m benchmarks.tables
+--rewrite README.md docs/benchmarks.md`` regenerates them in place after a new run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Optional
 
 from .graph_report import front_table, workload_tables
 
-__all__ = ["render", "generated_blocks", "main"]
+__all__ = ["render", "generated_blocks", "rewrite", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"<!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?P<front> --front)?"
@@ -44,12 +45,37 @@ def generated_blocks(text: str) -> list[tuple[str, bool, Optional[list[str]], st
             for m in _BLOCK.finditer(text)]
 
 
+def rewrite(page: Path) -> int:
+    """Regenerate every generated block of ``page`` in place from its summary file; returns how
+    many blocks changed."""
+    text = page.read_text()
+    changed = 0
+
+    def fresh(match: re.Match) -> str:
+        nonlocal changed
+        summary = json.loads((ROOT / match["path"]).read_text())
+        body = render(summary, front=bool(match["front"]), phases=match["phases"].split(",") if match["phases"] else None)
+        changed += body != match["body"]
+        return match.group(0).replace(match["body"], body)
+
+    page.write_text(_BLOCK.sub(fresh, text))
+    return changed
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
-    parser.add_argument("summary", type=Path)
+    parser.add_argument("summary", type=Path, nargs="?")
+    parser.add_argument("--rewrite", nargs="+", type=Path, metavar="PAGE",
+                        help="regenerate every generated block of these pages in place (no summary argument)")
     parser.add_argument("--front", action="store_true", help="the front table only (one row per workload)")
     parser.add_argument("--phases", default=None, help="comma-separated: only these workloads")
     args = parser.parse_args(argv)
+    if args.rewrite:
+        for page in args.rewrite:
+            print(f"{page}: {rewrite(page)} block(s) changed")
+        return
+    if args.summary is None:
+        parser.error("give a summary file, or --rewrite PAGE...")
     print(render(json.loads(args.summary.read_text()), front=args.front,
                  phases=args.phases.split(",") if args.phases else None))
 

@@ -26,3 +26,14 @@ def test_a_changed_figure_is_caught():
     summary = json.loads((ROOT / path).read_text())
     summary["phases"][next(iter(summary["phases"]))]["graphs"][0]["wall_median_s"] += 1.0
     assert render(summary, front=front, phases=phases) != body
+
+
+def test_rewrite_regenerates_a_stale_block_in_place(tmp_path):
+    from benchmarks.tables import rewrite
+
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    path, front, phases, body = generated_blocks(text)[0]
+    page = tmp_path / "page.md"
+    page.write_text(text.replace(body, "a stale table", 1))
+    assert rewrite(page) == 1 and page.read_text() == text
+    assert rewrite(page) == 0
