@@ -232,6 +232,17 @@ class KVCommConfig(BaseModel):
             "receiver's own recorded offsets and the gate's estimates (kept for comparison)."
         ),
     )
+    measured_rerotation: bool = Field(
+        default=True,
+        description=(
+            "Measure each receiver's re-rotation on its calls without estimates (one reuse "
+            "prefill after the reply, charged to the call; kvcomm_agents.rerotation_check) and, "
+            "once two samples put it within kl_budget, serve re-rotated what the gate would "
+            "compute (gate offsets 'rerotated'), with no text copy for that reader "
+            "(method='kvcomm' with a KL budget and audits on). False: what the gate refuses is "
+            "computed."
+        ),
+    )
     reply_copies: bool = Field(
         default=True,
         description=(

@@ -73,7 +73,7 @@ class Framer:
         """Whether ``reader`` is served shared text re-rotated, measured within the KL budget
         (:meth:`~kvcomm_agents.anchors.tracker.OffsetTracker.rerotation_within_budget`): it gets
         no text copy (on one device a copy costs about the prefill it saves)."""
-        return (self.config.method == "kvcomm"
+        return (self.config.method == "kvcomm" and self.config.measured_rerotation
                 and self.anchors.tracker.rerotation_within_budget(reader, self.config.kl_budget))
 
     def _rules(self, agent: str, n: int, new_tokens: int) -> list:
