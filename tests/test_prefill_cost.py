@@ -29,7 +29,7 @@ def test_pair_cost_comes_from_the_model_shape_and_only_on_a_cpu(llama):
     assert prefill_cost(llama, torch.device("meta")) is None
 
 
-def _long(tokenizer, words: int = 160) -> str:
+def _long(words: int = 160) -> str:
     return " ".join(QUESTION.split() * (words // len(QUESTION.split()) + 1))[: words * 6]
 
 
@@ -37,11 +37,11 @@ def _messages(system: str, user: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-def test_a_short_shared_prefix_of_a_long_prompt_is_computed_whole(llama, tokenizer):
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="exact_prefix", audit_every=0))
-    dense = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+def test_a_short_shared_prefix_of_a_long_prompt_is_computed_whole(model, tokenizer):
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="exact_prefix", audit_every=0))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     replayed(engine, _messages(SYSTEM, "Hello there."), "a")
-    long_prompt = _messages(SYSTEM, _long(tokenizer))
+    long_prompt = _messages(SYSTEM, _long())
     stats = replayed(engine, long_prompt, "b").stats
     assert stats.prompt_tokens > 200
     assert stats.dense_reason == "little_reuse" and stats.reused_tokens == 0
@@ -55,11 +55,11 @@ def test_the_same_prefix_is_reused_when_the_rule_is_off_or_the_share_is_large(ll
     off = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="exact_prefix", audit_every=0,
                                                              dense_when_cheaper=False))
     replayed(off, _messages(SYSTEM, "Hello there."), "a")
-    stats = replayed(off, _messages(SYSTEM, _long(tokenizer)), "b").stats
+    stats = replayed(off, _messages(SYSTEM, _long()), "b").stats
     assert stats.dense_reason is None and stats.prefix_tokens > 0
 
     on = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="exact_prefix", audit_every=0))
-    long_prompt = _messages(SYSTEM, _long(tokenizer))
+    long_prompt = _messages(SYSTEM, _long())
     replayed(on, long_prompt, "a")
     again = replayed(on, long_prompt + [{"role": "user", "content": "And then?"}], "b").stats
     assert again.dense_reason is None and again.reused_tokens > again.prompt_tokens // 2

@@ -84,5 +84,7 @@ def test_a_receiver_within_the_budget_is_served_re_rotated_and_its_text_copies_s
     read = trusting.replay(_reader(_task(2)), agent="reviewer", reply_ids=[tokenizer.eos_token_id]).result
     task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
     assert task and all(d.status == "reused" and d.gate.offsets == "rerotated" for d in task), read.stats.decisions
-    strict_read = _hand_off(strict, tokenizer, 2).result
+    strict_sent = strict.replay(_sender(_task(2)), agent="planner", reply_ids=plan_ids).result
+    assert strict_sent.stats.framed_versions >= 1  # the same call copies the task for an unmeasured reviewer
+    strict_read = strict.replay(_reader(_task(2)), agent="reviewer", reply_ids=[tokenizer.eos_token_id]).result
     assert all(d.gate is None or d.gate.offsets != "rerotated" for d in strict_read.stats.decisions)
