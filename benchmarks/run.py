@@ -74,7 +74,7 @@ PROFILES = {
                               "g": (2, 6), "h": (1, 4), "i": (2, 4)},
                        noise_requests=20, decision_requests=16, e2e_reply_tokens=32),
     "quick": Profile("quick", reply_tokens=16, h_reply_tokens=16, a_shape=(4, 128, 256, 16),
-                     sizes={p: (2, 2) for p in GRAPH_PHASES} | {"h": (1, 2)}, e2e_requests=3, e2e_reply_tokens=16),
+                     sizes={p: (1, 1) for p in GRAPH_PHASES}, e2e_requests=3, e2e_reply_tokens=16),
     "smoke": Profile("smoke", reply_tokens=4, h_reply_tokens=4, a_shape=(3, 24, 48, 4),
                      sizes={p: (1, 1) for p in GRAPH_PHASES}, e2e_requests=1, e2e_reply_tokens=4),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh), replies cut to 64 tokens so that

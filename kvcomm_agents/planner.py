@@ -217,10 +217,10 @@ class _RunDecider:
             if self.calibrating:
                 reason = "calibration"
             else:
-                occ = self._decided = self._with_version(occ, tokens, context)
+                occ = self._decided = self._with_version(occ, tokens, context, taken)
                 # after a new anchor only a recorded version of the segment is reused (its KV is
                 # what a receiver computed after the same text): the context stays near exact
-                verdict = self._recorded(occ.segment, tokens, context)
+                verdict = self._recorded(occ.segment, tokens, context, taken)
                 if verdict is None and self.dense_from is None:
                     verdict = self.anchors.decide(self.agent, occ.segment)
                 if verdict is None:
@@ -255,9 +255,11 @@ class _RunDecider:
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
 
-    def _recorded(self, segment: KVSegment, tokens: Optional[tuple[int, int]], context):
-        """The verdict of a recorded version of ``segment`` fitting ``context``, or None."""
-        return self.versions.recorded(self.agent, segment, tokens, context) if self.versions is not None else None
+    def _recorded(self, segment: KVSegment, tokens: Optional[tuple[int, int]], context, held: int = 0):
+        """The verdict of a recorded version of ``segment`` fitting ``context`` (whose last
+        ``held`` ids are the run's computed head), or None."""
+        return (self.versions.recorded(self.agent, segment, tokens, context, held) if self.versions is not None
+                else None)
 
     def _contiguous(self, segment: KVSegment, runs: list[tuple[int, int, int, bool]]) -> bool:
         """Whether ``runs`` (prompt start, segment start, length, ...) follow each other through
@@ -340,15 +342,15 @@ class _RunDecider:
         # the twins (a scan of the store) only when the matched segment's own version does not fit
         return framed_fits(occ.segment) or any(framed_fits(twin) for twin in self.twins(occ.segment))
 
-    def _with_version(self, occ, tokens: Optional[tuple[int, int]], context: list[int]):
+    def _with_version(self, occ, tokens: Optional[tuple[int, int]], context: list[int], held: int = 0):
         """``occ``, or ``occ`` on a twin of its segment (same text and ids, another producer:
         two agents that replied alike) that has a recorded version fitting ``context`` where
         ``occ``'s segment has none: text is matched to one segment per text, the most recent,
         and the version that fits may be the other producer's."""
-        if tokens is None or self._recorded(occ.segment, tokens, context) is not None:
+        if tokens is None or self._recorded(occ.segment, tokens, context, held) is not None:
             return occ
         for twin in self.twins(occ.segment):
-            if self._recorded(twin, tokens, context) is not None:
+            if self._recorded(twin, tokens, context, held) is not None:
                 if isinstance(occ, TokenMatch):
                     return replace(occ, segment=twin)
                 return replace(occ, segment=twin, segment_id=twin.id, ref=twin.ref)

@@ -63,12 +63,14 @@ class RerotationCheck:
 
     def check(self, layout: PromptLayout, logits: torch.Tensor, agent: str) -> Optional[float]:
         """Prefill ``layout`` re-rotated only and record ``KL(logits || re-rotated)``; returns it,
-        or None where re-rotation finds nothing to reuse. Run before the call's own KV is
+        or None where re-rotation re-rotates fewer tokens than it computes (a few short runs found
+        in another text, as in a first agent's prompt: unlike what readers reuse). Run before the call's own KV is
         stored (the store as the call saw it). ``logits``: ``[vocab]`` the call's first-token
         logits."""
         plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
-        if not plan.runs:
-            return None
+        rerotated, computed = plan.reused_tokens - plan.prefix_length, plan.num_prompt - plan.reused_tokens
+        if not plan.runs or rerotated < computed:
+            return None  # little to re-rotate (short runs): the sample would cost most of a prefill, say little
         pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), assemble(plan, self.rotator),
                          plan.reused_positions(), masked=True)
         kl = first_token_kl(logits, pre.logits)

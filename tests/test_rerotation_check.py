@@ -31,6 +31,19 @@ def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget
     assert tracker.rerotated_kl("r") is None
 
 
+def test_one_sample_of_a_receiver_suffices_when_every_receivers_samples_are_within_the_budget():
+    tracker = OffsetTracker(min_samples=2)
+    tracker.record_rerotated("a", 0.01)
+    assert not tracker.rerotation_within_budget("a", 0.05)  # one sample in all
+    tracker.record_rerotated("b", 0.02)
+    assert tracker.rerotation_within_budget("a", 0.05) and tracker.rerotation_within_budget("b", 0.05)
+    assert not tracker.rerotation_within_budget("c", 0.05)  # none of its own: a judge may read otherwise
+    tracker.record_rerotated("c", 0.2)
+    assert not tracker.rerotation_within_budget("c", 0.05)  # its own sample is over the budget
+    assert not tracker.rerotation_within_budget("a", 0.05)  # and pulls the pool's mean over it (0.077)
+    assert tracker.rerotation_within_budget("a", 0.1)
+
+
 def _task(r: int) -> str:
     return TASK.format(("Zebra", "Quail", "Otter", "Moose", "Heron", "Ibis")[r])
 

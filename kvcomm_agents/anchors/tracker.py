@@ -26,8 +26,8 @@ measured. Versions of a segment computed after the same text
 Re-rotation alone is measured per receiver too (:meth:`OffsetTracker.record_rerotated`): the
 first-token KL of a call served with every shared segment re-rotated only, against the same
 call computed without estimates (a re-rotation check, :mod:`kvcomm_agents.rerotation_check`, or
-an audit of a call served that way). Once ``min_samples`` of them put a receiver within the KL
-budget, a segment the gate would compute (new anchor, over the budget) is served re-rotated
+an audit of a call served that way). Once the receiver's own samples and every receiver's
+together (``min_samples`` at least) are within the KL budget, a segment the gate would compute (new anchor, over the budget) is served re-rotated
 instead (gate record ``offsets="rerotated"``) and its readers get no text copies
 (:mod:`kvcomm_agents.framing.texts`): measured faithful enough, and on one device the copies
 cost about what they save. Audits keep measuring those calls.
@@ -200,11 +200,21 @@ class OffsetTracker:
 
     def rerotation_within_budget(self, receiver: str, budget: Optional[float]) -> bool:
         """Whether re-rotation alone was measured within ``budget`` for ``receiver`` (never
-        without a budget: then the gate alone decides)."""
+        without a budget: then the gate alone decides): ``receiver``'s own samples (at least
+        one) and every receiver's together (at least ``min_samples``) each average within it.
+
+        Pooled because re-rotation's error comes mostly from the model and the text, not from
+        who reads it (the readers of one document measure alike: 5e-5 to 1e-4 on the
+        prefill-heavy workload); the receiver's own sample keeps one that reads differently (a
+        judge of several replies) from riding on the others. A graph with several readers then
+        trusts re-rotation after one call of each instead of ``min_samples``."""
         if budget is None:
             return False
-        kl = self.rerotated_kl(receiver)
-        return kl is not None and kl <= budget
+        with self._lock:
+            own = list(self._rerotated.get(receiver, ()))
+            pooled = [kl for samples in self._rerotated.values() for kl in samples]
+        return (bool(own) and sum(own) / len(own) <= budget and len(pooled) >= self.min_samples
+                and sum(pooled) / len(pooled) <= budget)
 
     def records(self) -> list[KindRecord]:
         """One :class:`KindRecord` per ``(receiver, kind)`` sampled so far."""

@@ -52,15 +52,17 @@ class Versions:
 
     @torch.inference_mode()  # pool tensors are inference tensors, whoever calls
     def recorded(self, receiver: str, segment: KVSegment, tokens: Optional[tuple[int, int]],
-                 context: Sequence[int]) -> Optional[GateVerdict]:
+                 context: Sequence[int], held: int = 0) -> Optional[GateVerdict]:
         """A reuse verdict with the version of ``segment`` (its base, or a receiver's recorded
         offsets) whose context fits ``context`` (the prompt's ids before segment token
-        ``tokens[0]``) longest, or None when none fits (:mod:`.match`; also None when disabled)."""
+        ``tokens[0]``, of which the last ``held`` are the segment's own: a recomputed head)
+        longest, or None when none fits (:mod:`.match`; also None when disabled)."""
         if not self.enabled or tokens is None:
             return None
         with self.anchors.lock:
             version = best_recorded_version(self.anchors.pool(segment.ref.kind), receiver, segment, tokens[0],
-                                            tokens[1], context, self.token_texts.matched if self.token_texts else None)
+                                            tokens[1], context, self.token_texts.matched if self.token_texts else None,
+                                            held)
         if version is None:
             return None
         if version.receiver is None:

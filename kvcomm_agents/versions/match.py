@@ -17,7 +17,9 @@ the reply, are off by 0.001-0.08; the mean of other anchors' offsets (KVCOMM's e
 
 Contexts are compared as the longest common suffix of their last ids (at most
 :data:`~kvcomm_agents.kv.segments.CONTEXT_TOKENS`), extended through the segment's own ids
-when a run starts inside the segment; with a tokenizer's texts, as the common suffix of their
+when a run starts inside the segment; ids a run holds itself before its first reused token (its
+recomputed head) are left out of the count: they match every version, whatever text came before
+the run. With a tokenizer's texts, as the common suffix of their
 text (:mod:`kvcomm_agents.versions.token_texts`). Pure bookkeeping over ids, no tensors.
 """
 
@@ -116,11 +118,15 @@ def _context_at(context: Sequence[int], segment: KVSegment, from_token: int, at_
 
 def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KVSegment, first: int, last: int,
                           prompt_context: Sequence[int],
-                          matched: Optional[Callable[[Sequence[int], Sequence[int]], int]] = None
-                          ) -> Optional[RecordedVersion]:
+                          matched: Optional[Callable[[Sequence[int], Sequence[int]], int]] = None,
+                          held: int = 0) -> Optional[RecordedVersion]:
     """The version of ``segment`` to reuse for segment tokens ``first..last`` (exclusive)
     preceded by ``prompt_context`` (the new prompt's ids before token ``first``), or None when
-    no version's context matches the new one for :data:`MIN_CONTEXT_MATCH` ids.
+    no version's context matches the new one for :data:`MIN_CONTEXT_MATCH` ids beyond the
+    ``held`` ids right before ``first`` that the prompt holds as the segment's own tokens (a
+    run's recomputed head): those match every version by construction, so they say nothing of
+    the text before the run and count toward neither :data:`MIN_CONTEXT_MATCH` nor a version's
+    ``min_match``.
 
     Candidates: the base, and the recorded versions (any receiver's) whose offsets cover
     ``first..last`` and whose context is known. The longest match wins; ties go to the base,
@@ -132,8 +138,8 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
     wanted = tuple(prompt_context)[-CONTEXT_TOKENS:]
     compare = matched or common_suffix
 
-    def matched_ids(context: tuple[int, ...]) -> int:  # the prompt's ids the match covers
-        return compare(wanted, context)
+    def matched_ids(context: tuple[int, ...]) -> int:  # the prompt's ids the match covers, beyond the held ones
+        return max(0, compare(wanted, context) - held)
 
     base = matched_ids(_context_at(segment.context_ids, segment, 0, first))
     best = RecordedVersion(None, None, base, base)

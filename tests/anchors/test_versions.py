@@ -47,6 +47,20 @@ def test_the_version_whose_context_matches_longest_and_long_enough_is_chosen():
     assert MIN_CONTEXT_MATCH > 2
 
 
+def test_a_runs_own_recomputed_head_is_no_evidence_that_the_text_before_it_matches():
+    """A run reused from segment token ``h`` (its first ``h`` ids computed) holds those ids in
+    the prompt: they match the base's context through the segment's own ids whatever text came
+    before the run, so they must not make a version fit."""
+    seg = dataclasses.replace(segment(1, tokens=40), context_ids=(7,) * 30)
+    head = MIN_CONTEXT_MATCH
+    other_text = (9,) * 30 + tuple(seg.token_ids[:head])  # another agent's text, then the head
+    assert best_recorded_version(None, "c", seg, head, 40, other_text) is not None  # counted, it would fit
+    assert best_recorded_version(None, "c", seg, head, 40, other_text, held=head) is None
+    same_text = (7,) * 30 + tuple(seg.token_ids[:head])
+    best = best_recorded_version(None, "c", seg, head, 40, same_text, held=head)
+    assert best is not None and best.matched == 30
+
+
 def test_the_base_wins_when_its_context_matches_as_long_and_needs_no_pool():
     pool, seg, _ = _pool_with_versions(base_context=(0,) + SHARED + (3, 4))
     best = best_recorded_version(pool, "c", seg, 0, 6, (9,) + SHARED + (3, 4))  # base and "a" match 22
