@@ -9,8 +9,11 @@ each replica by the prompt tokens its past requests (prompts and replies) cover,
 found anywhere in the prompt (the matcher the store itself uses). Affinity wins only when it is
 worth it: a replica holding at least ``min_share`` of the prompt gets it unless it has
 ``max_imbalance`` more requests in flight than the least busy one (the rule of cache-aware
-routers such as SGLang's); otherwise, and on ties, the least busy replica, in turn. :class:`FleetEngine` is :class:`~.client.VLLMEngine`'s
-interface over several servers, so ``ChatKVComm(engine=FleetEngine([...]))`` serves a graph.
+routers such as SGLang's); otherwise, and on ties, the least busy replica, in turn (the rule and
+the index live in :mod:`.affinity`, shared with the Ray Serve router, :mod:`.ray_router`, which
+routes on the server side from what replicas report). :class:`FleetEngine` is
+:class:`~.client.VLLMEngine`'s interface over several servers, so
+``ChatKVComm(engine=FleetEngine([...]))`` serves a graph.
 
 Standard library only, no vLLM import.
 """
@@ -18,24 +21,23 @@ Standard library only, no vLLM import.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
-import torch
-
 from kvcomm_vllm.text_ahead import PrefillAhead
-from kvcomm_agents.paged import TokenRunIndex, scan
 from kvcomm_vllm.reply_ahead import ReplyAhead
 from kvcomm_agents import ChatResult
 
+from .affinity import AffinityRule, Holdings
 from .client import VLLMEngine, prepare_prompt, remember_reply
 
 __all__ = ["AffinityRouter", "FleetEngine"]
 
 
 class AffinityRouter:
-    """Picks a replica for a prompt by the tokens of it each replica has computed.
+    """Picks a replica for a prompt by the tokens of it each replica has computed, as the client
+    recorded them (:class:`~.affinity.Holdings`, :class:`~.affinity.AffinityRule`: the rule the
+    Ray Serve router applies to what replicas report).
 
     Args:
         replicas: how many replicas.
@@ -50,39 +52,35 @@ class AffinityRouter:
                  max_imbalance: int = 4):
         if replicas < 1:
             raise ValueError("a fleet needs at least one replica")
-        self._held = [TokenRunIndex(min_run) for _ in range(replicas)]
-        self._order: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(replicas)]
+        self._held = [Holdings(min_run, remember) for _ in range(replicas)]
         self._in_flight = [0] * replicas
-        self._remember, self._count, self._turn = remember, 0, 0
-        self.min_share, self.max_imbalance = min_share, max_imbalance
+        self._count, self._turn = 0, 0
+        self.rule = AffinityRule(min_share, max_imbalance)
         self._lock = threading.Lock()
 
     @property
     def replicas(self) -> int:
         return len(self._held)
 
+    @property
+    def min_share(self) -> float:
+        return self.rule.min_share
+
+    @property
+    def max_imbalance(self) -> int:
+        return self.rule.max_imbalance
+
     def held_tokens(self, prompt_ids: Sequence[int]) -> list[int]:
         """Per replica, the prompt tokens (all but the last) its past requests cover."""
-        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-        free = torch.ones(ids.numel(), dtype=torch.bool)
-        upper = max(ids.numel() - 1, 0)
         with self._lock:
-            return [sum(run[3] for run in scan(ids, free, index, lambda key: True, upper)) for index in self._held]
+            return [held.covered(prompt_ids) for held in self._held]
 
     def pick(self, prompt_ids: Sequence[int]) -> int:
         """The replica holding most of the prompt if it holds enough of it and is not too busy;
         else the least busy (ties in turn)."""
         held = self.held_tokens(prompt_ids)
         with self._lock:
-            least = min(self._in_flight)
-            best = max(held)
-            candidates = [r for r, n in enumerate(held) if n == best]
-            worth = best > 0 and best >= self.min_share * max(len(prompt_ids) - 1, 1)
-            if not worth or min(self._in_flight[r] for r in candidates) - least >= self.max_imbalance:
-                candidates = list(range(len(held)))
-            fewest = min(self._in_flight[r] for r in candidates)
-            candidates = [r for r in candidates if self._in_flight[r] == fewest]
-            choice = candidates[self._turn % len(candidates)]
+            choice = self.rule.rank(held, self._in_flight, len(prompt_ids), self._turn)[0]
             self._turn += 1
             return choice
 
@@ -101,13 +99,7 @@ class AffinityRouter:
         """``ids`` (a prompt followed by its reply) were computed on ``replica``."""
         with self._lock:
             self._count += 1
-            key = f"r{self._count}"
-            self._held[replica].add(key, torch.as_tensor(list(ids), dtype=torch.long))
-            order = self._order[replica]
-            order[key] = None
-            while len(order) > self._remember:
-                old, _ = order.popitem(last=False)
-                self._held[replica].remove(old)
+            self._held[replica].add(f"r{self._count}", ids)
 
 
 class FleetEngine:
