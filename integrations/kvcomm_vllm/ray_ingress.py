@@ -50,6 +50,13 @@ class ReplicaFailed(RuntimeError):
     """The replica serving a request died, and the retry did too (or the answer had begun)."""
 
 
+def _short(error: BaseException) -> str:
+    """The first line of a Ray error (its full text holds the remote traceback)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+# (everything the class uses is defined above it: Serve pickles the class when it is decorated)
 @serve.ingress(api)
 class OpenAIIngress:
     """vLLM's OpenAI routes in front of the replicas.
@@ -62,10 +69,17 @@ class OpenAIIngress:
     def __init__(self, replicas: DeploymentHandle, retries: int = 1):
         self._replicas = replicas
         self._retries = retries
+        self._models: Optional[JSONResponse] = None
 
     @api.get("/v1/models")
     async def models(self) -> JSONResponse:
-        return await self._answer("/v1/models", None)
+        # every replica serves the same model: asked once (the first answer that is not an error)
+        if self._models is None:
+            answer = await self._answer("/v1/models", None)
+            if answer.status_code != 200:
+                return answer
+            self._models = answer
+        return self._models
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -126,9 +140,3 @@ class OpenAIIngress:
                 message = f"the replica serving {path} {reason}: {_short(error)}"
                 yield f"data: {json.dumps({'error': {'message': message}})}\n\ndata: [DONE]\n\n".encode()
                 return
-
-
-def _short(error: BaseException) -> str:
-    """The first line of a Ray error (its full text holds the remote traceback)."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"

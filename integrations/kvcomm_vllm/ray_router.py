@@ -65,7 +65,10 @@ class KVAffinityRouter(RequestRouter):
         held = [self._sync(replica).covered(ids) if ids else 0 for replica in candidate_replicas]
         in_flight = [self._in_flight(replica.replica_id) for replica in candidate_replicas]
         order = self.rule.rank(held, in_flight, len(ids or ()), self._turn)
-        self._turn += 1
+        if _body(pending_request) is not None:  # ties among model requests go round; a GET takes no turn
+            self._turn += 1
+        logger.debug("prompt of %d ids: held %s, in flight %s -> %s", len(ids or ()), held, in_flight,
+                     candidate_replicas[order[0]].replica_id.unique_id)
         return [[candidate_replicas[order[0]]], [candidate_replicas[r] for r in order[1:]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -122,11 +125,17 @@ def prompt_ids(pending_request: Optional[PendingRequest]) -> Optional[Sequence[i
     """The prompt's token ids when the request is a completion on token ids (the call
     ``replica.call(path, body)`` / ``replica.stream(path, body)`` with ``body["prompt"]`` a list
     of ints, as :class:`~.client.VLLMEngine` sends); else None."""
+    body = _body(pending_request)
+    prompt = body.get("prompt") if body is not None else None
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+        return prompt
+    return None
+
+
+def _body(pending_request: Optional[PendingRequest]) -> Optional[dict]:
+    """The request body of a ``call(path, body)`` / ``stream(path, body)``; None for a GET."""
     if pending_request is None:
         return None
     args = list(pending_request.args or ())
     body = args[1] if len(args) > 1 else pending_request.kwargs.get("body")
-    prompt = body.get("prompt") if isinstance(body, dict) else None
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
-        return prompt
-    return None
+    return body if isinstance(body, dict) else None
