@@ -95,14 +95,15 @@ class KVCommEngine:
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
         self._framer = Framer(self.config, self._anchors, self._versions, self.info, self._store)
+        cost = prefill_cost(model, hf.input_device(model)) if c.dense_when_cheaper else None
         self._calls = CallSteps(EngineParts(
             model, c, self.info, self._lock, self._weights, self._calibrating, self._store, self._anchors,
             self._versions, self._own_texts, self._framer, self._auditor, self._capture,
             plan_hook=lambda: None if self.plan_hook is None else (lambda plan: self.plan_hook(self, plan)),
             refresh_weights=self._refresh_changed_weights,
-            prefill_cost=prefill_cost(model, hf.input_device(model)) if c.dense_when_cheaper else None,
+            prefill_cost=cost,
             rerotation_check=RerotationCheck(model, self.info.rotator, c, self._store, self.info.fingerprint,
-                                             self._anchors)))
+                                             self._anchors, cost)))
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":

@@ -25,6 +25,7 @@ from .fidelity import first_token_kl
 from .kv.rope import RopeRotator
 from .kv.store import SegmentStore
 from .plan import CallPlan
+from .prefill_cost import PrefillCost
 from .planner import plan_call
 from .prompt import PromptLayout
 
@@ -42,12 +43,15 @@ class RerotationCheck:
         store: the segment store (the re-rotation plan's segments).
         fingerprint: the engine's model fingerprint.
         anchors: the engine's anchors (their tracker gets the samples).
+        prefill_cost: where reuse is weighed against a whole prefill (``dense_when_cheaper``),
+            no sample of a re-rotation the engine would not serve (None: every one is taken).
     """
 
     def __init__(self, model, rotator: Optional[RopeRotator], config: KVCommConfig, store: SegmentStore,
-                 fingerprint: str, anchors: KVCommAnchors) -> None:
+                 fingerprint: str, anchors: KVCommAnchors, prefill_cost: Optional[PrefillCost] = None) -> None:
         self.model, self.rotator, self.config = model, rotator, config
         self.store, self.fingerprint, self.anchors = store, fingerprint, anchors
+        self.prefill_cost = prefill_cost
         self._rerotate = config.model_copy(update={"method": "rerotate", "dense_when_cheaper": False})
 
     def due(self, plan: CallPlan, agent: str) -> bool:
@@ -63,14 +67,13 @@ class RerotationCheck:
 
     def check(self, layout: PromptLayout, logits: torch.Tensor, agent: str) -> Optional[float]:
         """Prefill ``layout`` re-rotated only and record ``KL(logits || re-rotated)``; returns it,
-        or None where re-rotation re-rotates fewer tokens than it computes (a few short runs found
-        in another text, as in a first agent's prompt: unlike what readers reuse). Run before the call's own KV is
+        or None where re-rotation finds nothing, or too little to pay for its masked forward (a
+        few short runs found in another text, as in a first agent's prompt). Run before the call's own KV is
         stored (the store as the call saw it). ``logits``: ``[vocab]`` the call's first-token
         logits."""
         plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
-        rerotated, computed = plan.reused_tokens - plan.prefix_length, plan.num_prompt - plan.reused_tokens
-        if not plan.runs or rerotated < computed:
-            return None  # little to re-rotate (short runs): the sample would cost most of a prefill, say little
+        if not plan.runs or (self.prefill_cost is not None and not self.prefill_cost.worth_reusing(plan)):
+            return None  # little to re-rotate: a plan never served, and a sample costing most of a prefill
         pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), assemble(plan, self.rotator),
                          plan.reused_positions(), masked=True)
         kl = first_token_kl(logits, pre.logits)

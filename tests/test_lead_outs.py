@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.kv.segments import CONTEXT_TOKENS
 from kvcomm_agents.versions.match import framed_receiver
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.framing.replies import ReaderFraming
@@ -169,12 +170,13 @@ def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
     line = tuple(range(300, 312))  # the closing line's ids
     matched = dataclasses.replace(segment(5, tokens=20, kind=("user", None)), token_ids=(1,) * 8 + line)
     home = dataclasses.replace(segment(6, tokens=16, kind=("user", None)), token_ids=(2,) * 4 + line)
-    before = tuple(range(900, 920))  # the reader's ids before the line: the reply's tail
+    before = tuple(range(900, 980))  # the reader's ids before the line: its prompt, then the reply
     anchors = KVCommAnchors(estimator="mean", max_bytes=1 << 30)
     versions = Versions(anchors)
     rotator = RopeRotator(torch.ones(DIM // 2))
     real = home.kv.window(4, 16)  # stands for the copy's KV of the line (any values do)
-    assert versions.record(framed_receiver(0), home, real, 40, before[-16:], rotator, min_match=16, segment_start=4)
+    assert versions.record(framed_receiver(0), home, real, 100, before[-CONTEXT_TOKENS:], rotator, min_match=16,
+                           segment_start=4)
     versions.homes.note(line, home.id, 4)
     layout = PromptLayout.of_ids(before + line + (7,))
     run = TokenMatch(matched, len(before), 8, len(line), 0)
@@ -182,6 +184,6 @@ def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
                           home=lambda segment_id: home if segment_id == home.id else None)
     moved = decider._at_home(run)
     assert moved.segment is home and moved.segment_start == 4 and moved.prompt_start == run.prompt_start
-    elsewhere = PromptLayout.of_ids(tuple(range(500, 520)) + line + (7,))  # other text before the line
+    elsewhere = PromptLayout.of_ids(tuple(range(500, 580)) + line + (7,))  # other text before the line
     assert _RunDecider(elsewhere, 0, mechanics(), "reader", anchors, versions,
                        home=lambda segment_id: home)._at_home(run) is run

@@ -126,7 +126,7 @@ def start(options: argparse.Namespace, stack: ExitStack) -> str:
     from ray import serve
 
     if options.shared_store is None:
-        from kvcomm_agents.testing import local_redis
+        from kvcomm_agents.paged import local_redis
 
         options.shared_store = stack.enter_context(local_redis())
         print(f"started redis-server: {options.shared_store}", flush=True)

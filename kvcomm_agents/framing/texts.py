@@ -34,10 +34,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..kv.segments import KVSegment
+from ..kv.segments import CONTEXT_TOKENS, KVSegment
 from ..plan import CallPlan
 from ..prompt import PromptLayout
-from ..versions.match import MIN_CONTEXT_MATCH, common_suffix
+from ..versions.match import same_window
 from .decode import TextCopy
 from .rules import ALIGN_IDS, COVERED, MAX_PREFIX, MAX_READERS, ReaderRule, ReadersByContext
 
@@ -75,7 +75,7 @@ class TextFraming:
             return None
         start, segment = min(firsts, key=lambda pair: pair[0])
         prefix = tuple(plan.prompt_ids[:start].tolist())
-        if not 0 < start <= MAX_PREFIX or common_suffix(prefix, segment.context_ids) >= MIN_CONTEXT_MATCH:
+        if not 0 < start <= MAX_PREFIX or same_window(prefix[-CONTEXT_TOKENS:], segment.context_ids[-CONTEXT_TOKENS:]):
             return None  # a conversation before it, or its base already fits
         return self._readers.remember(ReaderRule(tuple(segment.context_ids[-ALIGN_IDS:]), agent, prefix))
 

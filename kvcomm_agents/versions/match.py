@@ -4,10 +4,10 @@ A token's KV depends on the text before it, the nearest text most. A segment has
 version (its KV where it was first computed: the sender's generation context for a reply, the
 first prompt holding a user message) and, once receivers computed it with exact context (a new
 anchor's prefill, an audit's dense pass), one *recorded* version per such receiver: base plus
-that receiver's recorded offsets. The version whose context matches the new prompt's text right
-before the segment longest, for at least :data:`MIN_CONTEXT_MATCH` ids, is reused as it is (the
-base with no offsets, a recorded version with its receiver's offsets): observed, not estimated
-from other segments. Where none matches that long, KVCOMM's gate decides (:mod:`.gate`).
+that receiver's recorded offsets. A version whose context matches the new prompt's text right
+before the segment over its whole window is reused as it is (the base with no offsets, a
+recorded version with its receiver's offsets): observed, not estimated from other segments.
+Where none matches, KVCOMM's gate decides (:mod:`.gate`).
 
 Measured on the embedded model (anchors recorded for every receiver of 16 GSM8K debates and 4
 RAG hand-offs; relative squared error of the offsets, 0 exact, 1 as far off as re-rotation
@@ -33,12 +33,13 @@ from typing import Callable, Optional, Sequence
 from ..kv.segments import CONTEXT_TOKENS, KVSegment
 from ..anchors.pool import AnchorPool
 
-__all__ = ["RecordedVersion", "VersionHomes", "common_suffix", "best_recorded_version", "MIN_CONTEXT_MATCH",
+__all__ = ["RecordedVersion", "VersionHomes", "common_suffix", "same_window", "best_recorded_version", "MIN_CONTEXT_MATCH",
            "READERS", "HOMES", "framed_receiver", "is_framed"]
 
-#: Ids of context a version must share with the new prompt (right before the segment) to be
-#: reused without the gate: twice the default ``min_match_tokens``, so that a shared role header
-#: alone never qualifies (a named heuristic, not tuned).
+#: Ids of context that say two texts follow the same text (framing rules align on them; a framed
+#: copy's version needs this many beyond its lead-in): twice the default ``min_match_tokens``, so
+#: that a shared role header alone never qualifies (a named heuristic, not tuned). A version is
+#: reused only where its whole context window matches (:func:`best_recorded_version`).
 MIN_CONTEXT_MATCH = 16
 
 #: Prefix of the pseudo-receivers whose recorded offsets are a reply's versions in its readers'
@@ -110,6 +111,18 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def same_window(context: Sequence[int], other: Sequence[int],
+                compare: Callable[[Sequence[int], Sequence[int]], int] = common_suffix) -> bool:
+    """Whether two context windows (each the last at most
+    :data:`~kvcomm_agents.kv.segments.CONTEXT_TOKENS` ids before a text) hold the same text as far
+    as both reach: where one is shorter, it is a full window (the other's prompt then holds the
+    same text before, which neither window sees) or both start their prompts. ``compare`` as in
+    :func:`best_recorded_version` (text matching may cover the same text in fewer ids on one side)."""
+    ours, theirs = compare(context, other) >= len(context), compare(other, context) >= len(other)
+    return ((ours and theirs) or (ours and len(context) >= CONTEXT_TOKENS)
+            or (theirs and len(other) >= CONTEXT_TOKENS))
+
+
 def _context_at(context: Sequence[int], segment: KVSegment, from_token: int, at_token: int) -> tuple[int, ...]:
     """The last ids before segment token ``at_token`` in a pass whose ids before token
     ``from_token`` were ``context``."""
@@ -122,15 +135,18 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
                           held: int = 0) -> Optional[RecordedVersion]:
     """The version of ``segment`` to reuse for segment tokens ``first..last`` (exclusive)
     preceded by ``prompt_context`` (the new prompt's ids before token ``first``), or None when
-    no version's context matches the new one for :data:`MIN_CONTEXT_MATCH` ids beyond the
-    ``held`` ids right before ``first`` that the prompt holds as the segment's own tokens (a
-    run's recomputed head): those match every version by construction, so they say nothing of
-    the text before the run and count toward neither :data:`MIN_CONTEXT_MATCH` nor a version's
-    ``min_match``.
+    no version's context window matches the new one whole: the last
+    :data:`~kvcomm_agents.kv.segments.CONTEXT_TOKENS` ids, or, nearer a prompt's start, both
+    prompts' every id before the run. A partial match is not enough: framed copies whose last
+    16-47 ids matched (a lead-in, the end of a system text) served readers 5-50 times further from
+    dense than re-rotation alone on the development range of the debate, one-message and fan-out
+    workloads. The ``held`` ids right before ``first`` that the prompt holds as the segment's own
+    tokens (a run's recomputed head) match every version by construction: they count toward no
+    version's ``min_match``, and a match of nothing else is none.
 
     Candidates: the base, and the recorded versions (any receiver's) whose offsets cover
-    ``first..last`` and whose context is known. The longest match wins; ties go to the base,
-    then to ``receiver``'s own version, then to the first receiver recorded. ``matched(context,
+    ``first..last`` and whose context is known. The base goes first, then ``receiver``'s own
+    version, then the first receiver recorded. ``matched(context,
     other)``: how many of ``context``'s last ids ``other`` matches (by default the common id
     suffix; :meth:`~kvcomm_agents.versions.token_texts.TokenTexts.matched` compares text, so the same
     text split into other ids still matches); a match is counted in the new prompt's ids.
@@ -141,8 +157,12 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
     def matched_ids(context: tuple[int, ...]) -> int:  # the prompt's ids the match covers, beyond the held ones
         return max(0, compare(wanted, context) - held)
 
-    base = matched_ids(_context_at(segment.context_ids, segment, 0, first))
-    best = RecordedVersion(None, None, base, base)
+    def whole(context: tuple[int, ...]) -> bool:
+        return same_window(wanted, context, compare)
+
+    base_context = _context_at(segment.context_ids, segment, 0, first)
+    base = matched_ids(base_context)
+    best = RecordedVersion(None, None, base, base) if whole(base_context) else None
     slot = pool.slot_of(segment.id) if pool is not None else None
     for name, stack in (pool.placeholder.items() if slot is not None else ()):
         recorded = stack.contexts.get(slot)
@@ -150,9 +170,10 @@ def best_recorded_version(pool: Optional[AnchorPool], receiver: str, segment: KV
             continue
         if recorded.start > first or recorded.end < last:
             continue
-        matched = matched_ids(_context_at(recorded.ids, segment, recorded.start, first))
-        if matched < recorded.min_match:
+        context = _context_at(recorded.ids, segment, recorded.start, first)
+        matched = matched_ids(context)
+        if matched < recorded.min_match or not whole(context):
             continue  # a framed copy: its lead-in alone does not make the text before it the same
-        if matched > best.matched or (matched == best.matched and best.receiver is not None and name == receiver):
+        if best is None or (best.receiver is not None and name == receiver):
             best = RecordedVersion(name, slot, matched, base)
-    return best if best.matched >= MIN_CONTEXT_MATCH else None
+    return best if best is not None and best.matched >= 1 else None

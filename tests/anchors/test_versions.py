@@ -9,6 +9,7 @@ import torch
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.anchors.persist import load_pools, save_pools
 from kvcomm_agents.anchors.pool import AnchorPool
+from kvcomm_agents.kv.segments import CONTEXT_TOKENS
 from kvcomm_agents.versions.match import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix, framed_receiver
 from kvcomm_agents.fidelity import first_token_kl
 
@@ -38,32 +39,39 @@ def _pool_with_versions(base_context=(7, 7, 7)):
     return pool, seg, slot
 
 
-def test_the_version_whose_context_matches_longest_and_long_enough_is_chosen():
+def test_a_version_fits_only_where_its_whole_context_window_matches():
     pool, seg, slot = _pool_with_versions()
-    best = best_recorded_version(pool, "c", seg, 0, 6, (9,) + SHARED + (3, 4))
+    best = best_recorded_version(pool, "c", seg, 0, 6, SHARED + (3, 4))
     assert (best.receiver, best.slot, best.matched, best.base_matched) == ("a", slot, 22, 0)
-    # a match shorter than MIN_CONTEXT_MATCH (a role header, say) is no version
+    # the same last ids after other text (a lead-in, the end of a system text) are no version
+    assert best_recorded_version(pool, "c", seg, 0, 6, (9,) + SHARED + (3, 4)) is None
     assert best_recorded_version(pool, "c", seg, 0, 6, (0, 3, 4)) is None
-    assert MIN_CONTEXT_MATCH > 2
+    # a full window (CONTEXT_TOKENS ids) that matches fits whatever came before it
+    window = tuple(range(200, 200 + CONTEXT_TOKENS))
+    k, v = offsets(4)
+    pool.record(slot, "w", 0, k, v, window)
+    assert best_recorded_version(pool, "c", seg, 0, 6, (1, 2) + window).receiver == "w"
+    assert best_recorded_version(pool, "c", seg, 0, 6, (1,) + window[1:]) is None  # its first id differs
 
 
 def test_a_runs_own_recomputed_head_is_no_evidence_that_the_text_before_it_matches():
     """A run reused from segment token ``h`` (its first ``h`` ids computed) holds those ids in
-    the prompt: they match the base's context through the segment's own ids whatever text came
-    before the run, so they must not make a version fit."""
+    the prompt: they match every version through the segment's own ids, so they count for
+    nothing: a prompt that starts with the run fits no version."""
     seg = dataclasses.replace(segment(1, tokens=40), context_ids=(7,) * 30)
     head = MIN_CONTEXT_MATCH
-    other_text = (9,) * 30 + tuple(seg.token_ids[:head])  # another agent's text, then the head
-    assert best_recorded_version(None, "c", seg, head, 40, other_text) is not None  # counted, it would fit
-    assert best_recorded_version(None, "c", seg, head, 40, other_text, held=head) is None
-    same_text = (7,) * 30 + tuple(seg.token_ids[:head])
-    best = best_recorded_version(None, "c", seg, head, 40, same_text, held=head)
+    own = tuple(seg.token_ids[:head])
+    assert best_recorded_version(None, "c", seg, head, 40, (9,) * 30 + own, held=head) is None
+    best = best_recorded_version(None, "c", seg, head, 40, (7,) * 30 + own, held=head)
     assert best is not None and best.matched == 30
+    start = dataclasses.replace(seg, context_ids=())
+    assert best_recorded_version(None, "c", start, head, 40, own) is not None  # counted, the head would fit
+    assert best_recorded_version(None, "c", start, head, 40, own, held=head) is None
 
 
-def test_the_base_wins_when_its_context_matches_as_long_and_needs_no_pool():
-    pool, seg, _ = _pool_with_versions(base_context=(0,) + SHARED + (3, 4))
-    best = best_recorded_version(pool, "c", seg, 0, 6, (9,) + SHARED + (3, 4))  # base and "a" match 22
+def test_the_base_wins_when_its_context_matches_and_needs_no_pool():
+    pool, seg, _ = _pool_with_versions(base_context=SHARED + (3, 4))
+    best = best_recorded_version(pool, "c", seg, 0, 6, SHARED + (3, 4))  # base and "a" match whole
     assert (best.receiver, best.slot, best.matched) == (None, None, 22)
     assert best_recorded_version(None, "c", seg, 0, 6, SHARED + (3, 4)).receiver is None
 
@@ -169,5 +177,5 @@ def test_a_framed_copy_needs_its_lead_in_and_the_text_before_it_to_match():
     k, v = offsets(1)
     pool.record(slot, framed_receiver(0), 0, k, v, SHARED + lead, min_match=MIN_CONTEXT_MATCH + len(lead))
     assert best_recorded_version(pool, "r", seg, 0, 6, tuple(range(500, 520)) + lead) is None
-    best = best_recorded_version(pool, "r", seg, 0, 6, (9,) + SHARED + lead)
+    best = best_recorded_version(pool, "r", seg, 0, 6, SHARED + lead)
     assert (best.receiver, best.matched) == (framed_receiver(0), len(SHARED) + len(lead))
