@@ -171,6 +171,9 @@ class _RunDecider:
         self.runs: list[ReusedRun] = []
         self.observations: list[Observation] = []
         self.dense_from: Optional[int] = None
+        # whether a run before holds approximate KV (re-rotated or estimated): a version computed
+        # after exact text is then no closer than re-rotation (only the base is taken)
+        self._approximate = False
 
     def decide(self, occ: Occurrence | TokenMatch) -> tuple[Occurrence | TokenMatch, tuple[str, str, int, Optional[GateRecord]]]:
         """The occurrence as decided (on a twin of its segment where only the twin's version
@@ -248,6 +251,7 @@ class _RunDecider:
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))
                 reused += length
+                self._approximate |= verdict is None or not verdict.from_version
             skipped = 0
         reused += in_prefix
         if not reused:
@@ -258,8 +262,11 @@ class _RunDecider:
     def _recorded(self, segment: KVSegment, tokens: Optional[tuple[int, int]], context, held: int = 0):
         """The verdict of a recorded version of ``segment`` fitting ``context`` (whose last
         ``held`` ids are the run's computed head), or None."""
-        return (self.versions.recorded(self.agent, segment, tokens, context, held) if self.versions is not None
-                else None)
+        verdict = (self.versions.recorded(self.agent, segment, tokens, context, held) if self.versions is not None
+                   else None)
+        if verdict is not None and self._approximate and not verdict.base_fits:
+            return None  # its KV attended to exact text where this prompt holds approximate KV
+        return verdict
 
     def _contiguous(self, segment: KVSegment, runs: list[tuple[int, int, int, bool]]) -> bool:
         """Whether ``runs`` (prompt start, segment start, length, ...) follow each other through

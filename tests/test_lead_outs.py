@@ -187,3 +187,42 @@ def test_a_run_moves_to_the_stored_text_that_holds_its_lead_out_version():
     elsewhere = PromptLayout.of_ids(tuple(range(500, 580)) + line + (7,))  # other text before the line
     assert _RunDecider(elsewhere, 0, mechanics(), "reader", anchors, versions,
                        home=lambda segment_id: home)._at_home(run) is run
+
+
+def test_after_approximate_kv_only_the_base_version_is_taken():
+    """A framed version was computed after exact text; where a run before it in this prompt holds
+    re-rotated KV, it is no closer than re-rotation (measured: (a) and (d), development range,
+    readers 1.5-5x further from dense than re-rotation only with it). The planner then refuses
+    it and the gate decides (here: re-rotation, measured within budget for this reader)."""
+    from kvcomm_agents.anchors import KVCommAnchors
+    from kvcomm_agents.kv.rope import RopeRotator
+    from kvcomm_agents.matching import TokenMatch
+    from kvcomm_agents.planner import _RunDecider
+    from kvcomm_agents.prompt import PromptLayout
+    from kvcomm_agents.versions import Versions
+
+    from .anchors.synthetic import DIM
+
+    task = dataclasses.replace(segment(7, tokens=40, kind=("user", None)), token_ids=tuple(range(600, 640)))
+    reply = dataclasses.replace(segment(8, tokens=20, kind=("s1", "assistant")), token_ids=tuple(range(700, 720)))
+    ids = tuple(range(900, 940)) + task.token_ids + reply.token_ids + (7,)
+    at = 80  # the reply's first prompt position
+    config = mechanics()
+    anchors = KVCommAnchors(estimator="mean", max_bytes=1 << 30, kl_budget=config.kl_budget)
+    versions = Versions(anchors)
+    rotator = RopeRotator(torch.ones(DIM // 2))
+    assert versions.record(framed_receiver(0), reply, reply.kv, at, ids[at - CONTEXT_TOKENS:at], rotator,
+                           min_match=16)
+
+    def decided(samples: int):
+        for _ in range(samples):
+            anchors.tracker.record_rerotated("reader", 0.0)
+        decider = _RunDecider(PromptLayout.of_ids(ids), 0, config, "reader", anchors, versions)
+        first = decider.decide(TokenMatch(task, 40, 0, 40, 0))[1]
+        return first, decider.decide(TokenMatch(reply, at, 0, 20, 0))[1]
+
+    task_first, read = decided(0)  # nothing measured: the task is computed, the version fits after it
+    assert task_first[1] == "new_anchor" and read[0] == "reused" and read[3].offsets == "framed", (task_first, read)
+    task_rerotated, read = decided(anchors.tracker.min_samples)
+    assert task_rerotated[0] == "reused" and task_rerotated[3].offsets == "rerotated", task_rerotated
+    assert read[0] == "reused" and read[3].offsets == "rerotated", read
