@@ -152,3 +152,43 @@ def test_graphs_complete_when_a_replica_is_killed_mid_run_and_ray_replaces_it(fl
         pytest.fail(f"the killed replica was not replaced: {replicas}")
     assert published <= set(tier.keys())
     assert VLLMEngine(url).chat([{"role": "user", "content": questions(1)[0]}], agent="after", max_new_tokens=4).text
+
+
+def test_build_app_is_an_application_builder_for_serve_run_and_kuberay():
+    """Serve's own check of application builders (one parameter, an Application back): what
+    ``serve run kvcomm_vllm.ray_serve:build_app key=value`` and a RayService's ``args`` call."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    from kvcomm_vllm.ray_replica import replica_deployment
+    from kvcomm_vllm.ray_serve import build_app
+
+    app = call_user_app_builder_with_args_if_necessary(
+        build_app, {"replicas": "1-3", "routing": "round-robin", "shared_store": "redis://127.0.0.1:1/0"})
+    assert isinstance(app, Application)
+    with pytest.raises(SystemExit):  # argparse: not a router
+        build_app({"routing": "nearest"})
+    with pytest.raises(ValueError, match="routing"):
+        replica_deployment(routing="nearest")
+
+
+def test_the_round_robin_router_takes_replicas_in_turn_and_a_get_takes_no_turn():
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvcomm_vllm.ray_router import ROUTERS, KVAffinityRouter, RoundRobinRouter
+
+    assert ROUTERS == {"affinity": KVAffinityRouter, "round-robin": RoundRobinRouter}
+    router = RoundRobinRouter.__new__(RoundRobinRouter)  # the routing state alone (no Serve controller)
+    router.initialize_state()
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=tag)) for tag in ("b", "a")]
+    post = SimpleNamespace(args=("/v1/completions", {"prompt": [1, 2, 3]}), kwargs={})
+    get = SimpleNamespace(args=("/v1/models", None), kwargs={})
+    chosen = []
+    for request in (post, get, post, post):
+        ranks = asyncio.run(router.choose_replicas(replicas, request))
+        assert sorted(r.replica_id.unique_id for rank in ranks for r in rank) == ["a", "b"]
+        chosen.append(ranks[0][0].replica_id.unique_id)
+    assert chosen == ["a", "b", "b", "a"]
+    with pytest.raises(TypeError):
+        router.initialize_state(min_share=0.5)

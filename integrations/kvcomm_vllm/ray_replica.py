@@ -164,7 +164,7 @@ def _error_event(message: str) -> bytes:
 
 def replica_deployment(*, min_replicas: int = 1, max_replicas: int = 1, num_cpus: float = 1.0,
                        num_gpus: float = 0.0, max_ongoing_requests: int = 64, target_ongoing_requests: float = 8,
-                       router_kwargs: Optional[dict] = None, stats_period_s: float = 1.0,
+                       routing: str = "affinity", router_kwargs: Optional[dict] = None, stats_period_s: float = 1.0,
                        health_check_period_s: float = 5.0):
     """The replica as a Serve deployment, routed by :class:`~.ray_router.KVAffinityRouter`.
 
@@ -174,15 +174,19 @@ def replica_deployment(*, min_replicas: int = 1, max_replicas: int = 1, num_cpus
         num_cpus: Ray CPUs reserved per replica (vLLM's own threads are set by ``OMP_NUM_THREADS``).
         num_gpus: Ray GPUs per replica (a CUDA vLLM; not run here).
         max_ongoing_requests: requests a replica takes at once (vLLM batches them).
-        router_kwargs: :class:`~.ray_router.KVAffinityRouter` settings (``min_share``...).
+        routing: ``"affinity"`` (:class:`~.ray_router.KVAffinityRouter`) or ``"round-robin"``
+            (:class:`~.ray_router.RoundRobinRouter`, the baseline of the benchmark).
+        router_kwargs: the router's settings (the affinity router's ``min_share``...).
         stats_period_s: how often replicas report what they computed.
         health_check_period_s: how often Serve checks a replica (a dead one is replaced).
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from .ray_router import KVAffinityRouter
+    from .ray_router import ROUTERS
 
+    if routing not in ROUTERS:
+        raise ValueError(f"routing is one of {sorted(ROUTERS)}, got {routing!r}")
     if not 1 <= min_replicas <= max_replicas:
         raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {min_replicas}, {max_replicas}")
     scaling: dict[str, Any] = {"num_replicas": min_replicas} if min_replicas == max_replicas else {
@@ -193,7 +197,7 @@ def replica_deployment(*, min_replicas: int = 1, max_replicas: int = 1, num_cpus
         max_ongoing_requests=max_ongoing_requests, health_check_period_s=health_check_period_s,
         health_check_timeout_s=60, graceful_shutdown_timeout_s=30,
         request_router_config=RequestRouterConfig(
-            request_router_class=KVAffinityRouter,
+            request_router_class=ROUTERS[routing],
             request_router_kwargs=dict(router_kwargs or {}), request_routing_stats_period_s=stats_period_s,
             request_routing_stats_timeout_s=30),
         **scaling)

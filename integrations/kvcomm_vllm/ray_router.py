@@ -31,7 +31,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from .affinity import AffinityRule, Holdings, reported_runs
 
-__all__ = ["KVAffinityRouter", "prompt_ids"]
+__all__ = ["KVAffinityRouter", "RoundRobinRouter", "ROUTERS", "prompt_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,31 @@ class KVAffinityRouter(RequestRouter):
         self._holdings.pop(replica_id, None)
         self._routed_keys.pop(replica_id, None)
         self._mine.pop(replica_id, None)
+
+
+class RoundRobinRouter(RequestRouter):
+    """Requests to the replicas in turn, whatever they hold: the baseline the affinity router is
+    measured against (``benchmarks/ray_fleet.py``; ``--routing round-robin``). A GET takes no
+    turn. Takes no settings."""
+
+    def initialize_state(self, **unknown: Any) -> None:
+        if unknown:
+            raise TypeError(f"RoundRobinRouter takes no settings, got {sorted(unknown)}")
+        self._turn = 0
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)
+        first = self._turn % len(ordered)
+        if _body(pending_request) is not None:
+            self._turn += 1
+        return [[ordered[first]], ordered[first + 1:] + ordered[:first]]
+
+
+#: the routers ``--routing`` names
+ROUTERS = {"affinity": KVAffinityRouter, "round-robin": RoundRobinRouter}
 
 
 def prompt_ids(pending_request: Optional[PendingRequest]) -> Optional[Sequence[int]]:

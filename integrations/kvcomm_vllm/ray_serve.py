@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from contextlib import ExitStack
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 __all__ = ["build_app", "parser", "main"]
 
@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE of each replica (CPU)")
     p.add_argument("--max-ongoing-requests", type=int, default=64, help="requests a replica takes at once")
     p.add_argument("--retries", type=int, default=1, help="times a dead replica's request is retried elsewhere")
+    p.add_argument("--routing", default="affinity", choices=("affinity", "round-robin"),
+                   help="affinity (KVAffinityRouter, the default) or round-robin (the benchmark's baseline)")
     p.add_argument("--router", default="{}",
                    help="KVAffinityRouter settings as JSON: min_run, min_share, max_imbalance, remember")
     p.add_argument("--stats-period-s", type=float, default=1.0, help="how often replicas report what they computed")
@@ -82,17 +84,20 @@ def replica_bounds(text: str) -> tuple[int, int]:
     return bounds
 
 
-def build_app(args: Optional[dict] = None, *, options: Optional[argparse.Namespace] = None):
+def build_app(args: Union[dict, argparse.Namespace, None] = None):
     """The Serve application: ingress, replicas, router. ``args``: the command's options by
     their long names (``{"replicas": "2", "shared_store": "redis://..."}``: what
     ``serve run kvcomm_vllm.ray_serve:build_app key=value`` and KubeRay's ``args`` pass), or
-    ``options`` already parsed."""
+    options already parsed by :func:`parser`. One parameter: Serve calls an application
+    builder with exactly one."""
     from ray import serve
 
     from .ray_ingress import OpenAIIngress
     from .ray_replica import replica_deployment
 
-    if options is None:
+    if isinstance(args, argparse.Namespace):
+        options = args
+    else:
         argv = [f"--{key.replace('_', '-')}={value}" for key, value in (args or {}).items()]
         options = parser().parse_args(argv)
     low, high = replica_bounds(options.replicas)
@@ -112,7 +117,7 @@ def build_app(args: Optional[dict] = None, *, options: Optional[argparse.Namespa
     replicas = replica_deployment(
         min_replicas=low, max_replicas=high, num_cpus=options.replica_cpus, num_gpus=options.replica_gpus,
         max_ongoing_requests=options.max_ongoing_requests, target_ongoing_requests=options.target_ongoing_requests,
-        router_kwargs=json.loads(options.router), stats_period_s=options.stats_period_s,
+        routing=options.routing, router_kwargs=json.loads(options.router), stats_period_s=options.stats_period_s,
         health_check_period_s=options.health_check_period_s)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0.1},
                                max_ongoing_requests=1024)
@@ -140,7 +145,7 @@ def start(options: argparse.Namespace, stack: ExitStack) -> str:
     stack.callback(ray.shutdown)
     serve.start(http_options={"host": options.host, "port": options.port})
     stack.callback(serve.shutdown)
-    serve.run(build_app(options=options), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(options), name=APP_NAME, route_prefix="/")
     return f"http://{options.host}:{options.port}"
 
 
