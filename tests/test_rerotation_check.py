@@ -23,7 +23,7 @@ def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget
     assert not tracker.wants_rerotation_sample("r") and abs(tracker.rerotated_kl("r") - 0.02) < 1e-12
     assert tracker.rerotation_within_budget("r", 0.02) and not tracker.rerotation_within_budget("r", 0.019)
     assert not tracker.rerotation_within_budget("r", None)  # no budget: the gate alone decides
-    assert not tracker.rerotation_within_budget("other", 1.0)
+    assert tracker.rerotation_within_budget("other", 1.0)  # none of its own: the pool speaks for it
     for _ in range(3):
         tracker.record_rerotated("r", 0.5)  # the window keeps the most recent: trust is lost
     assert not tracker.rerotation_within_budget("r", 0.1)
@@ -31,13 +31,13 @@ def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget
     assert tracker.rerotated_kl("r") is None
 
 
-def test_one_sample_of_a_receiver_suffices_when_every_receivers_samples_are_within_the_budget():
+def test_re_rotation_is_trusted_on_every_receivers_samples_unless_the_receivers_own_disagree():
     tracker = OffsetTracker(min_samples=2)
     tracker.record_rerotated("a", 0.01)
     assert not tracker.rerotation_within_budget("a", 0.05)  # one sample in all
     tracker.record_rerotated("b", 0.02)
     assert tracker.rerotation_within_budget("a", 0.05) and tracker.rerotation_within_budget("b", 0.05)
-    assert not tracker.rerotation_within_budget("c", 0.05)  # none of its own: a judge may read otherwise
+    assert tracker.rerotation_within_budget("c", 0.05)  # none of its own: the pool speaks for it
     tracker.record_rerotated("c", 0.2)
     assert not tracker.rerotation_within_budget("c", 0.05)  # its own sample is over the budget
     assert not tracker.rerotation_within_budget("a", 0.05)  # and pulls the pool's mean over it (0.077)
