@@ -52,7 +52,7 @@ class Profile:
     sizes: dict = field(default_factory=dict)
     a_shape: tuple = (5, 256, 512, 64)  # (a): agents N, own text P, shared input I, reply O tokens
     h_reply_tokens: int = 32
-    noise_requests: int = 0  # the bf16 noise floor on (b)'s first measured requests
+    noise_requests: int = 0  # the bf16 noise floor on (b)'s and (i)'s first measured requests
     #: (b) and (i): measured requests after the sizes' on which only the decision strategies run
     #: (judge consistency needs 20+ requests; whole-graph rows use the requests every strategy ran)
     decision_requests: int = 0
@@ -64,7 +64,7 @@ class Profile:
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens ((h) <= {self.h_reply_tokens}); (a) "
                 f"N={self.a_shape[0]} P={self.a_shape[1]} I={self.a_shape[2]} O={self.a_shape[3]}; warm-up + "
                 f"measured requests: {sizes}, and {self.decision_requests} more on (b) and (i) for "
-                f"{', '.join(DECISION_STRATEGIES)} only; bf16 noise floor on {self.noise_requests} of (b); end to end "
+                f"{', '.join(DECISION_STRATEGIES)} only; bf16 noise floor on {self.noise_requests} of (b) and (i); end to end "
                 f"{self.e2e_requests} requests (replies <= {self.e2e_reply_tokens})")
 
 
@@ -195,7 +195,7 @@ def run_phase(ctx: Context, phase: str) -> dict:
             for strategy in strategies:
                 if strategy.name not in DECISION_STRATEGIES:
                     strategy.requests = everyone
-        if phase == "b" and ctx.profile.noise_requests:  # the drift that is not reuse's, same run
+        if phase in DECIDING_PHASES and ctx.profile.noise_requests:  # the drift that is not reuse's, same run
             floor = noise_floor(ctx.loaded.model, ctx.loaded.tokenizer,
                                 requests=range(warmup, warmup + ctx.profile.noise_requests))
             ctx.meter.watch(floor.engine.model)

@@ -60,8 +60,9 @@ def _pipeline(engine, tokenizer, rounds: int, stepwise: bool):
 def test_every_forward_of_a_call_is_in_its_stats(model, tokenizer, stepwise):
     """KVCOMM with framed copies and an audit on every reused call: what the model forwarded in
     each call (counted by a hook on the model) is what the call's stats say, and the copies and
-    audits are among it (a forward the engine did not charge fails here)."""
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=1))
+    audits are among it (a forward the engine did not charge fails here). Re-rotation is not
+    trusted on measurement here: a reader served re-rotated is fed no copies."""
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=1, measured_rerotation=False))
     meter = ModelTokens(model)
     try:
         seen = {"copies": 0, "audit": 0}

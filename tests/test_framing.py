@@ -91,6 +91,29 @@ def test_the_first_reader_reuses_the_reply_its_sender_computed_in_its_framing_ex
                                atol=tol(1e-4), rtol=0)
 
 
+def test_no_reply_copy_for_a_reader_served_re_rotated(model, tokenizer):
+    """A framing's readers are remembered with it; once re-rotation is measured within the KL
+    budget for every one of them, the sender feeds no copy of its reply for that framing (the
+    reader would reuse the reply re-rotated and never read it). A reader that is not trusted
+    keeps its copy."""
+    trusting = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, kl_budget=0.05))
+    _debate(trusting, tokenizer, "You are a solver.")
+    (rule,) = trusting._framer.reply_framing.rules("s1")
+    assert trusting._framer.reply_framing.readers("s1", rule) == ("s2",)
+    for kl in (0.001, 0.002):  # two samples within the budget: the pool trusts re-rotation for s2
+        trusting.anchors.tracker.record_rerotated("s2", kl)
+    sent, read, _ = _debate(trusting, tokenizer, "You are a solver.", rounds=1)
+    assert sent.stats.framed_versions == 0 and sent.stats.forwarded.copies == 0
+    gates = {d.segment.kind: d.gate for d in read.result.stats.shared_decisions if d.gate is not None}
+    assert gates.get(("s1", "assistant")) is None or gates[("s1", "assistant")].offsets != "framed"
+    over = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, kl_budget=0.05))
+    _debate(over, tokenizer, "You are a solver.")
+    for kl in (0.2, 0.3):  # measured over the budget: the copy stays
+        over.anchors.tracker.record_rerotated("s2", kl)
+    sent_over, _, _ = _debate(over, tokenizer, "You are a solver.", rounds=1)
+    assert sent_over.stats.framed_versions >= 1 and sent_over.stats.forwarded.copies > 0
+
+
 def test_a_reader_with_another_system_text_still_gains_on_re_rotation(model, tokenizer):
     """Where the reader's system text differs from the sender's, the framed version is the
     nearest one there is (same lead-in, same question): it is reused, and the reader's first

@@ -72,19 +72,25 @@ class Framer:
     def _rerotates(self, reader: str) -> bool:
         """Whether ``reader`` is served shared text re-rotated, measured within the KL budget
         (:meth:`~kvcomm_agents.anchors.tracker.OffsetTracker.rerotation_within_budget`): it gets
-        no text copy (on one device a copy costs about the prefill it saves)."""
+        no copy, of shared text or of replies (on one device a text copy costs about the prefill
+        it saves; a reply copy rides on the sender's decode, which its extra queries and mask
+        slow by more than the reader's prefill of the reply saved on the development range)."""
         return (self.config.method == "kvcomm" and self.config.measured_rerotation
                 and self.anchors.tracker.rerotation_within_budget(reader, self.config.kl_budget))
 
     def _rules(self, agent: str, n: int, new_tokens: int) -> list:
         """The reply framings learned for ``agent``'s replies that fit the model's positions after
-        an ``n``-id prompt and ``new_tokens`` reply ids."""
+        an ``n``-id prompt and ``new_tokens`` reply ids, and that some reader not served re-rotated
+        (:meth:`_rerotates`) gave: a copy for readers who reuse the reply re-rotated is paid for
+        in the sender's forwards and never read."""
         if not self.config.reply_copies:
             return []
         limit = self.info.max_positions
-        return [r for r in self.reply_framing.rules(agent)
+        framing = self.reply_framing
+        return [r for r in framing.rules(agent)
                 if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens + 1  # + the tail
-                                       + len(r.lead_out) <= limit)]
+                                       + len(r.lead_out) <= limit)
+                and not all(self._rerotates(reader) for reader in framing.readers(agent, r))]
 
     def after_audit(self, model, plan: CallPlan, agent: str, fingerprint: str, dense, reply: Optional[KVSegment],
                     fed: Sequence[int], tail: Sequence[int] = ()) -> tuple[int, float]:
@@ -121,7 +127,7 @@ class Framer:
         if not self.on or self.anchors.frozen:
             return 0, 0.0
         if self.config.reply_copies:
-            self.reply_framing.learn(plan)
+            self.reply_framing.learn(plan, agent)
         if self.config.text_copies and plan.dense_reason != "reuse_off":
             self.text_framing.learn(plan, agent)
         replied = bool(framing and framing.rules)  # a reply not kept (too short) still leads out

@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 
 from ..kv.segments import CONTEXT_TOKENS, KVSegment
 from ..plan import CallPlan
-from .rules import ALIGN_IDS, COVERED, MAX_LEAD_IN, align_lead_in
+from .rules import ALIGN_IDS, COVERED, MAX_LEAD_IN, MAX_READERS, align_lead_in
 
 __all__ = ["FramingRule", "ReaderFraming", "learn_rule", "lead_out", "MAX_RULES", "MAX_LEAD_OUT", "LEAD_OUT_GAP"]
 
@@ -115,11 +115,12 @@ class ReaderFraming:
 
     def __init__(self, max_rules: int = MAX_RULES) -> None:
         self.max_rules = max_rules
-        self._rules: dict[str, OrderedDict[FramingRule, FramingRule]] = {}  # per sender, most recent first
+        self._rules: dict[str, OrderedDict[FramingRule, tuple[str, ...]]] = {}  # per sender, most recent
+        # first: each rule's readers
         self._lock = threading.Lock()
 
-    def learn(self, plan: CallPlan) -> int:
-        """Learn from a reader's call: every reply the prompt holds from its first token (reused,
+    def learn(self, plan: CallPlan, reader: str = "") -> int:
+        """Learn from ``reader``'s call: every reply the prompt holds from its first token (reused,
         recomputed head included, or computed as an observation) whose base context is known,
         at its last such occurrence. Returns the rules seen."""
         latest: dict[str, tuple[int, KVSegment, bool]] = {}  # per reply: its last whole occurrence's start,
@@ -143,23 +144,24 @@ class ReaderFraming:
             rule = learn_rule(plan.prompt_ids[max(0, start - CONTEXT_TOKENS):start].tolist(), segment.context_ids)
             if rule is not None:
                 after = lead_out(plan, start + segment.num_tokens) if whole else ()
-                self._remember(str(segment.ref.kind[0]), FramingRule(rule.drop, rule.lead_in, after))
+                self._remember(str(segment.ref.kind[0]), FramingRule(rule.drop, rule.lead_in, after), reader)
                 seen += 1
         return seen
 
-    def _remember(self, sender: str, rule: FramingRule) -> None:
-        """Keep ``rule`` first among the sender's. A rule without a lead-out is served by a kept
-        rule of the same framing (drop and lead-in) with one (the copy computes the reply as it
-        does), which then moves first. Two lead-outs of one framing are kept apart: where the
-        reply's last token and the closing line's first merge (``.\n\n``), readers read one
-        id fewer of it, depending on how each reply ends."""
+    def _remember(self, sender: str, rule: FramingRule, reader: str) -> None:
+        """Keep ``rule`` first among the sender's, ``reader`` among its readers. A rule without a
+        lead-out is served by a kept rule of the same framing (drop and lead-in) with one (the
+        copy computes the reply as it does), which then moves first. Two lead-outs of one
+        framing are kept apart: where the reply's last token and the closing line's first merge
+        (``.\n\n``), readers read one id fewer of it, depending on how each reply ends."""
         with self._lock:
             rules = self._rules.setdefault(sender, OrderedDict())
             if not rule.lead_out:
-                rule = next((kept for kept in rules.values()
+                rule = next((kept for kept in rules
                              if (kept.drop, kept.lead_in) == (rule.drop, rule.lead_in)), rule)
-            rules.pop(rule, None)
-            rules[rule] = rule
+            readers = rules.pop(rule, ())
+            readers = tuple(name for name in readers if name != reader)[-(MAX_READERS - 1):] + (reader,)
+            rules[rule] = readers
             rules.move_to_end(rule, last=False)
             while len(rules) > self.max_rules:
                 rules.popitem(last=True)
@@ -167,7 +169,13 @@ class ReaderFraming:
     def rules(self, sender: str) -> list[FramingRule]:
         """The sender's framings, most recently seen first."""
         with self._lock:
-            return list(self._rules.get(sender, {}).values())
+            return list(self._rules.get(sender, {}))
+
+    def readers(self, sender: str, rule: FramingRule) -> tuple[str, ...]:
+        """The readers that taught ``rule`` for ``sender``'s replies (at most
+        :data:`~.rules.MAX_READERS`, the latest last); () when it is not kept."""
+        with self._lock:
+            return self._rules.get(sender, {}).get(rule, ())
 
     def clear(self) -> None:
         with self._lock:
