@@ -50,6 +50,9 @@ Messages = Sequence[Mapping[str, Any]]
 #: Called with each call's plan between planning and prefill; returns the plan to prefill (a
 #: baseline's variant, e.g. the benchmark's CacheBlend-style recompute). Runs under the engine lock.
 PlanHook = Callable[["KVCommEngine", CallPlan], CallPlan]
+#: the settings that shape what an audit or re-rotation check measures (the recomputed head, the
+#: estimator): an anchor file's measurements are taken only from a file saved under the same
+MEASURED_WITH = {"recompute_head", "experimental"}
 
 
 class KVCommEngine:
@@ -219,7 +222,11 @@ class KVCommEngine:
         return self._anchors.save(path, header)
 
     def load_anchors(self, path: Union[str, os.PathLike]) -> int:
-        """Replace the anchor pools with a file written by :meth:`save_anchors` for this model.
+        """Replace the anchor pools with a file written by :meth:`save_anchors` for this model,
+        and what was measured with them (audits, re-rotation checks: the KL budget's evidence)
+        where the file's settings measure as this engine's (the same ``recompute_head`` and
+        experimental settings): a warm-started engine serves re-rotation and estimates that were
+        measured within the budget from its first call, instead of sampling them again.
 
         Raises:
             AnchorFileError: the file is missing, unreadable, corrupted or of another model
@@ -230,8 +237,14 @@ class KVCommEngine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (config.num_hidden_layers - 1, kv_heads, head_dim)
+        own = self.config.model_dump(mode="json", include=MEASURED_WITH)
+
+        def measured_alike(header: dict) -> bool:
+            settings = header.get("settings") or {}
+            return {name: settings.get(name) for name in MEASURED_WITH} == own
+
         return self._anchors.load(path, fingerprint=self.fingerprint, shape=shape, device=self._device,
-                                  dtype=self.model.dtype)
+                                  dtype=self.model.dtype, measured_alike=measured_alike)
 
     @contextmanager
     def calibrating(self) -> Iterator[None]:

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from ..errors import BudgetWarning
+from ..errors import AnchorFileError, BudgetWarning
 from ..kv.block import KVBlock
 from ..kv.block_count import BlockCount
 from ..kv.rope import RopeRotator
@@ -130,18 +130,32 @@ class KVCommAnchors:
 
     # ---- warm start ---------------------------------------------------------------------------
     def save(self, path, header: dict) -> int:
-        """Write every pool to ``path`` (:mod:`.persist`); returns the anchors written."""
+        """Write every pool to ``path`` (:mod:`.persist`), with what the tracker measured
+        (:meth:`.tracker.OffsetTracker.measurements`, header ``"measurements"``); returns the
+        anchors written."""
         with self.lock:
             pools = list(self._pools.values())
-            save_pools(pools, path, header)
+            save_pools(pools, path, {**header, "measurements": self.tracker.measurements()})
             return sum(len(pool) for pool in pools)
 
-    def load(self, path, *, fingerprint: str, shape: tuple[int, int, int], device, dtype) -> int:
+    def load(self, path, *, fingerprint: str, shape: tuple[int, int, int], device, dtype,
+             measured_alike: Callable[[dict], bool] = lambda header: True) -> int:
         """Replace the pools with those in ``path`` (refused with ``AnchorFileError`` without any
-        change when the file is unreadable or of another model); returns the anchors loaded."""
-        pools, _ = load_pools(path, fingerprint=fingerprint, shape=shape, max_anchors=self.max_anchors,
-                              eviction_window=self.eviction_window, device=device, dtype=dtype)
+        change when the file is unreadable or of another model); returns the anchors loaded.
+        The file's measurements replace the tracker's where ``measured_alike(header)`` says they
+        were taken under settings that measure as this engine's do (else, and in files without
+        any, the tracker keeps its own)."""
+        pools, meta = load_pools(path, fingerprint=fingerprint, shape=shape, max_anchors=self.max_anchors,
+                                 eviction_window=self.eviction_window, device=device, dtype=dtype)
+        measured = None
+        if meta.get("measurements") is not None:
+            try:
+                measured = OffsetTracker.parse_measurements(meta["measurements"])
+            except (ValueError, TypeError, AttributeError) as error:
+                raise AnchorFileError(f"{path} holds malformed measurements ({error})") from error
         with self.lock:
+            if measured is not None and measured_alike(meta):
+                self.tracker.restore(measured)
             self._pools = OrderedDict((pool.kind, pool) for pool in pools)
             self._enforce_budget()
             return sum(len(pool) for pool in self._pools.values())

@@ -1,8 +1,8 @@
 """Anchor pools on disk: one safetensors file, tensors plus a JSON header. Never pickle.
 
 A warm start: anchors learned in one process (or by ``engine.calibrate``) serve the first calls of
-the next one. The header records the format, the library version, the model fingerprint and the
-pools' bookkeeping; tensors are each slot's ``{pool}.base{slot}.keys`` / ``.values`` and each
+the next one. The header records the format, the library version, the model fingerprint, the
+pools' bookkeeping and what the tracker measured (``"measurements"``, optional); tensors are each slot's ``{pool}.base{slot}.keys`` / ``.values`` and each
 offset stack's ``{pool}.stack{j}.has`` and ``{pool}.stack{j}.part{slot}.keys`` / ``.values``.
 A file of another model, a corrupted file or one whose shapes do not fit the model is refused
 with :class:`~kvcomm_agents.errors.AnchorFileError` before anything of the engine changes.

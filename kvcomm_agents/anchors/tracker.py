@@ -44,7 +44,7 @@ from typing import Iterable, Optional
 
 from ..kv.segments import Kind
 
-__all__ = ["OffsetTracker", "PairedSample", "KindRecord"]
+__all__ = ["OffsetTracker", "PairedSample", "KindRecord", "Measurements"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,15 @@ class PairedSample:
 
     kl_on: float
     kl_off: float
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Samples read back from an anchor file (:meth:`OffsetTracker.parse_measurements`): paired
+    audit samples per ``(receiver, kind)`` and re-rotation KLs per receiver, oldest first."""
+
+    paired: dict
+    rerotated: dict
 
 
 @dataclass(frozen=True)
@@ -230,6 +239,43 @@ class OffsetTracker:
             out.append(KindRecord(receiver, kind, n, sum(s.kl_on for s in samples) / n,
                                   sum(s.kl_off for s in samples) / n, self.offsets_on(receiver, kind)))
         return out
+
+    # ---- warm start -----------------------------------------------------------------------
+    def measurements(self) -> dict:
+        """Every sample as plain JSON data, for an anchor file (:meth:`restore`):
+        ``{"paired": [[receiver, kind, [[kl_on, kl_off], ...]], ...], "rerotated": {receiver:
+        [kl, ...]}}``, oldest first. What was measured travels with the anchors it measured: an
+        engine started from the file knows at its first call what re-rotation and the estimates
+        cost on this model, and needs no new sample before trusting them."""
+        with self._lock:
+            return {"paired": [[receiver, list(kind), [[s.kl_on, s.kl_off] for s in samples]]
+                               for (receiver, kind), samples in self._samples.items()],
+                    "rerotated": {receiver: list(samples) for receiver, samples in self._rerotated.items()}}
+
+    @staticmethod
+    def parse_measurements(data: dict) -> "Measurements":
+        """``data`` of :meth:`measurements` as samples, for :meth:`restore`. Raises ValueError,
+        TypeError or AttributeError where it is malformed (a negative or infinite KL included)."""
+        def kl(value) -> float:
+            value = float(value)
+            if not 0.0 <= value < float("inf"):
+                raise ValueError(f"a KL sample of {value}")
+            return value
+
+        paired = {(str(receiver), tuple(str(k) for k in kind)): [PairedSample(kl(on), kl(off)) for on, off in samples]
+                  for receiver, kind, samples in data.get("paired", ())}
+        rerotated = {str(receiver): [kl(x) for x in samples] for receiver, samples in data.get("rerotated", {}).items()}
+        return Measurements(paired, rerotated)
+
+    def restore(self, measured: "Measurements") -> None:
+        """Replace every sample with ``measured`` (:meth:`parse_measurements`; the last
+        ``window`` of each kept); the audit counters start again."""
+        with self._lock:
+            self._samples = {key: deque(samples, maxlen=self.window) for key, samples in measured.paired.items()}
+            self._rerotated = {receiver: deque(samples, maxlen=self.window)
+                               for receiver, samples in measured.rerotated.items()}
+            self._held_back.clear()
+            self._since_audit.clear()
 
     def clear(self) -> None:
         with self._lock:

@@ -174,3 +174,40 @@ def test_an_old_format_file_and_offsets_of_an_empty_slot_are_refused(llama, toke
     with pytest.raises(AnchorFileError, match="corrupted"):
         fresh.load_anchors(_rewritten(path, tmp_path, emptied))
     assert not fresh.anchors._pools  # nothing changed
+
+
+def test_what_was_measured_travels_with_the_anchors(llama, tokenizer, tmp_path):
+    """The tracker's samples (audits' paired KL, re-rotation checks) are saved with the anchors
+    and loaded with them: a warm engine serves a reader new to the graph re-rotated from its
+    first call where re-rotation was measured within the KL budget. An engine whose head
+    recompute differs takes none of them (they measured another serving), and a file whose
+    measurements are malformed is refused without any change."""
+    source = _learned(llama, tokenizer)
+    for kl in (0.001, 0.002):
+        source.anchors.tracker.record_rerotated("s2", kl)
+    source.anchors.tracker.record("s3", KIND, 0.01, 0.02)
+    path = tmp_path / "anchors.safetensors"
+    source.save_anchors(path)
+    warm = KVCommEngine(llama, tokenizer, config=CONFIG)
+    warm.load_anchors(path)
+    measured = source.anchors.tracker.measurements()
+    assert measured["rerotated"]["s2"][-2:] == [0.001, 0.002] and warm.anchors.tracker.measurements() == measured
+    other = KVCommEngine(llama, tokenizer, config=CONFIG.model_copy(update={"recompute_head": 4}))
+    other.load_anchors(path)
+    assert other.anchors.tracker.measurements() == {"paired": [], "rerotated": {}}
+
+    def offsets(engine) -> set:
+        replayed(engine, solver_messages("You are solver 1."), "s1")
+        call = replayed(engine, solver_messages("You are solver four.", REPLY), "s4")
+        return {d.gate.offsets for d in call.stats.shared_decisions if d.gate is not None}
+
+    assert "rerotated" in offsets(warm)
+    assert "rerotated" not in offsets(other)
+
+    def malform(meta):
+        meta["measurements"]["rerotated"]["s2"] = [-1.0]
+
+    before = _state(other)
+    with pytest.raises(AnchorFileError, match="malformed measurements"):
+        other.load_anchors(_rewritten(path, tmp_path, malform))
+    _assert_same(before, _state(other))
