@@ -93,6 +93,24 @@ def warmup_cost(records: list[dict], target: float = 0.9) -> dict[str, Optional[
     return out
 
 
+def first_request(records: list[dict]) -> dict[str, dict]:
+    """Per strategy, its readers (agents 2..N) on the phase's first request, when its engine has
+    learned nothing (warm-up or not): the median over reader calls of dense's time to first
+    token / the strategy's (same slot) and the share of their prompt tokens served from cache.
+    What a graph's first run, a new deployment, gets. Dense (the reference) and the lower bound
+    (its first request prepares the exact KV it is given) are left out."""
+    first = min((r["request"] for r in records), default=None)
+    out: dict[str, dict] = {}
+    for strategy in sorted({r["strategy"] for r in records}, key=_order):
+        readers = [r for r in records if r["strategy"] == strategy and r["request"] == first and r["agent_index"] > 1]
+        if strategy in ("dense", "lower-bound") or not readers:
+            continue
+        out[strategy] = {"reader_ttft_speedup": _median([r["dense_ttft_s"] / r["ttft_s"] for r in readers]),
+                         "from_cache": sum(r["reused_tokens"] for r in readers) / max(1, sum(r["prompt_tokens"] for r in readers)),
+                         "readers": len(readers)}
+    return out
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """Rows per (phase, strategy, agent index), plus the downstream aggregate (agents 2..N)."""
     measured = [r for r in records if not r["warmup"]]

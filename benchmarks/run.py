@@ -285,7 +285,7 @@ def main(argv=None) -> dict:
             "graphs": summarize_graphs(saved["records"]), "decisions": summarize_decisions(saved["answers"])
             if phase != "b-e2e" else [], "answers": report.summarize_answers(saved["answers"])
             if phase == "b-e2e" else [], "warmup_cost": report.warmup_cost(saved["records"]),
-            "concurrent": saved.get("concurrent", False)}
+            "first_request": report.first_request(saved["records"]), "concurrent": saved.get("concurrent", False)}
         if phase == "b-e2e" and not saved.get("concurrent"):
             results["phases"][phase]["pipeline_wall"] = measure.pipeline_wall_times(saved["records"])
         results["phases"][phase]["verdict"] = fastest_and_closest(results["phases"][phase]["graphs"]).get(phase)
@@ -312,8 +312,8 @@ def main(argv=None) -> dict:
 def summary(results: dict) -> dict:
     """What the docs quote from a run: versions, profile, per phase the whole-graph rows, the
     decisions and the verdict (no per-call records)."""
-    keep = ("title", "requests", "elapsed_s", "graphs", "decisions", "answers", "warmup_cost", "verdict",
-            "pipeline_wall")
+    keep = ("title", "requests", "elapsed_s", "graphs", "decisions", "answers", "warmup_cost", "first_request",
+            "verdict", "pipeline_wall")
     return {k: results[k] for k in ("versions", "profile", "model", "dtype", "split")} | {
         "phases": {p: {k: v for k, v in phase.items() if k in keep} for p, phase in results["phases"].items()}}
 
@@ -339,6 +339,11 @@ def _print_phase(phase: str, result: dict) -> None:
         accuracy = "-" if answer["accuracy"] is None else f"{100 * answer['accuracy']:.0f}%"
         print(f"  end to end {answer['strategy']:<14} final answer = dense pipeline's "
               f"{100 * answer['final_equal_to_dense']:.0f}%  accuracy {accuracy}  ({answer['requests']} requests)")
+    first = result.get("first_request") or {}
+    if first:
+        print("  first request (nothing learned yet), readers' TTFT x dense, from cache: "
+              + ", ".join(f"{name} {row['reader_ttft_speedup']:.2f}x {100 * row['from_cache']:.0f}%"
+                          for name, row in first.items()))
     cost = result.get("warmup_cost") or {}
     if cost:
         print("  warm-up cost (requests until every later request reuses >= 90% of its eligible calls): "
