@@ -208,8 +208,10 @@ def workload_tables(summary: dict) -> str:
             out.append("| " + " | ".join(_label(r[k]) if kind is None else _f(r[k], kind) for _, k, kind in GRAPH_COLUMNS)
                        + " |")
         if info.get("first_request"):
-            out.append("\nFirst request, nothing learned yet (readers' TTFT × dense, their prompt tokens from cache): " + "; ".join(
-                f"{_label(name)} {_f(row['reader_ttft_speedup'], 'x')}, {_f(row['from_cache'], 'pct')}"
+            out.append("\nFirst request, nothing learned yet (readers' TTFT × dense, their prompt tokens from cache, "
+                       "KL): " + "; ".join(
+                f"{_label(name)} {_f(row['reader_ttft_speedup'], 'x')}, {_f(row['from_cache'], 'pct')}, "
+                f"{_f(row.get('kl'), 'kl')}"
                 for name, row in info["first_request"].items()) + ".")
         if info.get("decisions"):
             out.append("\n| decider under | picks as under dense | accuracy | requests |\n|---|---|---|---|")

@@ -96,7 +96,8 @@ def warmup_cost(records: list[dict], target: float = 0.9) -> dict[str, Optional[
 def first_request(records: list[dict]) -> dict[str, dict]:
     """Per strategy, its readers (agents 2..N) on the phase's first request, when its engine has
     learned nothing (warm-up or not): the median over reader calls of dense's time to first
-    token / the strategy's (same slot) and the share of their prompt tokens served from cache.
+    token / the strategy's (same slot), the share of their prompt tokens served from cache and
+    their mean first-token KL against dense.
     What a graph's first run, a new deployment, gets. Dense (the reference) and the lower bound
     (its first request prepares the exact KV it is given) are left out."""
     first = min((r["request"] for r in records), default=None)
@@ -107,7 +108,7 @@ def first_request(records: list[dict]) -> dict[str, dict]:
             continue
         out[strategy] = {"reader_ttft_speedup": _median([r["dense_ttft_s"] / r["ttft_s"] for r in readers]),
                          "from_cache": sum(r["reused_tokens"] for r in readers) / max(1, sum(r["prompt_tokens"] for r in readers)),
-                         "readers": len(readers)}
+                         "kl": _mean([r["kl"] for r in readers if r.get("kl") is not None]), "readers": len(readers)}
     return out
 
 

@@ -341,8 +341,9 @@ def _print_phase(phase: str, result: dict) -> None:
               f"{100 * answer['final_equal_to_dense']:.0f}%  accuracy {accuracy}  ({answer['requests']} requests)")
     first = result.get("first_request") or {}
     if first:
-        print("  first request (nothing learned yet), readers' TTFT x dense, from cache: "
-              + ", ".join(f"{name} {row['reader_ttft_speedup']:.2f}x {100 * row['from_cache']:.0f}%"
+        print("  first request (nothing learned yet), readers' TTFT x dense, from cache, KL: "
+              + ", ".join(f"{name} {row['reader_ttft_speedup']:.2f}x {100 * row['from_cache']:.0f}% "
+                          f"{row['kl'] if row['kl'] is None else round(row['kl'], 4)}"
                           for name, row in first.items()))
     cost = result.get("warmup_cost") or {}
     if cost:

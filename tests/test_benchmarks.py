@@ -176,7 +176,7 @@ def test_first_request_reports_readers_before_anything_is_learned():
 
     def call(strategy, request, agent_index, ttft, reused):
         return {"strategy": strategy, "request": request, "agent_index": agent_index, "ttft_s": ttft,
-                "dense_ttft_s": 1.0, "reused_tokens": reused, "prompt_tokens": 100}
+                "dense_ttft_s": 1.0, "reused_tokens": reused, "prompt_tokens": 100, "kl": reused / 1000}
 
     records = [call("dense", q, k, 1.0, 0) for q in (0, 1) for k in (1, 2, 3)]
     records += [call("rerotate", 0, 1, 1.0, 0), call("rerotate", 0, 2, 0.5, 60), call("rerotate", 0, 3, 0.25, 80)]
@@ -184,7 +184,7 @@ def test_first_request_reports_readers_before_anything_is_learned():
     records += [call("kvcomm-mean", q, k, 1.0, 0) for q in (0, 1) for k in (2, 3)]
     first = first_request(records)
     assert set(first) == {"rerotate", "kvcomm-mean"}  # dense is the reference
-    assert first["rerotate"] == {"reader_ttft_speedup": 3.0, "from_cache": 0.7, "readers": 2}
+    assert first["rerotate"] == {"reader_ttft_speedup": 3.0, "from_cache": 0.7, "kl": 0.07, "readers": 2}
     assert first["kvcomm-mean"]["reader_ttft_speedup"] == 1.0 and first["kvcomm-mean"]["from_cache"] == 0.0
 
 
