@@ -50,9 +50,6 @@ Messages = Sequence[Mapping[str, Any]]
 #: Called with each call's plan between planning and prefill; returns the plan to prefill (a
 #: baseline's variant, e.g. the benchmark's CacheBlend-style recompute). Runs under the engine lock.
 PlanHook = Callable[["KVCommEngine", CallPlan], CallPlan]
-#: the settings that shape what an audit or re-rotation check measures (the recomputed head, the
-#: estimator): an anchor file's measurements are taken only from a file saved under the same
-MEASURED_WITH = {"recompute_head", "experimental"}
 
 
 class KVCommEngine:
@@ -237,14 +234,8 @@ class KVCommEngine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (config.num_hidden_layers - 1, kv_heads, head_dim)
-        own = self.config.model_dump(mode="json", include=MEASURED_WITH)
-
-        def measured_alike(header: dict) -> bool:
-            settings = header.get("settings") or {}
-            return {name: settings.get(name) for name in MEASURED_WITH} == own
-
         return self._anchors.load(path, fingerprint=self.fingerprint, shape=shape, device=self._device,
-                                  dtype=self.model.dtype, measured_alike=measured_alike)
+                                  dtype=self.model.dtype, settings=self.config.model_dump(mode="json"))
 
     @contextmanager
     def calibrating(self) -> Iterator[None]:

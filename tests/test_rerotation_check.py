@@ -18,7 +18,8 @@ def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget
     tracker = OffsetTracker(min_samples=2, window=3)
     assert tracker.wants_rerotation_sample("r") and tracker.rerotated_kl("r") is None
     tracker.record_rerotated("r", 0.01)
-    assert not tracker.rerotation_within_budget("r", 1.0)  # one sample is not enough
+    assert not tracker.rerotation_within_budget("r", 0.02)  # one sample is not enough within the budget,
+    assert tracker.rerotation_within_budget("r", 0.04)  # but is at a quarter of it or less (clear_margin)
     tracker.record_rerotated("r", 0.03)
     assert not tracker.wants_rerotation_sample("r") and abs(tracker.rerotated_kl("r") - 0.02) < 1e-12
     assert tracker.rerotation_within_budget("r", 0.02) and not tracker.rerotation_within_budget("r", 0.019)
@@ -33,14 +34,14 @@ def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget
 
 def test_re_rotation_is_trusted_on_every_receivers_samples_unless_the_receivers_own_disagree():
     tracker = OffsetTracker(min_samples=2)
-    tracker.record_rerotated("a", 0.01)
-    assert not tracker.rerotation_within_budget("a", 0.05)  # one sample in all
+    tracker.record_rerotated("a", 0.02)
+    assert not tracker.rerotation_within_budget("a", 0.05)  # one sample in all, not far under the budget
     tracker.record_rerotated("b", 0.02)
     assert tracker.rerotation_within_budget("a", 0.05) and tracker.rerotation_within_budget("b", 0.05)
     assert tracker.rerotation_within_budget("c", 0.05)  # none of its own: the pool speaks for it
     tracker.record_rerotated("c", 0.2)
     assert not tracker.rerotation_within_budget("c", 0.05)  # its own sample is over the budget
-    assert not tracker.rerotation_within_budget("a", 0.05)  # and pulls the pool's mean over it (0.077)
+    assert not tracker.rerotation_within_budget("a", 0.05)  # and pulls the pool's mean over it (0.08)
     assert tracker.rerotation_within_budget("a", 0.1)
 
 
@@ -101,3 +102,19 @@ def test_a_receiver_within_the_budget_is_served_re_rotated_and_its_text_copies_s
     assert strict_sent.stats.framed_versions >= 1  # the same call copies the task for an unmeasured reviewer
     strict_read = strict.replay(_reader(_task(2)), agent="reviewer", reply_ids=[tokenizer.eos_token_id]).result
     assert all(d.gate is None or d.gate.offsets != "rerotated" for d in strict_read.stats.decisions)
+
+
+def test_one_check_far_under_the_budget_is_enough(model, tokenizer):
+    """One check at a quarter of the budget or less (``clear_margin``) trusts re-rotation at
+    once: the reviewer's next call is served re-rotated. One merely within the budget waits for
+    a second sample, and the next call computes the task again."""
+    probe = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=50.0, reply_copies=False))
+    _hand_off(probe, tokenizer, 0)
+    (kl,) = probe.anchors.tracker.rerotation_samples("reviewer")
+    assert kl > 0
+    for budget, trusted in ((5 * kl, True), (2 * kl, False)):
+        engine = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=budget, reply_copies=False))
+        _hand_off(engine, tokenizer, 0)
+        read = _hand_off(engine, tokenizer, 1).result
+        task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
+        assert task and any(d.gate.offsets == "rerotated" for d in task) == trusted, (budget, read.stats.decisions)

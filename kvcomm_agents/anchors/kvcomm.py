@@ -29,7 +29,7 @@ from ..kv.segments import CONTEXT_TOKENS, Kind, KVSegment
 from ..plan import CallPlan, OwnTextPiece, ReusedRun
 from .estimate import Estimator, OffsetEstimate, estimate_offsets
 from .gate import GateVerdict, judge
-from .persist import load_pools, save_pools
+from .persist import load_pools, measured_alike, save_pools
 from .budget import fit_budget
 from .pool import AnchorPool
 from .tracker import OffsetTracker
@@ -139,12 +139,12 @@ class KVCommAnchors:
             return sum(len(pool) for pool in pools)
 
     def load(self, path, *, fingerprint: str, shape: tuple[int, int, int], device, dtype,
-             measured_alike: Callable[[dict], bool] = lambda header: True) -> int:
+             settings: Optional[dict] = None) -> int:
         """Replace the pools with those in ``path`` (refused with ``AnchorFileError`` without any
         change when the file is unreadable or of another model); returns the anchors loaded.
-        The file's measurements replace the tracker's where ``measured_alike(header)`` says they
-        were taken under settings that measure as this engine's do (else, and in files without
-        any, the tracker keeps its own)."""
+        The file's measurements replace the tracker's where it was saved under ``settings`` (the
+        engine's, as JSON) on :data:`.persist.MEASURED_WITH` (else, and in files without any,
+        the tracker keeps its own)."""
         pools, meta = load_pools(path, fingerprint=fingerprint, shape=shape, max_anchors=self.max_anchors,
                                  eviction_window=self.eviction_window, device=device, dtype=dtype)
         measured = None
@@ -154,7 +154,7 @@ class KVCommAnchors:
             except (ValueError, TypeError, AttributeError) as error:
                 raise AnchorFileError(f"{path} holds malformed measurements ({error})") from error
         with self.lock:
-            if measured is not None and measured_alike(meta):
+            if measured is not None and measured_alike(meta, settings or {}):
                 self.tracker.restore(measured)
             self._pools = OrderedDict((pool.kind, pool) for pool in pools)
             self._enforce_budget()

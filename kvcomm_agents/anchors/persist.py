@@ -21,9 +21,19 @@ from safetensors.torch import load_file, save_file
 from ..errors import AnchorFileError
 from .pool import AnchorPool, OffsetStack, RecordedContext
 
-__all__ = ["FORMAT", "save_pools", "load_pools"]
+__all__ = ["FORMAT", "MEASURED_WITH", "save_pools", "load_pools", "measured_alike"]
 
 FORMAT = "kvcomm-anchors/2"  # /1: dense [slots, L-1, H, tokens, D] stacks
+#: the settings that shape what an audit or a re-rotation check measures (the recomputed head,
+#: the estimator): a file's measurements serve only an engine that has the same
+MEASURED_WITH = ("recompute_head", "experimental")
+
+
+def measured_alike(header: dict, settings: dict) -> bool:
+    """Whether a file whose ``header`` holds the settings it was saved under measured as an
+    engine of ``settings`` (both as JSON) would: equal on :data:`MEASURED_WITH`."""
+    saved = header.get("settings") or {}
+    return all(name in settings and saved.get(name) == settings[name] for name in MEASURED_WITH)
 
 
 def _put(tensors: dict, name: str, t: Optional[torch.Tensor]) -> None:
