@@ -189,10 +189,27 @@ def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: f
     return kind(name, model, tokenizer, settings_of(name, gamma=gamma), hook)
 
 
+def _copy_without_hooks(model):
+    """A deep copy of ``model`` without the hooks on it: the benchmark's token meter hooks the
+    model, and its handles (to models already freed) cannot be copied."""
+    held = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name.endswith("_hooks") and name.startswith(("_forward", "_backward")) and value:
+                held.append((module, name, value))
+    try:
+        for module, name, _ in held:
+            setattr(module, name, type(getattr(module, name))())
+        return copy.deepcopy(model)
+    finally:
+        for module, name, value in held:
+            setattr(module, name, value)
+
+
 def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16, requests: Optional[range] = None) -> EngineStrategy:
     """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's
     (only on ``requests``, if given: on a CPU, bf16 is several times slower than fp32)."""
-    other = copy.deepcopy(model).to(dtype)
+    other = _copy_without_hooks(model).to(dtype)
     strategy = EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"method": "dense"})
     strategy.requests = requests
     return strategy

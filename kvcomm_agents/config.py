@@ -237,8 +237,9 @@ class KVCommConfig(BaseModel):
         description=(
             "Measure each receiver's re-rotation on its calls without estimates (one reuse "
             "prefill after the reply, charged to the call; kvcomm_agents.rerotation_check) and, "
-            "once two samples (every receiver's; the receiver's own, where it has any, within "
-            "the budget too) put it within kl_budget, serve re-rotated what the gate would "
+            "once two samples, or one at a quarter of the budget or less (every receiver's; the "
+            "receiver's own, where it has any, within the budget too), put it within kl_budget, "
+            "serve re-rotated what the gate would "
             "compute (gate offsets 'rerotated'), with no text copy for that reader "
             "(method='kvcomm' with a KL budget and audits on). False: what the gate refuses is "
             "computed."

@@ -244,3 +244,29 @@ def test_framed_decode_times_whole_pipelines_with_and_without_copies(tmp_path):
     summary = result["workloads"]["a"]["summary"]
     assert summary["pipelines"] == 1 and summary["wall_unframed_over_default"] > 0
     assert json.loads(next(tmp_path.glob("*.json")).read_text())["workloads"]["a"]["summary"] == summary
+
+
+def test_the_noise_floor_copies_a_model_its_meter_watched_before(llama, tokenizer):
+    """The meter keeps a handle to each noise floor's copy; once a copy is freed, copying the
+    model with its hooks on failed (the default profile's second deciding workload)."""
+    import gc
+
+    import torch
+
+    from benchmarks.graph import ModelMeter
+    from benchmarks.strategies import noise_floor
+
+    meter = ModelMeter(llama)
+    try:
+        first = noise_floor(llama, tokenizer)
+        meter.watch(first.engine.model)
+        del first
+        gc.collect()
+        second = noise_floor(llama, tokenizer)
+        assert second.engine.model.dtype == torch.bfloat16
+        assert not second.engine.model._forward_pre_hooks  # the copy carries no meter of its own
+        before = meter.tokens
+        llama(input_ids=torch.tensor([[1, 2, 3]]))
+        assert meter.tokens == before + 3  # the model keeps its meter
+    finally:
+        meter.close()

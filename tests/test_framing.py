@@ -96,7 +96,7 @@ def test_no_reply_copy_for_a_reader_served_re_rotated(model, tokenizer):
     budget for every one of them, the sender feeds no copy of its reply for that framing (the
     reader would reuse the reply re-rotated and never read it). A reader that is not trusted
     keeps its copy."""
-    trusting = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, kl_budget=0.05))
+    trusting = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=0.05))
     _debate(trusting, tokenizer, "You are a solver.")
     (rule,) = trusting._framer.reply_framing.rules("s1")
     assert trusting._framer.reply_framing.readers("s1", rule) == ("s2",)
@@ -104,9 +104,9 @@ def test_no_reply_copy_for_a_reader_served_re_rotated(model, tokenizer):
         trusting.anchors.tracker.record_rerotated("s2", kl)
     sent, read, _ = _debate(trusting, tokenizer, "You are a solver.", rounds=1)
     assert sent.stats.framed_versions == 0 and sent.stats.forwarded.copies == 0
-    gates = {d.segment.kind: d.gate for d in read.result.stats.shared_decisions if d.gate is not None}
-    assert gates.get(("s1", "assistant")) is None or gates[("s1", "assistant")].offsets != "framed"
-    over = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, kl_budget=0.05))
+    # the same debate again: the reader finds its whole prompt as an exact prefix, copy or not
+    assert read.result.stats.mode == "prefix"
+    over = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=0.05))
     _debate(over, tokenizer, "You are a solver.")
     for kl in (0.2, 0.3):  # measured over the budget: the copy stays
         over.anchors.tracker.record_rerotated("s2", kl)

@@ -32,7 +32,9 @@ MEASURED_WITH = ("recompute_head", "experimental")
 def measured_alike(header: dict, settings: dict) -> bool:
     """Whether a file whose ``header`` holds the settings it was saved under measured as an
     engine of ``settings`` (both as JSON) would: equal on :data:`MEASURED_WITH`."""
-    saved = header.get("settings") or {}
+    saved = header.get("settings")
+    if not isinstance(saved, dict):
+        return False
     return all(name in settings and saved.get(name) == settings[name] for name in MEASURED_WITH)
 
 

@@ -38,6 +38,7 @@ Pure bookkeeping over floats: no tensors, no model.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -229,8 +230,10 @@ class OffsetTracker:
         0.94-1.07x dense where re-rotation only ran at 1.00-1.34x (with it: 1.00-1.35x, at
         re-rotation only's tokens and KL). One sample far under the budget is enough: on a
         graph's first request the second reader would otherwise compute the shared text again
-        only to confirm a measure a quarter of the budget or less (re-rotation with the 16-token
-        head measures 0.0000-0.0051 against the default budget of 0.015 on every workload)."""
+        only to confirm a measure a quarter of the budget or less (with the 16-token head,
+        re-rotation measured 0.0000-0.0051 per workload at 16-token replies, 0.0084-0.0326 at
+        32: the rule serves the first kind of graph sooner and waits for two samples on the
+        second)."""
         if budget is None:
             return False
         with self._lock:
@@ -257,10 +260,14 @@ class OffsetTracker:
         [kl, ...]}}``, oldest first. What was measured travels with the anchors it measured: an
         engine started from the file knows at its first call what re-rotation and the estimates
         cost on this model, and needs no new sample before trusting them."""
+        finite = math.isfinite  # a NaN sample (NaN logits) would make the whole file unloadable
         with self._lock:
-            return {"paired": [[receiver, list(kind), [[s.kl_on, s.kl_off] for s in samples]]
-                               for (receiver, kind), samples in self._samples.items()],
-                    "rerotated": {receiver: list(samples) for receiver, samples in self._rerotated.items()}}
+            paired = [[receiver, list(kind), [[s.kl_on, s.kl_off] for s in samples
+                                              if finite(s.kl_on) and finite(s.kl_off)]]
+                      for (receiver, kind), samples in self._samples.items()]
+            rerotated = {receiver: [kl for kl in samples if finite(kl)] for receiver, samples in self._rerotated.items()}
+        return {"paired": [entry for entry in paired if entry[2]],
+                "rerotated": {receiver: kls for receiver, kls in rerotated.items() if kls}}
 
     @staticmethod
     def parse_measurements(data: dict) -> "Measurements":
@@ -272,9 +279,19 @@ class OffsetTracker:
                 raise ValueError(f"a KL sample of {value}")
             return value
 
-        paired = {(str(receiver), tuple(str(k) for k in kind)): [PairedSample(kl(on), kl(off)) for on, off in samples]
+        def kind_of(value) -> Kind:
+            name, detail = value  # a kind is (name, detail or None)
+            return str(name), None if detail is None else str(detail)
+
+        def nonempty(samples: list) -> list:
+            if not samples:
+                raise ValueError("an empty list of samples")
+            return samples
+
+        paired = {(str(receiver), kind_of(kind)): nonempty([PairedSample(kl(on), kl(off)) for on, off in samples])
                   for receiver, kind, samples in data.get("paired", ())}
-        rerotated = {str(receiver): [kl(x) for x in samples] for receiver, samples in data.get("rerotated", {}).items()}
+        rerotated = {str(receiver): nonempty([kl(x) for x in samples])
+                     for receiver, samples in data.get("rerotated", {}).items()}
         return Measurements(paired, rerotated)
 
     def restore(self, measured: "Measurements") -> None:

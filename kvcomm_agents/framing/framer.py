@@ -75,8 +75,9 @@ class Framer:
         no copy, of shared text or of replies (on one device a text copy costs about the prefill
         it saves; a reply copy rides on the sender's decode, which its extra queries and mask
         slow by more than the reader's prefill of the reply saved on the development range)."""
+        # the anchors' budget, as the gate's: none without audits, so no reader is served re-rotated
         return (self.config.method == "kvcomm" and self.config.measured_rerotation
-                and self.anchors.tracker.rerotation_within_budget(reader, self.config.kl_budget))
+                and self.anchors.tracker.rerotation_within_budget(reader, self.anchors.kl_budget))
 
     def _rules(self, agent: str, n: int, new_tokens: int) -> list:
         """The reply framings learned for ``agent``'s replies that fit the model's positions after

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kvcomm_agents import AnchorFileError, KVCommConfig, KVCommEngine
+from kvcomm_agents.anchors.persist import measured_alike
+from kvcomm_agents.anchors.tracker import OffsetTracker
 
 from ..conftest import REPLY, replayed, solver_messages
 
@@ -211,3 +213,25 @@ def test_what_was_measured_travels_with_the_anchors(llama, tokenizer, tmp_path):
     with pytest.raises(AnchorFileError, match="malformed measurements"):
         other.load_anchors(_rewritten(path, tmp_path, malform))
     _assert_same(before, _state(other))
+
+
+def test_measurements_keep_a_kind_without_detail_and_drop_what_cannot_be_saved():
+    """A kind whose detail is None comes back as None (not "None", which no live kind matches);
+    a NaN sample (NaN logits) is left out of the file instead of making it unloadable; an empty
+    list of samples or a kind of another length is malformed; a header without settings as a
+    mapping measured unlike any engine."""
+    tracker = OffsetTracker()
+    tracker.record("s2", ("user", None), 0.01, 0.02)
+    tracker.record("s2", ("s1", "assistant"), float("nan"), 0.02)
+    tracker.record_rerotated("s3", float("nan"))
+    tracker.record_rerotated("s3", 0.001)
+    saved = tracker.measurements()
+    assert [entry[1] for entry in saved["paired"]] == [["user", None]] and saved["rerotated"] == {"s3": [0.001]}
+    parsed = OffsetTracker.parse_measurements(json.loads(json.dumps(saved)))
+    assert list(parsed.paired) == [("s2", ("user", None))]
+    for bad in ({"paired": [["s2", ["user", None], []]]}, {"rerotated": {"s3": []}},
+                {"paired": [["s2", ["user"], [[0.1, 0.2]]]]}):
+        with pytest.raises((ValueError, TypeError)):
+            OffsetTracker.parse_measurements(bad)
+    assert not measured_alike({"settings": "recompute_head=16"}, {"recompute_head": 16, "experimental": {}})
+    assert not measured_alike({}, {"recompute_head": 16, "experimental": {}})
