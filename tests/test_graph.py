@@ -39,16 +39,19 @@ def _run(model, tokenizer, workload, strategies, warmup=1):
 def test_every_forward_is_charged_to_its_graph(llama, tokenizer):
     """KVCOMM with an audit on every reused call and framed copies, a rogue strategy, pipelined
     prefill: a graph's tokens are what the model forwarded during its calls, whoever asked.
-    (Re-rotation is not trusted on measurement here: readers served re-rotated get no copies.)"""
+    (Re-rotation is not trusted on measurement for the audited one: readers served re-rotated
+    get no copies. The default, with its re-rotation checks, is charged the same way.)"""
     audited_settings = {"method": "kvcomm", "audit_every": 1, "recompute_head": 4, "measured_rerotation": False}
     strategies = [build("dense", llama, tokenizer), EngineStrategy("kvcomm-audited", llama, tokenizer, audited_settings),
                   Rogue("rogue", llama, tokenizer, {"method": "rerotate"}), build("pipelined", llama, tokenizer),
-                  build("lower-bound", llama, tokenizer)]
+                  build("lower-bound", llama, tokenizer), build("kvcomm-mean", llama, tokenizer)]
     workload = gsm8k_debate(requests=4, agents=3, reply_tokens=16, split="dev")
     records, _ = _run(llama, tokenizer, workload, strategies)
     by = lambda name: [r for r in records if r["strategy"] == name]  # noqa: E731
-    for r in by("dense") + by("kvcomm-audited"):
+    for r in by("dense") + by("kvcomm-audited") + by("kvcomm-mean"):
         assert r["model_tokens"] == sum(r["forwarded"].values())
+    # the default's re-rotation checks (a reuse prefill after a call it computed) are audit tokens
+    assert sum(r["forwarded"]["audit"] for r in by("kvcomm-mean")) > 0
     assert all(r["model_tokens"] == sum(r["forwarded"].values()) + EXTRA for r in by("rogue"))
     audited = by("kvcomm-audited")
     assert sum(r["forwarded"]["audit"] for r in audited) > 0 and sum(r["forwarded"]["copies"] for r in audited) > 0
