@@ -280,6 +280,8 @@ class OffsetTracker:
             return value
 
         def kind_of(value) -> Kind:
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"a kind of {value!r}")
             name, detail = value  # a kind is (name, detail or None)
             return str(name), None if detail is None else str(detail)
 

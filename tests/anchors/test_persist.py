@@ -230,7 +230,7 @@ def test_measurements_keep_a_kind_without_detail_and_drop_what_cannot_be_saved()
     parsed = OffsetTracker.parse_measurements(json.loads(json.dumps(saved)))
     assert list(parsed.paired) == [("s2", ("user", None))]
     for bad in ({"paired": [["s2", ["user", None], []]]}, {"rerotated": {"s3": []}},
-                {"paired": [["s2", ["user"], [[0.1, 0.2]]]]}):
+                {"paired": [["s2", ["user"], [[0.1, 0.2]]]]}, {"paired": [["s2", "us", [[0.1, 0.2]]]]}):
         with pytest.raises((ValueError, TypeError)):
             OffsetTracker.parse_measurements(bad)
     assert not measured_alike({"settings": "recompute_head=16"}, {"recompute_head": 16, "experimental": {}})
