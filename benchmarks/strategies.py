@@ -25,7 +25,8 @@ ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kv
 ``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-no-audit``,
 ``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation),
 ``kvcomm-unframed`` (no copies),
-``kvcomm-replies-framed`` (reply copies only); any engine strategy + ``-head-N`` (the first N
+``kvcomm-replies-framed`` (reply copies only), ``kvcomm-copies-always`` (text copies fed whatever
+they cost, ``text_copies_when_cheaper=False``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context).
 """
 
@@ -54,7 +55,7 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
-         "kvcomm-no-rerotation", "kvcomm-paper", "lower-bound")
+         "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -168,6 +169,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
         "kvcomm-unframed": {"method": "kvcomm", "gamma": gamma, "reply_copies": False, "text_copies": False},
         "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma, "text_copies": False},
+        "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, "text_copies_when_cheaper": False},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None, "recorded_versions": False},
         "kvcomm-no-rerotation": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False},
     }

@@ -125,6 +125,7 @@ class CallSteps:
                                  plan.reused_positions() if block is not None else None, masked=bool(plan.runs))
                 done = time.perf_counter()
             align_s = (assembled - hooked) + pre.align_s
+            self.framer.copy_cost.record_prefill(plan.num_prompt - plan.reused_tokens, done - hooked - align_s)
             framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
                                            new_tokens, self.device, calibrating=self.calibrating.active)
             yield PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,

@@ -274,6 +274,18 @@ class KVCommConfig(BaseModel):
             "False: each reader estimates offsets for the text or computes it."
         ),
     )
+    text_copies_when_cheaper: bool = Field(
+        default=True,
+        description=(
+            "Where text copies are computed each in a forward of its own (a CPU), feed them only "
+            "while they cost at most the prefill they spare their readers, per text id, as "
+            "measured on this engine's calls (kvcomm_agents.framing.cost): a copy that costs more "
+            "only moves work into the sender's turn, and the graph finishes later. Measured on "
+            "the embedded model on 2 CPU cores, copies cost 1.2-1.8x the prefill they spare, so "
+            "after the first two calls that feed some, readers compute the text themselves. "
+            "False: copies whatever they cost."
+        ),
+    )
     shared_runs: Literal["anywhere", "messages"] = Field(
         default="anywhere",
         description=(

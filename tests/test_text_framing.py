@@ -23,12 +23,12 @@ TASK = ("{} Write a function that returns the sum of the even numbers in a list 
 PLAN = "First filter the list, then add the even values, then return the total as an integer."
 
 
-def _pipeline(engine, tokenizer, requests: int = 2, reader_reads_plan: bool = False):
-    """``requests`` hand-offs of a planner (sender) and a reviewer (reader) that both read the
+def _pipeline(engine, tokenizer, requests: int = 2, reader_reads_plan: bool = False, first: int = 0):
+    """``requests`` hand-offs (tasks ``first``, ``first + 1``, ...) of a planner (sender) and a reviewer (reader) that both read the
     task after their own system text; returns the last planner result and reviewer replay."""
     plan_ids = tokenizer(PLAN, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     for r in range(requests):
-        task = TASK.format(("Zebra", "Quail", "Otter", "Moose")[r])
+        task = TASK.format(("Zebra", "Quail", "Otter", "Moose")[first + r])
         sent = engine.replay([{"role": "system", "content": SENDER_SYSTEM}, {"role": "user", "content": task}],
                              agent="planner", reply_ids=plan_ids).result
         messages = [{"role": "system", "content": READER_SYSTEM}, {"role": "user", "content": task}]
@@ -99,3 +99,46 @@ def test_no_copy_without_the_readers_prefix_or_when_switched_off(model, tokenize
     engine.store.clear()
     sent, read, _ = _pipeline(engine, tokenizer, requests=1)
     assert sent.stats.framed_versions == 0
+
+
+@pytest.mark.parametrize("when_cheaper", [True, False])
+def test_copies_measured_dearer_than_the_prefill_they_spare_are_not_fed_on_a_cpu(model, tokenizer, when_cheaper,
+                                                                                 monkeypatch):
+    """Computed alone (a CPU), the copies' measured seconds per text id are weighed against the
+    engine's prefill per id (kvcomm_agents.framing.cost): once they cost more, the planner feeds
+    none and the reviewer computes the task itself, its first token still dense's; with
+    ``text_copies_when_cheaper=False`` they are fed whatever they cost. The rates are set at the
+    ledger (this test's prompts are too short to be measured)."""
+    monkeypatch.setattr(framer_module, "texts_alone", lambda device: True)
+    engine = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, text_copies_when_cheaper=when_cheaper))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    _pipeline(engine, tokenizer, requests=1)  # the rule learned
+    cost = engine._framer.copy_cost
+    assert cost.pays()  # not measured yet: copies fed (test_the_later_reader_reuses_...)
+    for _ in range(cost.min_samples):
+        cost.record_prefill(1000, 1.0)
+        cost.record_copies(1000, 1.5)
+    assert not cost.pays()
+    sent, read, messages = _pipeline(engine, tokenizer, requests=1, first=1)
+    if when_cheaper:
+        assert sent.stats.framed_versions == 0 and "framed" not in _user_gate(read), read.result.stats.shared_decisions
+    else:
+        assert sent.stats.framed_versions == 1 and _user_gate(read) == ["framed"]
+    torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="reviewer"),
+                               atol=tol(1e-4), rtol=0)
+
+
+def test_copies_computed_alone_are_measured_on_the_engines_own_calls(model, tokenizer, monkeypatch):
+    """A call that feeds text copies alone records what they cost per text id; prefills of at
+    least MIN_PREFILL_IDS ids record the engine's rate (here: lowered to this test's prompts)."""
+    from kvcomm_agents.framing import cost as cost_module
+
+    monkeypatch.setattr(framer_module, "texts_alone", lambda device: True)
+    monkeypatch.setattr(cost_module, "MIN_PREFILL_IDS", 1)
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    sent, _, _ = _pipeline(engine, tokenizer, requests=2)
+    cost = engine._framer.copy_cost
+    assert sent.stats.framed_versions == 1 and len(cost._copies) == 1  # request 2's copy
+    (text_ids, seconds), = cost._copies
+    assert 0 < text_ids < sent.stats.prompt_tokens and seconds > 0
+    assert [n > 0 and s > 0 for n, s in cost._prefills] == [True] * 4  # every call's prefill

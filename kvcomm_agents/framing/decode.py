@@ -15,6 +15,7 @@ its KV is found with :meth:`FramedDecode.slot_positions` (the copies' slots read
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -175,6 +176,7 @@ class FramedDecode:
         self.texts_alone = texts_alone and bool(self.texts)
         self._prefixes_in = not self.texts or self.texts_alone  # the text copies' prefixes are in the cache
         self._texts_out = not self.texts or self.texts_alone  # the text copies' KV left the cache (or never entered)
+        self.texts_s = 0.0  # seconds computing the text copies alone (:meth:`flush`)
 
     def _queries(self, copies: Sequence[int], tokens: Sequence[int], take: int,
                  lead_outs: bool = False) -> tuple[list[int], list[int], list[int]]:
@@ -279,8 +281,10 @@ class FramedDecode:
         elif self.pending and self.rules:
             self._run(model, cache, self.pending, [], 1, 0)
         if self.texts_alone:
+            started = time.perf_counter()
             for text in self.texts:
                 _compute_alone(model, text)
+            self.texts_s += time.perf_counter() - started
         while self.text_left:
             self._run(model, cache, [], [], 1, self._take(max(len(t.ids) - t.fed for t in self.texts), 0))
 

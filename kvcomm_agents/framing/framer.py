@@ -1,6 +1,6 @@
 """The one object an engine's calls talk to about copies: which calls feed copies of their reply
-(:mod:`.replies`) and of their shared prompt text (:mod:`.texts`), and the versions recorded
-after each reply (:mod:`.record`).
+(:mod:`.replies`) and of their shared prompt text (:mod:`.texts`, where it pays: :mod:`.cost`),
+and the versions recorded after each reply (:mod:`.record`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from ..kv.segments import KVSegment
 from ..plan import CallPlan
 from ..prompt import PromptLayout
+from .cost import CopyCost
 from .decode import FramedDecode, copy_chunk, text_rate, texts_alone
 from .record import record_framed_versions, record_text_versions
 from .replies import ReaderFraming
@@ -38,6 +39,7 @@ class Framer:
         self.config, self.anchors, self.versions, self.info, self.store = config, anchors, versions, info, store
         self.reply_framing = ReaderFraming()
         self.text_framing = TextFraming()
+        self.copy_cost = CopyCost()  # text copies computed alone against the engine's prefill
         self._turns = itertools.count()  # calls that recorded reply versions (lead-outs take turns)
 
     @property
@@ -48,6 +50,7 @@ class Framer:
     def clear(self) -> None:
         self.reply_framing.clear()
         self.text_framing.clear()
+        self.copy_cost.clear()
 
     def for_call(self, plan: CallPlan, layout: PromptLayout, agent: str, fingerprint: str,
                  slot_positions: torch.Tensor, new_tokens: int, device, *,
@@ -63,11 +66,21 @@ class Framer:
         rules = self._rules(agent, n, new_tokens) if plan.first_estimated() >= n else []
         texts = (self.text_framing.copies_for(plan, layout, agent, self.store, fingerprint, limit,
                                               rerotates=self._rerotates)
-                 if self.config.text_copies else [])
+                 if self.texts_pay(device) else [])
         if not rules and not texts:
             return None
         return FramedDecode(rules, slot_positions, n, chunk=copy_chunk(device), texts=texts,
                             rate=text_rate(device, len(texts)), texts_alone=texts_alone(device))
+
+    def texts_pay(self, device) -> bool:
+        """Whether this call may feed text copies: ``text_copies`` on and, where they are
+        computed alone (a CPU) and ``text_copies_when_cheaper``, not measured to cost more per
+        text id than the engine's own prefill (:mod:`.cost`; riding on CUDA decode steps is
+        assumed to pay, never measured)."""
+        c = self.config
+        if not c.text_copies:
+            return False
+        return not (c.text_copies_when_cheaper and texts_alone(device)) or self.copy_cost.pays()
 
     def _rerotates(self, reader: str) -> bool:
         """Whether ``reader`` is served shared text re-rotated, measured within the KL budget
@@ -144,6 +157,10 @@ class Framer:
                 done += record_framed_versions(framing, cache, plan, reply, self.versions, self.info.rotator,
                                                self.store, fingerprint, next(self._turns))
             if framing.texts:
+                recording = time.perf_counter()
                 done += record_text_versions(framing, layout, self.store, fingerprint, self.versions,
                                              self.info.rotator)
+                if framing.texts_alone:  # what the copies cost, against the prefill they spare
+                    self.copy_cost.record_copies(sum(len(t.ids) for t in framing.texts if t.kv is not None),
+                                                 framing.texts_s + time.perf_counter() - recording)
         return done, time.perf_counter() - started
