@@ -24,6 +24,28 @@ def _graphs(records: list[dict]) -> dict[int, dict]:
     return out
 
 
+def _first_tokens_from_start(records: list[dict]) -> dict[tuple[int, int], float]:
+    """Per reader call ``(request, agent index > 1)``: seconds from its graph's start to its first
+    token, the calls before it in the graph (their copies, audits and checks included) plus its
+    own TTFT: when a user sees that agent answer."""
+    before: dict[tuple[int, int], float] = {}
+    out = {}
+    for r in records:
+        earlier = sum(q["wall_s"] for q in records if q["request"] == r["request"] and q["agent_index"] < r["agent_index"])
+        before[(r["request"], r["agent_index"])] = earlier
+        if r["agent_index"] > 1:
+            out[(r["request"], r["agent_index"])] = earlier + r["ttft_s"]
+    return out
+
+
+def _from_start_speedup(dense: list[dict], mine: list[dict]) -> Optional[float]:
+    """Median over readers, paired by call, of dense's time from the graph's start to the
+    reader's first token / the strategy's."""
+    d, m = _first_tokens_from_start(dense), _first_tokens_from_start(mine)
+    ratios = [d[k] / m[k] for k in m if k in d and m[k] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize_graphs(records: list[dict]) -> list[dict]:
     """One row per (phase, strategy) over the measured requests every strategy took part in:
 
@@ -37,7 +59,10 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
       included (decode, copies riding on it or fed after it, the audit, capture; not what a
       strategy computes ahead for its readers);
     - the readers' (agents 2..N) TTFT speed-up, KL, agreement and reuse from
-      :func:`benchmarks.report.summarize_calls`.
+      :func:`benchmarks.report.summarize_calls`;
+    - ``reader_from_start_speedup``: the readers' first token counted from the graph's start
+      (:func:`_first_tokens_from_start`), median ratio to dense's: work a strategy moves into an
+      earlier agent's turn (copies) shows here, not in the readers' TTFT.
     """
     measured = [r for r in records if not r["warmup"] and "wall_s" in r]
     rows = []
@@ -65,6 +90,8 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
                 "reader_ttft_speedup": readers["speedup_vs_dense"], "reader_kl_mean": readers["kl_mean"],
                 "reader_agree_32": readers["agree_32"], "reuse_rate": readers["reuse_rate"],
                 "shared_text_share": readers["shared_text_share"],
+                "reader_from_start_speedup": _from_start_speedup([r for r in mine if r["strategy"] == "dense"],
+                                                                 [r for r in mine if r["strategy"] == strategy]),
             })
     return rows
 
@@ -128,7 +155,8 @@ def _f(value, kind: str) -> str:
 GRAPH_COLUMNS = [("strategy", "strategy", None), ("graph s", "wall_median_s", "s"), ("x dense", "speedup_vs_dense", "x"),
                  ("of limit", "share_of_limit", "pct"), ("tokens", "tokens_mean", "n"),
                  ("x dense tok", "tokens_vs_dense", "x"), ("TPOT ms", "tpot_ms", "ms"),
-                 ("reader TTFT x", "reader_ttft_speedup", "x"), ("reader KL", "reader_kl_mean", "kl"),
+                 ("reader TTFT x", "reader_ttft_speedup", "x"), ("from start x", "reader_from_start_speedup", "x"),
+                 ("reader KL", "reader_kl_mean", "kl"),
                  ("agree 32", "reader_agree_32", "pct"), ("reuse", "reuse_rate", "pct"),
                  ("from cache", "shared_text_share", "pct")]
 
@@ -136,7 +164,7 @@ GRAPH_COLUMNS = [("strategy", "strategy", None), ("graph s", "wall_median_s", "s
 def format_graphs(rows: list[dict]) -> str:
     """A plain-text table of :func:`summarize_graphs` rows (one phase)."""
     cells = [[h for h, _, _ in GRAPH_COLUMNS]]
-    cells += [[str(r[k]) if kind is None else _f(r[k], kind) for _, k, kind in GRAPH_COLUMNS] for r in rows]
+    cells += [[str(r[k]) if kind is None else _f(r.get(k), kind) for _, k, kind in GRAPH_COLUMNS] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in cells)
@@ -148,7 +176,8 @@ GRAPH_LEGEND = (
     "of limit: time saved as a share of what the lower bound (shared text's prefill removed) saves; tokens: "
     "tokens forwarded through the model per graph (counted by a hook on the model); TPOT: time per output token "
     "after the first, everything after it included; reader TTFT x / KL / agree 32: agents 2..N against dense on "
-    "the same ids; reuse: calls with no shared text prefilled; from cache: the task's and replies' tokens "
+    "the same ids; from start x: the readers' first token counted from the graph's start (the calls before "
+    "them included), median ratio to dense's; reuse: calls with no shared text prefilled; from cache: the task's and replies' tokens "
     "served from cache.")
 
 
@@ -168,8 +197,8 @@ def front_table(summary: dict) -> str:
     competitor's speed-up, the limit, the default's share of it and its compute, the readers'
     TTFT speed-up and KL (re-rotation only's beside it), the verdict."""
     out = ["| workload | requests | dense graph s | default × dense | fastest other (× dense) | limit × dense | "
-           "default: % of limit | default tokens × dense | default reader TTFT × | default KL (re-rotation's) | "
-           "fastest / closest approximate |", "|---" * 11 + "|"]
+           "default: % of limit | default tokens × dense | default reader TTFT × (from the graph's start) | "
+           "default KL (re-rotation's) | fastest / closest approximate |", "|---" * 11 + "|"]
     for phase, info in summary["phases"].items():
         rows = {r["strategy"]: r for r in info.get("graphs", [])}
         if DEFAULT not in rows or "dense" not in rows:
@@ -186,7 +215,8 @@ def front_table(summary: dict) -> str:
             f"**{_f(d['speedup_vs_dense'], 'x')}** | "
             + (f"{_label(best['strategy'])} ({_f(best['speedup_vs_dense'], 'x')})" if best else "-")
             + f" | {_f(limit, 'x')} | {_f(d['share_of_limit'], 'pct')} | {_f(d['tokens_vs_dense'], 'x')} | "
-            f"{_f(d['reader_ttft_speedup'], 'x')} | {_f(d['reader_kl_mean'], 'kl')} ({_f(rerotate, 'kl')}) | "
+            f"{_f(d['reader_ttft_speedup'], 'x')} ({_f(d.get('reader_from_start_speedup'), 'x')}) | "
+            f"{_f(d['reader_kl_mean'], 'kl')} ({_f(rerotate, 'kl')}) | "
             f"{_label(verdict.get('fastest'))} / {_label(verdict.get('closest'))} |")
     return "\n".join(out)
 
@@ -205,7 +235,7 @@ def workload_tables(summary: dict) -> str:
         out.append("| " + " | ".join(h for h, _, _ in GRAPH_COLUMNS) + " |")
         out.append("|---" * len(GRAPH_COLUMNS) + "|")
         for r in info["graphs"]:
-            out.append("| " + " | ".join(_label(r[k]) if kind is None else _f(r[k], kind) for _, k, kind in GRAPH_COLUMNS)
+            out.append("| " + " | ".join(_label(r[k]) if kind is None else _f(r.get(k), kind) for _, k, kind in GRAPH_COLUMNS)
                        + " |")
         if info.get("first_request"):
             out.append("\nFirst request, nothing learned yet (readers' TTFT × dense, their prompt tokens from cache, "
