@@ -12,7 +12,9 @@ reports (``CallStats.audit_kl``). For ``method="kvcomm"`` the same pass also:
 
 When: every ``audit_every``-th reused call, and a reused call carrying estimated offsets of a
 kind the tracker has too few samples of for this receiver (or holds back under the budget, a
-probe), at most one in ``tracker.warmup_gap`` of the receiver's calls.
+probe), at most one in ``tracker.warmup_gap`` of the receiver's calls; with
+``experimental.audit_new_readers``, a receiver's first call served re-rotated on the other
+receivers' samples alone.
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ class CallAuditor:
         tracker = self.anchors.tracker
         kinds = plan.estimated_kinds() if kvcomm and not self.anchors.frozen else []
         warmup = bool(kinds) and tracker.warmup_audit_due(agent, kinds)
-        if self.reused_calls % self.config.audit_every and not warmup:
+        rerotated = kvcomm and not kinds and any(getattr(run.verdict, "rerotated", False) for run in plan.runs)
+        new_reader = (rerotated and self.config.experimental.audit_new_readers and not self.anchors.frozen
+                      and not tracker.rerotation_samples(agent))  # served on the others' samples alone
+        if self.reused_calls % self.config.audit_every and not warmup and not new_reader:
             return None
         tracker.audited(agent)
         kind = tracker.kind_to_flip(agent, kinds)
@@ -93,7 +98,7 @@ class CallAuditor:
             kl_flipped = first_token_kl(dense.logits, flipped_logits)
             on, off = (kl, kl_flipped) if plan.offsets_applied(kind) else (kl_flipped, kl)
             tracker.record(agent, kind, on, off)
-        if kvcomm and not kinds and any(getattr(run.verdict, "rerotated", False) for run in plan.runs):
+        if rerotated:
             tracker.record_rerotated(agent, kl)  # served re-rotated where the gate would compute: keep measuring
         self.capture.observe(plan.as_observed(), agent, hf.kv_reader(dense.cache, dense.slot_positions),
                              self.anchors if kvcomm else None)

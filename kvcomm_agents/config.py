@@ -89,6 +89,16 @@ class ExperimentalSettings(BaseModel):
     min_prefix_tokens: int = Field(
         default=4, ge=1, description="Shortest exact prefix worth keeping in the store after a call."
     )
+    audit_new_readers: bool = Field(
+        default=False,
+        description=(
+            "Audit a receiver's first call served re-rotated on other receivers' samples alone "
+            "(measured_rerotation), so that one reading unlike the others (an aggregator over many "
+            "short replies) gets a sample of its own after one call rather than after the "
+            "periodic audit finds it: one dense prefill per new receiver. Not measured on whole "
+            "graphs yet (benchmarks/LAB.md, 'A reader unlike the pool')."
+        ),
+    )
 
 
 class KVCommConfig(BaseModel):

@@ -118,3 +118,27 @@ def test_one_check_far_under_the_budget_is_enough(model, tokenizer):
         read = _hand_off(engine, tokenizer, 1).result
         task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
         assert task and any(d.gate.offsets == "rerotated" for d in task) == trusted, (budget, read.stats.decisions)
+
+
+def test_a_new_reader_served_on_the_pools_samples_is_audited_on_its_first_call(model, tokenizer):
+    """With ``experimental.audit_new_readers`` a second reviewer, served the task re-rotated on
+    the first reviewer's samples alone, is audited on that first call (dense prefill charged to
+    it) and has a sample of its own after it; without, the periodic audit is not due yet."""
+    from kvcomm_agents import ExperimentalSettings
+
+    plan_ids = tokenizer(PLAN, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for audit_new in (True, False):
+        engine = KVCommEngine(model, tokenizer, config=mechanics(
+            kl_budget=50.0, reply_copies=False, experimental=ExperimentalSettings(audit_new_readers=audit_new)))
+        for r in range(2):
+            _hand_off(engine, tokenizer, r)
+        engine.replay(_sender(_task(2)), agent="planner", reply_ids=plan_ids)
+        read = engine.replay(_reader(_task(2)), agent="second-reviewer", reply_ids=[tokenizer.eos_token_id]).result
+        task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
+        assert task and all(d.gate.offsets == "rerotated" for d in task), read.stats.decisions
+        own = engine.anchors.tracker.rerotation_samples("second-reviewer")
+        if audit_new:
+            assert read.stats.audit_kl is not None and read.stats.forwarded.audit >= read.stats.prompt_tokens
+            assert own == [read.stats.audit_kl]
+        else:
+            assert read.stats.audit_kl is None and own == []
