@@ -40,3 +40,13 @@ def test_short_prefills_and_empty_measures_are_not_counted():
 def test_bad_settings_are_refused(window, min_samples):
     with pytest.raises(ValueError):
         CopyCost(window=window, min_samples=min_samples)
+
+
+def test_one_slowed_prefill_does_not_decide():
+    """Rates are medians: a prefill slowed by something else on the machine is outvoted."""
+    cost = CopyCost(window=8, min_samples=2)
+    for seconds in (2.0, 2.1, 9.0):  # seconds per 1,000 ids; the last one slowed
+        cost.record_prefill(1000, seconds)
+    cost.record_copies(1000, 2.5)
+    cost.record_copies(1000, 2.5)
+    assert cost.rates() == pytest.approx((0.0025, 0.0021)) and not cost.pays()

@@ -20,6 +20,7 @@ Pure bookkeeping over floats: no tensors, no model.
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections import deque
 from typing import Optional
@@ -65,11 +66,14 @@ class CopyCost:
 
     @staticmethod
     def _rate(samples) -> float:
-        return sum(s for _, s in samples) / sum(n for n, _ in samples)
+        """The median of the samples' seconds per id: one forward slowed by something else on
+        the machine (a prefill sample is taken once per long call, and is kept for ``window``
+        of them) does not decide on its own."""
+        return statistics.median(s / n for n, s in samples)
 
     def rates(self) -> Optional[tuple[float, float]]:
-        """(copy seconds per text id, prefill seconds per id) over the recent measurements, or
-        None until each has ``min_samples``."""
+        """(copy seconds per text id, prefill seconds per id), each the median over the recent
+        measurements, or None until each has ``min_samples``."""
         with self._lock:
             if len(self._copies) < self.min_samples or len(self._prefills) < self.min_samples:
                 return None
