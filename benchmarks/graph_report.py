@@ -28,12 +28,11 @@ def _first_tokens_from_start(records: list[dict]) -> dict[tuple[int, int], float
     """Per reader call ``(request, agent index > 1)``: seconds from its graph's start to its first
     token, the calls before it in the graph (their copies, audits and checks included) plus its
     own TTFT: when a user sees that agent answer."""
-    before: dict[tuple[int, int], float] = {}
     out = {}
     for r in records:
-        earlier = sum(q["wall_s"] for q in records if q["request"] == r["request"] and q["agent_index"] < r["agent_index"])
-        before[(r["request"], r["agent_index"])] = earlier
         if r["agent_index"] > 1:
+            earlier = sum(q["wall_s"] for q in records
+                          if q["request"] == r["request"] and q["agent_index"] < r["agent_index"])
             out[(r["request"], r["agent_index"])] = earlier + r["ttft_s"]
     return out
 

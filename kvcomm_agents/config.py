@@ -290,9 +290,10 @@ class KVCommConfig(BaseModel):
             "Where text copies are computed each in a forward of its own (a CPU), feed them only "
             "while they cost at most the prefill they spare their readers, per text id, as "
             "measured on this engine's calls (kvcomm_agents.framing.cost): a copy that costs more "
-            "only moves work into the sender's turn, and the graph finishes later. Measured on "
-            "the embedded model on 2 CPU cores, copies cost 1.2-1.8x the prefill they spare, so "
-            "after the first two calls that feed some, readers compute the text themselves. "
+            "only moves work into the sender's turn, and the graph finishes later. On the "
+            "embedded model on 2 CPU cores they cost more than they spared on the RAG hand-off "
+            "and stopped after two calls (whole graph 0.93x -> 1.00x dense, development range, "
+            "benchmarks/LAB.md); on CUDA, where copies ride on decode steps, they are always fed. "
             "False: copies whatever they cost."
         ),
     )

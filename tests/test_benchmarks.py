@@ -270,3 +270,17 @@ def test_the_noise_floor_copies_a_model_its_meter_watched_before(llama, tokenize
         assert meter.tokens == before + 3  # the model keeps its meter
     finally:
         meter.close()
+
+
+def test_a_readers_first_token_counts_the_calls_before_it_from_the_graphs_start():
+    """Work moved into an earlier agent's turn (a copy) shows in the readers' time from the
+    graph's start, not in their TTFT."""
+    from benchmarks.graph_report import _first_tokens_from_start, _from_start_speedup
+
+    def call(agent, wall, ttft):
+        return {"request": 0, "agent_index": agent, "wall_s": wall, "ttft_s": ttft}
+
+    dense = [call(1, 4.0, 1.0), call(2, 4.0, 1.0), call(3, 4.0, 1.0)]
+    moved = [call(1, 6.0, 1.0), call(2, 3.0, 0.2), call(3, 3.0, 0.2)]  # copies in agent 1's turn
+    assert _first_tokens_from_start(moved) == pytest.approx({(0, 2): 6.2, (0, 3): 9.2})
+    assert _from_start_speedup(dense, moved) == pytest.approx((5 / 6.2 + 9 / 9.2) / 2)
