@@ -7,7 +7,10 @@ For each request, agent by agent, the strategies take turns in each slot, dense 
   from a cache);
 - every other strategy replays that reply one decode step per token (``stepwise``), so each
   call costs what a generated reply costs (its copies ride on the same steps), and its first
-  token's KL and greedy agreement are taken against dense on the same ids;
+  token's KL and greedy agreement are taken against dense on the same ids; on a request that
+  not every strategy runs (the decision strategies' extra requests: their graphs are not
+  timed, only their decisions compared) the reply is fed in one forward, as in a warm-up;
+- a ``decider_only`` strategy (the bf16 noise floor) takes part in the last agent's call only;
 - a strategy that computes ahead (pipelined exact prefill) gets, right after the sender's reply
   and inside the sender's turn, every later reader's prompt as far as it is known;
 - where the workload's last agent decides (a judge, an aggregator), a strategy whose greedy run
@@ -107,11 +110,14 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
         reply_ids: list[list[int]] = []
         picks: dict[str, Optional[str]] = {}
         measured = r >= warmup
+        # a graph is timed where every strategy runs it whole: elsewhere replies are fed at once
+        timed = measured and all(s.takes_part(r) for s in strategies if not s.decider_only)
+        kls: dict[str, Optional[float]] = {}
         for k, agent in enumerate(request.agents):
             messages = request.messages(k, replies)
             shared = request.shared_texts(k, replies)
             last = k + 1 == len(request.agents)
-            taking_part = [s for s in strategies if s.takes_part(r)]
+            taking_part = [s for s in strategies if s.takes_part(r) and (last or not s.decider_only)]
             order = [taking_part[0]] + _rotated(taking_part[1:], r + k)
             outcomes: dict[str, CallOutcome] = {}
             costs: dict[str, tuple[float, float, int]] = {}  # wall s, call s, tokens
@@ -120,7 +126,7 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
                 with meter.measuring() as tokens:
                     started = time.perf_counter()
                     out = strategy.call(messages, agent, forced, max_new_tokens=workload.reply_tokens,
-                                        stepwise=measured, shared_texts=shared)
+                                        stepwise=timed, shared_texts=shared)
                     called = time.perf_counter()
                     if strategy.name == "dense":
                         reply_ids.append(list(out.token_ids))
@@ -151,10 +157,11 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
                 })
                 if last and workload.decider and measured and strategy.generates:
                     picks[strategy.name] = _decision(workload, strategy, out, messages, agent, replies, meter)
+                    kls[strategy.name] = records[-1]["kl"]
             progress(1)
         if picks:
             answers.append({"phase": phase, "request": r, "key": request.key, "warmup": not measured,
-                            "gold": request.gold, "answers": picks})
+                            "gold": request.gold, "answers": picks, "kl": kls})
         checkpoint(records)
     return records, answers
 

@@ -63,7 +63,8 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
       (:func:`_first_tokens_from_start`), median ratio to dense's: work a strategy moves into an
       earlier agent's turn (copies) shows here, not in the readers' TTFT.
     """
-    measured = [r for r in records if not r["warmup"] and "wall_s" in r]
+    # the noise floor runs the deciding agent's calls only: a reference for decisions, not a graph
+    measured = [r for r in records if not r["warmup"] and "wall_s" in r and not r["strategy"].startswith("noise-floor")]
     rows = []
     for phase in sorted({r["phase"] for r in measured}):
         mine = [r for r in measured if r["phase"] == phase]
@@ -96,10 +97,9 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
 
 
 def _everyones(records: list[dict]) -> set[int]:
-    """The requests every strategy took part in (a row measured on a subset, the bf16 noise
-    floor, left out of the count)."""
-    sets = [{r["request"] for r in records if r["strategy"] == s} for s in {r["strategy"] for r in records}
-            if not s.startswith("noise-floor")]
+    """The requests every strategy took part in (the decision strategies' extra requests are
+    left out)."""
+    sets = [{r["request"] for r in records if r["strategy"] == s} for s in {r["strategy"] for r in records}]
     return set.intersection(*sets) if sets else set()
 
 
@@ -110,14 +110,17 @@ def _ratio_median(dense: dict[int, dict], graphs: dict[int, dict]) -> Optional[f
 
 def summarize_decisions(answers: list[dict]) -> list[dict]:
     """Per strategy: how often the decider (judge, aggregator) picks what it picks under dense
-    prefill on the same candidates (judge consistency), and its accuracy where gold is known."""
+    prefill on the same candidates (judge consistency), its accuracy where gold is known, and
+    ``decider_kl_mean``, the mean first-token KL(dense || strategy) of the decider's calls."""
     measured = [a for a in answers if not a["warmup"]]
     names = sorted({n for a in measured for n in a["answers"]}, key=_order)
     rows = []
     for name in names:
         both = [a for a in measured if name in a["answers"] and "dense" in a["answers"]]
         gold = [a for a in both if a["gold"] is not None]
+        kls = [a["kl"][name] for a in both if (a.get("kl") or {}).get(name) is not None]
         rows.append({"strategy": name, "requests": len(both),
+                     "decider_kl_mean": statistics.fmean(kls) if kls else None,
                      "same_as_dense": sum(a["answers"][name] == a["answers"]["dense"] for a in both) / len(both)
                      if both else None,
                      "accuracy": sum(a["answers"][name] == a["gold"] for a in gold) / len(gold) if gold else None})
@@ -243,9 +246,10 @@ def workload_tables(summary: dict) -> str:
                 f"{_f(row.get('kl'), 'kl')}"
                 for name, row in info["first_request"].items()) + ".")
         if info.get("decisions"):
-            out.append("\n| decider under | picks as under dense | accuracy | requests |\n|---|---|---|---|")
+            out.append("\n| decider under | picks as under dense | decider's first-token KL | accuracy | requests |\n"
+                       "|---|---|---|---|---|")
             for r in info["decisions"]:
-                out.append(f"| {_label(r['strategy'])} | {_f(r['same_as_dense'], 'pct')} | {_f(r['accuracy'], 'pct')} | "
-                           f"{r['requests']} |")
+                out.append(f"| {_label(r['strategy'])} | {_f(r['same_as_dense'], 'pct')} | "
+                           f"{_f(r.get('decider_kl_mean'), 'kl')} | {_f(r['accuracy'], 'pct')} | {r['requests']} |")
         out.append("")
     return "\n".join(out)

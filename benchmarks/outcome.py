@@ -48,13 +48,16 @@ class Strategy:
         generates: can run end to end (feeding itself).
         computes_ahead: :meth:`ahead` computes something (pipelined prefill).
         requests: indices of the requests it takes part in (None: all), for the rows measured
-            on a subset (the noise floor, the decision strategies' extra requests).
+            on a subset (the decision strategies' extra requests).
+        decider_only: takes part only in the call of a workload's last agent (the bf16 noise
+            floor: its drift is measured where the decision is made, not a graph of its own).
     """
 
     name: str
     generates: bool = True
     computes_ahead: bool = False
     requests: Optional[range] = None
+    decider_only: bool = False
 
     def takes_part(self, request: int) -> bool:
         return self.requests is None or request in self.requests

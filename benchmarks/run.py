@@ -52,8 +52,9 @@ class Profile:
     sizes: dict = field(default_factory=dict)
     a_shape: tuple = (5, 256, 512, 64)  # (a): agents N, own text P, shared input I, reply O tokens
     h_reply_tokens: int = 32
-    #: per deciding phase ((b), (i)), the bf16 noise floor on its first measured requests
-    noise_requests: dict = field(default_factory=dict)
+    #: deciding phases ((b), (i)) with the bf16 noise floor on the decider's call of every
+    #: measured request
+    noise_floor: tuple = ()
     #: (b) and (i): measured requests after the sizes' on which only the decision strategies run
     #: (judge consistency needs 20+ requests; whole-graph rows use the requests every strategy ran)
     decision_requests: int = 0
@@ -65,8 +66,8 @@ class Profile:
         return (f"profile {self.name}: replies <= {self.reply_tokens} tokens ((h) <= {self.h_reply_tokens}); (a) "
                 f"N={self.a_shape[0]} P={self.a_shape[1]} I={self.a_shape[2]} O={self.a_shape[3]}; warm-up + "
                 f"measured requests: {sizes}, and {self.decision_requests} more on (b) and (i) for "
-                f"{', '.join(DECISION_STRATEGIES)} only; bf16 noise floor on "
-                f"{', '.join(f'{n} of ({p})' for p, n in self.noise_requests.items()) or 'none'}; end to end "
+                f"{', '.join(DECISION_STRATEGIES)} and the ablations named only; bf16 noise floor on the decider's "
+                f"calls of {', '.join(f'({p})' for p in self.noise_floor) or 'none'}; end to end "
                 f"{self.e2e_requests} requests (replies <= {self.e2e_reply_tokens})")
 
 
@@ -74,7 +75,7 @@ PROFILES = {
     "default": Profile("default", reply_tokens=32, a_shape=(5, 256, 512, 32),
                        sizes={"a": (2, 2), "b": (2, 4), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 2),
                               "g": (2, 4), "h": (1, 3), "i": (2, 3)},
-                       noise_requests={"b": 20, "i": 10}, decision_requests=17, e2e_reply_tokens=32),
+                       noise_floor=("b", "i"), decision_requests=17, e2e_reply_tokens=32),
     "quick": Profile("quick", reply_tokens=16, h_reply_tokens=16, a_shape=(4, 128, 256, 16),
                      sizes={p: (1, 1) for p in GRAPH_PHASES}, e2e_requests=3, e2e_reply_tokens=16),
     "smoke": Profile("smoke", reply_tokens=4, h_reply_tokens=4, a_shape=(3, 24, 48, 4),
@@ -194,12 +195,11 @@ def run_phase(ctx: Context, phase: str) -> dict:
         strategies = _strategies(ctx, names)
         if phase in DECIDING_PHASES and ctx.profile.decision_requests:
             everyone = range(len(workload.requests) - ctx.profile.decision_requests)
-            for strategy in strategies:
-                if strategy.name not in DECISION_STRATEGIES:
+            for strategy in strategies:  # an ablation named is compared on the decisions too
+                if strategy.name not in DECISION_STRATEGIES and strategy.name in DEFAULT_NAMES:
                     strategy.requests = everyone
-        noise = ctx.profile.noise_requests.get(phase, 0)
-        if phase in DECIDING_PHASES and noise:  # the drift that is not reuse's, same run
-            floor = noise_floor(ctx.loaded.model, ctx.loaded.tokenizer, requests=range(warmup, warmup + noise))
+        if phase in DECIDING_PHASES and phase in ctx.profile.noise_floor:  # the drift that is not reuse's, same run
+            floor = noise_floor(ctx.loaded.model, ctx.loaded.tokenizer, requests=range(warmup, len(workload.requests)))
             ctx.meter.watch(floor.engine.model)
             strategies.append(floor)
         bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")

@@ -26,7 +26,8 @@ ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kv
 ``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation),
 ``kvcomm-unframed`` (no copies),
 ``kvcomm-replies-framed`` (reply copies only), ``kvcomm-copies-always`` (text copies fed whatever
-they cost, ``text_copies_when_cheaper=False``); any engine strategy + ``-head-N`` (the first N
+they cost, ``text_copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
+served on other receivers' samples audited, ``experimental.audit_new_readers``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context).
 """
 
@@ -55,7 +56,7 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
-         "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-paper", "lower-bound")
+         "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-audit-new", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -172,6 +173,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, "text_copies_when_cheaper": False},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None, "recorded_versions": False},
         "kvcomm-no-rerotation": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False},
+        "kvcomm-audit-new": {"method": "kvcomm", "gamma": gamma,
+                             "experimental": ExperimentalSettings(audit_new_readers=True)},
     }
     base, update = _split(name)
     if update and base in table:  # any engine strategy with recompute_head=N
@@ -209,9 +212,12 @@ def _copy_without_hooks(model):
 
 
 def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16, requests: Optional[range] = None) -> EngineStrategy:
-    """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's
-    (only on ``requests``, if given: on a CPU, bf16 is several times slower than fp32)."""
+    """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's,
+    measured on the deciding agent's calls only (``decider_only``; on a CPU bf16 runs several
+    times slower than fp32, and dense reuses nothing, so the other agents' calls tell nothing
+    the decider's does not), on ``requests`` if given."""
     other = _copy_without_hooks(model).to(dtype)
     strategy = EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"method": "dense"})
     strategy.requests = requests
+    strategy.decider_only = True
     return strategy

@@ -95,3 +95,44 @@ def test_the_decider_is_compared_with_dense_on_the_same_candidates(llama, tokeni
     assert len(answers) == 2 and all(set(a["answers"]) == {"dense", "rerotate"} for a in answers)
     rows = {row["strategy"]: row for row in summarize_decisions(answers)}
     assert rows["dense"]["same_as_dense"] == 1.0 and rows["rerotate"]["requests"] == 2
+
+
+class Spy(EngineStrategy):
+    """An engine strategy that notes, per replayed call, the agent and whether the reply was fed one
+    step per token (a decision generated apart is not a replay)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def call(self, messages, agent, forced_ids=None, max_new_tokens=128, *, stepwise=True, shared_texts=()):
+        if forced_ids is not None:
+            self.calls.append((agent, stepwise))
+        return super().call(messages, agent, forced_ids, max_new_tokens, stepwise=stepwise, shared_texts=shared_texts)
+
+
+def test_decision_only_requests_feed_replies_at_once_and_the_noise_floor_runs_the_decider_only(llama, tokenizer):
+    """A request that not every strategy runs is not timed (its replies are fed in one forward);
+    the bf16 noise floor takes part in the decider's calls only and is a decision row, not a graph."""
+    from benchmarks.strategies import noise_floor
+
+    workload = fan_out(requests=3, reply_tokens=4, split="dev")
+    deciding = Spy("rerotate", llama, tokenizer, {"method": "rerotate", "audit_every": 0})
+    timed_only = Spy("prefix", llama, tokenizer, {"method": "exact_prefix", "audit_every": 0})
+    timed_only.requests = range(2)
+    floor = noise_floor(llama, tokenizer, requests=range(1, 3))
+    records, answers = _run(llama, tokenizer, workload, [build("dense", llama, tokenizer), deciding, timed_only, floor])
+    agents = [len(r.agents) for r in workload.requests]
+    # request 0 a warm-up, 1 timed (every strategy), 2 the decision strategies' only
+    assert [s for _, s in deciding.calls] == [False] * agents[0] + [True] * agents[1] + [False] * agents[2]
+    assert [s for _, s in timed_only.calls] == [False] * agents[0] + [True] * agents[1]
+    ours = [r for r in records if r["strategy"] == floor.name]
+    assert [(r["request"], r["agent_index"]) for r in ours] == [(1, agents[1]), (2, agents[2])]  # 1-based
+    assert floor.name not in {row["strategy"] for row in summarize_graphs(records)}
+    rows = {row["strategy"]: row for row in summarize_decisions(answers)}
+    assert rows[floor.name]["requests"] == 2 and rows["prefix"]["requests"] == 1
+    # the decider's KL is the decider's call's, per strategy
+    assert rows[floor.name]["decider_kl_mean"] > 0 and rows["dense"]["decider_kl_mean"] == 0.0
+    expected = sum(r["kl"] for r in records if r["strategy"] == "rerotate" and not r["warmup"]
+                   and r["agent_index"] == agents[r["request"]]) / 2
+    assert rows["rerotate"]["decider_kl_mean"] == pytest.approx(expected)
