@@ -34,6 +34,20 @@ from .prefill_cost import PrefillCost
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
 
+#: the head every reused run gets, up to ``recompute_head``: a run no longer than it is computed
+#: whole (a few re-rotated ids save little and end the prompt's exact prefix)
+HEAD_FLOOR = 16
+
+
+def computed_head(cap: int, length: int) -> int:
+    """Tokens at the start of a reused run of ``length`` tokens computed in context: half the run,
+    at most ``cap`` (``KVCommConfig.recompute_head``), at least ``min(cap, HEAD_FLOOR)``, never
+    more than the run. The tokens right after a change of context deviate most; on a long run
+    a longer head repairs more of them for a small share of its ids."""
+    if cap <= 0 or length <= 0:
+        return 0
+    return min(length, max(min(cap, HEAD_FLOOR), min(cap, length // 2)))
+
 __all__ = ["plan_call"]
 
 logger = logging.getLogger("kvcomm_agents")
@@ -213,7 +227,7 @@ class _RunDecider:
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
                 head = 0  # a version computed after the same text: no change of context to repair
-            taken = 0 if continues0 else min(head, max(length0, 0))
+            taken = 0 if continues0 else computed_head(head, length0)
             first_p, first_s = p0 + taken, s0 + taken
             tokens = (first_s, end_s) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
@@ -246,7 +260,7 @@ class _RunDecider:
             # a run after a gap has its head even where a framed version fits the first run: the
             # ids before it (the gap's, computed) are not the version's
             first_head = head if index == 0 else self.config.recompute_head
-            taken = 0 if continues_prefix else min(first_head, max(length, 0))
+            taken = 0 if continues_prefix else computed_head(first_head, length)
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))
