@@ -28,7 +28,7 @@ ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kv
 ``kvcomm-replies-framed`` (reply copies only), ``kvcomm-copies-always`` (text copies fed whatever
 they cost, ``text_copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
 served on other receivers' samples audited, ``experimental.audit_new_readers``); any engine strategy + ``-head-N`` (the first N
-tokens of every reused run computed in context).
+tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
 """
 
 from __future__ import annotations
@@ -135,15 +135,18 @@ PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recorded_ver
          "text_copies": False, "experimental": ExperimentalSettings(estimator="weighted")}
 
 
-#: the suffix an engine strategy's name may take: ``-head-N`` recomputes the first N tokens of
-#: each reused run
-_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?")
+#: the suffixes an engine strategy's name may take: ``-head-N`` recomputes the first N tokens of
+#: each reused run, ``-short-N`` computes whole every approximate run of at most N tokens
+_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?")
 
 
 def _split(name: str) -> tuple[str, dict]:
-    """A strategy name as its base name and the settings its suffix sets."""
+    """A strategy name as its base name and the settings its suffixes set."""
     match = _SUFFIXES.fullmatch(name)
-    return match["base"], ({} if match["head"] is None else {"recompute_head": int(match["head"])})
+    update = {} if match["head"] is None else {"recompute_head": int(match["head"])}
+    if match["short"] is not None:
+        update["recompute_short_runs"] = int(match["short"])
+    return match["base"], update
 
 
 def known(name: str) -> bool:

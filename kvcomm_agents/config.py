@@ -232,6 +232,14 @@ class KVCommConfig(BaseModel):
             "0: off."
         ),
     )
+    recompute_short_runs: int = Field(
+        default=0, ge=0,
+        description=(
+            "Compute in context, whole, every reused run of at most N tokens that no version "
+            "computed after the same text serves (a re-rotated or estimated run: a short reply, "
+            "a note, a question). 0: only runs within recompute_head."
+        ),
+    )
     recorded_versions: bool = Field(
         default=True,
         description=(

@@ -34,19 +34,13 @@ from .prefill_cost import PrefillCost
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
 
-#: the head every reused run gets, up to ``recompute_head``: a run no longer than it is computed
-#: whole (a few re-rotated ids save little and end the prompt's exact prefix)
-HEAD_FLOOR = 16
-
-
-def computed_head(cap: int, length: int) -> int:
-    """Tokens at the start of a reused run of ``length`` tokens computed in context: half the run,
-    at most ``cap`` (``KVCommConfig.recompute_head``), at least ``min(cap, HEAD_FLOOR)``, never
-    more than the run. The tokens right after a change of context deviate most; on a long run
-    a longer head repairs more of them for a small share of its ids."""
-    if cap <= 0 or length <= 0:
+def computed_head(head: int, length: int, whole_up_to: int = 0) -> int:
+    """Tokens at the start of a reused run of ``length`` tokens computed in context: the whole
+    run where it is at most ``whole_up_to`` tokens (``KVCommConfig.recompute_short_runs``) or
+    ``head`` long, else its first ``head`` (``KVCommConfig.recompute_head``)."""
+    if length <= 0:
         return 0
-    return min(length, max(min(cap, HEAD_FLOOR), min(cap, length // 2)))
+    return length if length <= whole_up_to else min(head, length)
 
 __all__ = ["plan_call"]
 
@@ -215,7 +209,7 @@ class _RunDecider:
                           p < prefix_len) for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict, gate = None, None
-        head = self.config.recompute_head
+        head, short = self.config.recompute_head, self.config.recompute_short_runs
         if beyond_prefix and self.config.method == "exact_prefix":
             return "prefilled", "exact_only", in_prefix, None  # the rest is computed
         if beyond_prefix and self.anchors is not None:
@@ -227,7 +221,7 @@ class _RunDecider:
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
                 head = 0  # a version computed after the same text: no change of context to repair
-            taken = 0 if continues0 else computed_head(head, length0)
+            taken = 0 if continues0 else computed_head(head, length0, short if head else 0)
             first_p, first_s = p0 + taken, s0 + taken
             tokens = (first_s, end_s) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
@@ -260,7 +254,7 @@ class _RunDecider:
             # a run after a gap has its head even where a framed version fits the first run: the
             # ids before it (the gap's, computed) are not the version's
             first_head = head if index == 0 else self.config.recompute_head
-            taken = 0 if continues_prefix else computed_head(first_head, length)
+            taken = 0 if continues_prefix else computed_head(first_head, length, short if first_head else 0)
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))

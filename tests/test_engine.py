@@ -9,7 +9,6 @@ from kvcomm_agents import (
 )
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.prompt import render_prompt
-from kvcomm_agents.planner import computed_head
 from kvcomm_agents.testing import tiny_llama
 
 from .conftest import QUESTION, REPLY, first_logits, forced, replayed, solver_messages
@@ -347,9 +346,8 @@ def test_shared_text_inside_a_new_message_is_found_by_token_runs(model, tokenize
 
 
 def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, tokenizer, make_engine):
-    """``recompute_head=4``: every reused run gives up its first 4 tokens to the prefill; a
-    longer cap takes up to half of each run (``planner.computed_head``), and the tokens it
-    takes are computed in context."""
+    """``recompute_head=4``: every reused run gives up its first 4 tokens to the
+    prefill; a head as long as the runs leaves nothing reused and the call equals dense."""
     def second_call(head: int):
         engine = make_engine(llama, prefix_cache=False, recompute_head=head)
         first = replayed(engine, solver_messages("You are solver one."), "s1")
@@ -363,7 +361,25 @@ def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, toke
     covered = lambda stats: {p for a, b in stats.reused_spans for p in range(a, b)}  # noqa: E731
     heads = covered(plain.result.stats) - covered(headed.result.stats)
     assert len(heads) == 4 * len(runs) and covered(headed.result.stats) <= covered(plain.result.stats)
-    halved, _ = second_call(10_000)
-    lengths = [b - a for a, b in plain.result.stats.reused_spans]
-    assert halved.result.stats.reused_tokens == sum(n - computed_head(10_000, n) for n in lengths)
-    assert covered(halved.result.stats) < covered(headed.result.stats)
+    whole, _ = second_call(10_000)
+    assert whole.result.stats.reused_tokens == 0
+    dense = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages, agent="s2")
+    torch.testing.assert_close(whole.first_token_logits, dense, atol=1e-4, rtol=0)
+
+
+def test_short_runs_are_computed_whole_and_long_ones_keep_their_head(llama, tokenizer, make_engine):
+    """``recompute_short_runs=N``: a re-rotated run of at most N tokens is computed in context,
+    a longer one loses only its head."""
+    def second_call(short: int):
+        engine = make_engine(llama, prefix_cache=False, recompute_head=4, recompute_short_runs=short)
+        first = replayed(engine, solver_messages("You are solver one."), "s1")
+        messages = solver_messages("You are solver two.", first.text)
+        return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]).result.stats
+
+    plain = second_call(0)
+    lengths = sorted(b - a + 4 for a, b in plain.reused_spans)  # each run with its 4-token head
+    assert len(lengths) >= 2 and lengths[0] < lengths[-1]
+    cut = lengths[0]  # the shortest run is computed whole, the others keep theirs
+    shorter = second_call(cut)
+    assert shorter.reused_tokens == plain.reused_tokens - (cut - 4)
+    assert second_call(lengths[-1]).reused_tokens == 0

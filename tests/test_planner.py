@@ -103,13 +103,9 @@ def test_kvcomm_without_anchors_computes_from_the_first_new_segment_on():
     assert anchors.nbytes() == 0  # planning records nothing
 
 
-def test_the_computed_head_is_half_a_run_within_the_floor_and_the_cap():
-    from kvcomm_agents.planner import HEAD_FLOOR, computed_head
+def test_short_approximate_runs_are_computed_whole():
+    from kvcomm_agents.planner import computed_head
 
-    assert computed_head(0, 500) == 0 and computed_head(64, 0) == 0
-    assert computed_head(4, 500) == 4  # a cap under the floor is the head
-    assert computed_head(64, 10) == 10  # a run no longer than the floor is computed whole
-    assert computed_head(64, 30) == HEAD_FLOOR  # short runs keep the floor
-    assert computed_head(64, 100) == 50  # half a run
-    assert computed_head(64, 1500) == 64  # at most the cap
-    assert computed_head(16, 1500) == 16
+    assert computed_head(16, 0) == 0 and computed_head(0, 500) == 0
+    assert computed_head(16, 500) == 16 and computed_head(16, 10) == 10  # a run within the head: whole
+    assert computed_head(16, 64, 64) == 64 and computed_head(16, 65, 64) == 16
