@@ -11,11 +11,11 @@ and the timing points. The competitors every run compares (``DEFAULT_NAMES``):
 - ``pipelined``: exact prefix caching, and every later reader's known prompt computed exactly in
   the sender's turn (:class:`PipelinedPrefill`).
 - ``rerotate``: shared text re-rotated, no offsets (``method="rerotate"``), with the default's
-  4-token head recompute.
+  16-token head and its short runs (at most 64 tokens) computed.
 - ``cacheblend``: re-rotation plus CacheBlend-style selective recompute of the given share
   (``benchmarks.cacheblend``, through the engine's plan hook).
 - ``kvcomm-paper``: KVCOMM as the paper sets it: the similarity-weighted estimate, the entropy
-  gate, ``kl_budget=None``, no audits, versions, copies or head.
+  gate, ``kl_budget=None``, no audits, versions, copies, head or short runs computed.
 - ``kvcomm-mean``: the library default (``KVCommConfig()`` with the run's gamma).
 - ``lower-bound``: the workload's limit (:class:`~benchmarks.competitors.LowerBound`).
 
@@ -131,7 +131,7 @@ class PipelinedPrefill(EngineStrategy):
 
 #: the paper's KVCOMM: no head recompute, no recorded versions or copies, its similarity-weighted
 #: estimate, no KL budget or audits
-PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recorded_versions": False, "reply_copies": False,
+PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recompute_short_runs": 0, "recorded_versions": False, "reply_copies": False,
          "text_copies": False, "experimental": ExperimentalSettings(estimator="weighted")}
 
 
@@ -162,12 +162,13 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "prefix": {"method": "exact_prefix", "audit_every": 0},
         "pipelined": {"method": "exact_prefix", "audit_every": 0},
         "rerotate": {"method": "rerotate", "audit_every": 0},
-        "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0},
+        "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_short_runs": 0},
         "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, **PAPER},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
-        "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "shared_runs": "messages"},
+        "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_short_runs": 0,
+                              "shared_runs": "messages"},
         "kvcomm-messages": {"method": "kvcomm", "gamma": gamma, "shared_runs": "messages"},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},

@@ -220,8 +220,8 @@ class _RunDecider:
             p0, s0, length0, continues0 = beyond_prefix[0]
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
-                head = 0  # a version computed after the same text: no change of context to repair
-            taken = 0 if continues0 else computed_head(head, length0, short if head else 0)
+                head = short = 0  # a version computed after the same text: no change of context to repair
+            taken = 0 if continues0 else computed_head(head, length0, short)
             first_p, first_s = p0 + taken, s0 + taken
             tokens = (first_s, end_s) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
@@ -253,8 +253,9 @@ class _RunDecider:
             # exact prefix that already holds them (a repeated prompt then reuses what it reused);
             # a run after a gap has its head even where a framed version fits the first run: the
             # ids before it (the gap's, computed) are not the version's
-            first_head = head if index == 0 else self.config.recompute_head
-            taken = 0 if continues_prefix else computed_head(first_head, length, short if first_head else 0)
+            first_head, first_short = (head, short) if index == 0 else (self.config.recompute_head,
+                                                                        self.config.recompute_short_runs)
+            taken = 0 if continues_prefix else computed_head(first_head, length, first_short)
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))

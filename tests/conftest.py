@@ -76,9 +76,10 @@ def model(request, llama, qwen2):
 
 
 #: Tests of the reuse mechanics run on short texts (the tiny tokenizer: replies and shared
-#: messages of 10-40 ids). They pin the run head at 4 ids, so that such runs are re-rotated (the
-#: default's 16 computes a run that short whole): what they check is the mechanics of reuse.
-MECHANICS = {"recompute_head": 4}
+#: messages of 10-40 ids). They pin the run head at 4 ids and compute no short run whole, so that
+#: such runs are re-rotated (the default computes runs of up to 64 ids whole): what they check is
+#: the mechanics of reuse.
+MECHANICS = {"recompute_head": 4, "recompute_short_runs": 0}
 
 
 def mechanics(**config) -> KVCommConfig:

@@ -9,7 +9,7 @@ from kvcomm_agents import embedded
 from kvcomm_agents.support import check_rerotation, rotator_from_config
 from kvcomm_agents.testing import tiny_llama, tiny_tokenizer
 
-from .conftest import solver_messages
+from .conftest import mechanics, solver_messages
 
 
 def small(config_class, tokenizer, **fields):
@@ -93,7 +93,7 @@ def test_missing_chat_template_is_refused():
 def test_sliding_window_is_used_only_when_it_covers_the_call(tokenizer):
     torch.manual_seed(0)
     model = MistralForCausalLM(small(MistralConfig, tokenizer, sliding_window=90, head_dim=16)).eval()
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate"))
+    engine = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate"))  # short texts re-rotated
     engine.chat(solver_messages("You are solver one."), agent="a", max_new_tokens=2)
     fits = engine.chat(solver_messages("You are solver two."), agent="b", max_new_tokens=2)
     assert fits.stats.mode == "reuse"

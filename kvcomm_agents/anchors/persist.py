@@ -25,8 +25,8 @@ __all__ = ["FORMAT", "MEASURED_WITH", "save_pools", "load_pools", "measured_alik
 
 FORMAT = "kvcomm-anchors/2"  # /1: dense [slots, L-1, H, tokens, D] stacks
 #: the settings that shape what an audit or a re-rotation check measures (the recomputed head,
-#: the estimator): a file's measurements serve only an engine that has the same
-MEASURED_WITH = ("recompute_head", "experimental")
+#: the short runs computed, the estimator): a file's measurements serve only an engine that has the same
+MEASURED_WITH = ("recompute_head", "recompute_short_runs", "experimental")
 
 
 def measured_alike(header: dict, settings: dict) -> bool:

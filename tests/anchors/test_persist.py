@@ -108,7 +108,8 @@ def test_a_foreign_or_corrupted_file_is_refused_and_the_engine_serves_on(llama, 
 def test_calibrating_records_every_shared_segment_then_reuse_resumes(llama, tokenizer):
     # kl_budget=None: calibration records anchors; under the default budget their estimates
     # (in a context other than the one recorded) still wait for audits (tests/anchors/test_tracker.py)
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(kl_budget=None, experimental={"min_anchors": 1}))
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(kl_budget=None, recompute_short_runs=0,
+                                                                   experimental={"min_anchors": 1}))
     with engine.calibrating():
         replayed(engine, solver_messages("You are solver one."), "s1")
         calibrated = replayed(engine, solver_messages("You are solver two.", REPLY), "s2")
