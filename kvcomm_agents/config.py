@@ -242,7 +242,7 @@ class KVCommConfig(BaseModel):
             "right before a reader's own text carried nearly all of re-rotation's deviation on "
             "the development range: re-rotation only's readers' first-token KL 0.0144 -> 0.0001 "
             "on the long document (h), 0.0364 -> 0.0026 on the RAG hand-off (c), 0.0234 -> "
-            "0.0006 on the changing graph (g), for 6-33% more prompt tokens computed; the "
+            "0.0006 on the changing graph (g), for 10-32% more tokens per graph; the "
             "default, whose checks then measured re-rotation within the budget, went from 0.98x "
             "to 1.14x dense on (c)'s whole graph and 0.92x to 0.97x on (g) (benchmarks/LAB.md, "
             "'Short runs computed whole'). 0: only runs within recompute_head."
