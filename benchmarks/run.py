@@ -230,7 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the workloads' data range: report (what the docs quote) or dev (tuning, tracing)")
     parser.add_argument("--strategies", default=",".join(DEFAULT_NAMES),
                         help=f"comma-separated, dense first, of: {', '.join(NAMES)}; an engine strategy + '-head-N' "
-                             "recomputes the first N tokens of each reused run")
+                             "recomputes the first N tokens of each reused run, + '-short-N' computes approximate runs of "
+                             "at most N tokens whole")
     parser.add_argument("--gamma", type=float, default=0.3, help="entropy-gate threshold of the KVCOMM strategies")
     parser.add_argument("--recompute-share", type=float, default=0.15, help="CacheBlend-style share recomputed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -245,7 +246,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.strategies = [s for s in args.strategies.split(",") if s]
     for name in args.strategies:
         if not known(name):
-            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N'")
+            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N' / '-short-N'")
     if "dense" not in args.strategies:
         parser.error("the dense strategy is the reference and must be included")
     args.strategies = ["dense"] + [s for s in args.strategies if s != "dense"]

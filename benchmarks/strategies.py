@@ -150,7 +150,8 @@ def _split(name: str) -> tuple[str, dict]:
 
 
 def known(name: str) -> bool:
-    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``."""
+    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``
+    and/or ``-short-N``."""
     base, update = _split(name)
     return name in NAMES or bool(update and base in NAMES and base != "lower-bound")
 
@@ -185,7 +186,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         return {**table[base], **update}
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy "
-                         "followed by -head-N")
+                         "followed by -head-N and/or -short-N")
     return table[name]
 
 

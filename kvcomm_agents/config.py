@@ -228,17 +228,18 @@ class KVCommConfig(BaseModel):
             "range (benchmarks/LAB.md, 'A 16-token head'); on its report range, with this "
             "release's other changes, the default's whole graphs went from 0.52-1.10x to "
             "1.00-1.41x dense and re-rotation only's readers' KL on the long document (h) from "
-            "0.0103 to 0.0001 (docs/benchmarks.md). Not where a version of the segment (its base, a recorded or framed "
-            "one) fits the text before the run's first token: there the context did not change. "
+            "0.0103 to 0.0001 (docs/benchmarks.md). Not where a framed copy of the segment (computed in "
+            "this reader's framing) fits the text before the run's first token: there the context "
+            "did not change. "
             "0: off."
         ),
     )
     recompute_short_runs: int = Field(
         default=64, ge=0,
         description=(
-            "Compute in context, whole, every reused run of at most N tokens that no version "
-            "computed after the same text serves (a re-rotated or estimated reply, note or "
-            "question); longer runs keep only their head (recompute_head). Re-rotated short runs "
+            "Compute in context, whole, every reused run of at most N tokens that no framed copy "
+            "fitting the text before it serves (a re-rotated, estimated or recorded-version reply, "
+            "note or question); longer runs keep only their head (recompute_head). Re-rotated short runs "
             "right before a reader's own text carried nearly all of re-rotation's deviation on "
             "the development range: re-rotation only's readers' first-token KL 0.0144 -> 0.0001 "
             "on the long document (h), 0.0364 -> 0.0026 on the RAG hand-off (c), 0.0234 -> "

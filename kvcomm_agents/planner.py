@@ -344,10 +344,10 @@ class _RunDecider:
         this reader's framing, :mod:`.framing.replies`, :mod:`.framing.texts`) fits the prompt's text
         before the run's first token (prompt position ``p0``, segment token ``s0``): then the
         run's head is reused too, not computed (``recompute_head`` repairs the tokens right
-        after a change of context). Not for the base or other receivers' recorded versions:
+        after a change of context), and a short run is not computed whole (``recompute_short_runs``). Not for the base or other receivers' recorded versions:
         their text further back differs (another agent's system text), and their heads, measured,
         still cut KL (on the shared-history workload (f): 0.0017 without them, 0.0004 with)."""
-        if not check or not self.config.recompute_head or self.config.method != "kvcomm":
+        if not check or not (self.config.recompute_head or self.config.recompute_short_runs) or self.config.method != "kvcomm":
             return False
         context = self.layout.ids[max(0, p0 - CONTEXT_TOKENS):p0].tolist()
 

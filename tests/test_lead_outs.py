@@ -31,15 +31,21 @@ def _one_message(question: str, replies: list[str]) -> list[dict]:
             {"role": "user", "content": "\n\n".join(parts + [CLOSING])}]
 
 
+#: short runs computed whole, no head: a framed copy that fits still serves its run whole
+SHORT_RUNS = FRAMED.model_copy(update={"recompute_head": 0, "recompute_short_runs": 64})
+
+
+@pytest.mark.parametrize("config", [FRAMED, SHORT_RUNS], ids=["head", "short-runs"])
 @pytest.mark.parametrize("ends_with_eos", [True, False], ids=["eos", "cut-short"])
-def test_a_closing_line_after_the_reply_is_computed_in_the_copy_and_reused_exactly(model, tokenizer, ends_with_eos):
+def test_a_closing_line_after_the_reply_is_computed_in_the_copy_and_reused_exactly(model, tokenizer, ends_with_eos,
+                                                                                   config):
     """(e)'s one-message prompt: the reader reads the sender's reply, then a closing line that
     earlier prompts hold after other text. The closing line is learned as the framing's lead-out;
     the sender feeds it to its copy after the reply (and after the reply's last id, never fed,
     when the reply was cut short) and records it as a version of the text it is stored in. The
     reader then reuses everything it shares, the closing line from that version, and its first
-    token is dense's."""
-    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    token is dense's (the short reply too where short runs are computed: a framed copy fits it)."""
+    engine = KVCommEngine(model, tokenizer, config=config)
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     for r in range(2):
         question = f"{QUESTION} Say it for basket {'XY'[r]}."
@@ -57,7 +63,7 @@ def test_a_closing_line_after_the_reply_is_computed_in_the_copy_and_reused_exact
     assert reply.segment.kind == ("s1", "assistant") and closing.segment.kind[1] != "assistant", stats.decisions
     assert closing.status == "reused" and closing.gate.offsets == "framed", stats.decisions
     assert reply.status == "reused" and reply.gate.offsets == "framed", stats.decisions
-    # a framed version fits from the reply's first token: no head recomputed (recompute_head)
+    # a framed version fits from the reply's first token: no head recomputed, nor the short run whole
     assert reply.reused_tokens == reply.segment.num_tokens, reply
     torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="s2"),
                                atol=tol(1e-4), rtol=0)
