@@ -182,7 +182,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                              "experimental": ExperimentalSettings(audit_new_readers=True)},
     }
     base, update = _split(name)
-    if update and base in table:  # any engine strategy with recompute_head=N
+    if update and base in table:  # any engine strategy with its suffixes' settings
         return {**table[base], **update}
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy "

@@ -222,8 +222,9 @@ class KVCommEngine:
         """Replace the anchor pools with a file written by :meth:`save_anchors` for this model,
         and what was measured with them (audits, re-rotation checks: the KL budget's evidence)
         where the file's settings measure as this engine's (the same ``recompute_head``,
-        ``recompute_short_runs`` and experimental settings): a warm-started engine serves re-rotation and estimates that were
-        measured within the budget from its first call, instead of sampling them again.
+        ``recompute_short_runs`` and experimental settings): a warm-started engine serves
+        re-rotation and estimates that were measured within the budget from its first call,
+        instead of sampling them again.
 
         Raises:
             AnchorFileError: the file is missing, unreadable, corrupted or of another model

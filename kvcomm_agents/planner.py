@@ -34,6 +34,7 @@ from .prefill_cost import PrefillCost
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
 
+
 def computed_head(head: int, length: int, whole_up_to: int = 0) -> int:
     """Tokens at the start of a reused run of ``length`` tokens computed in context: the whole
     run where it is at most ``whole_up_to`` tokens (``KVCommConfig.recompute_short_runs``) or
@@ -41,6 +42,7 @@ def computed_head(head: int, length: int, whole_up_to: int = 0) -> int:
     if length <= 0:
         return 0
     return length if length <= whole_up_to else min(head, length)
+
 
 __all__ = ["plan_call"]
 
@@ -344,10 +346,12 @@ class _RunDecider:
         this reader's framing, :mod:`.framing.replies`, :mod:`.framing.texts`) fits the prompt's text
         before the run's first token (prompt position ``p0``, segment token ``s0``): then the
         run's head is reused too, not computed (``recompute_head`` repairs the tokens right
-        after a change of context), and a short run is not computed whole (``recompute_short_runs``). Not for the base or other receivers' recorded versions:
+        after a change of context), and a short run is not computed whole
+        (``recompute_short_runs``). Not for the base or other receivers' recorded versions:
         their text further back differs (another agent's system text), and their heads, measured,
         still cut KL (on the shared-history workload (f): 0.0017 without them, 0.0004 with)."""
-        if not check or not (self.config.recompute_head or self.config.recompute_short_runs) or self.config.method != "kvcomm":
+        repairs = self.config.recompute_head or self.config.recompute_short_runs
+        if not check or not repairs or self.config.method != "kvcomm":
             return False
         context = self.layout.ids[max(0, p0 - CONTEXT_TOKENS):p0].tolist()
 

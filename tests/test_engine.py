@@ -367,11 +367,11 @@ def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, toke
     torch.testing.assert_close(whole.first_token_logits, dense, atol=1e-4, rtol=0)
 
 
-def test_short_runs_are_computed_whole_and_long_ones_keep_their_head(llama, tokenizer, make_engine):
+def test_short_runs_are_computed_whole_and_long_ones_keep_their_head(model, tokenizer, make_engine):
     """``recompute_short_runs=N``: a re-rotated run of at most N tokens is computed in context,
-    a longer one loses only its head."""
+    a longer one loses only its head (both tiny families)."""
     def second_call(short: int):
-        engine = make_engine(llama, prefix_cache=False, recompute_head=4, recompute_short_runs=short)
+        engine = make_engine(model, prefix_cache=False, recompute_head=4, recompute_short_runs=short)
         first = replayed(engine, solver_messages("You are solver one."), "s1")
         messages = solver_messages("You are solver two.", first.text)
         return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]).result.stats
