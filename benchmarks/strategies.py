@@ -25,8 +25,8 @@ ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kv
 ``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-no-audit``,
 ``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation),
 ``kvcomm-unframed`` (no copies),
-``kvcomm-replies-framed`` (reply copies only), ``kvcomm-copies-always`` (text copies fed whatever
-they cost, ``text_copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
+``kvcomm-replies-framed`` (reply copies only), ``kvcomm-copies-always`` (copies fed whatever
+they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
 served on other receivers' samples audited, ``experimental.audit_new_readers``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
 """
@@ -175,7 +175,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
         "kvcomm-unframed": {"method": "kvcomm", "gamma": gamma, "reply_copies": False, "text_copies": False},
         "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma, "text_copies": False},
-        "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, "text_copies_when_cheaper": False},
+        "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, "copies_when_cheaper": False},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None, "recorded_versions": False},
         "kvcomm-no-rerotation": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False},
         "kvcomm-audit-new": {"method": "kvcomm", "gamma": gamma,

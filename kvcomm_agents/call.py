@@ -60,6 +60,8 @@ class PreparedCall:
     prefill_s: float
     framing: Optional[FramedDecode] = None  # the reply's framed copies, fed with the sender's forwards
     framed: tuple[int, float] = (0, 0.0)  # framed versions recorded after the reply, seconds
+    steps: int = 0  # single decode steps that carried ``framing``
+    steps_s: float = 0.0  # their seconds (what the reply copies riding on them are measured by)
     tally: ForwardTally = field(default_factory=ForwardTally)  # every token the call forwards, by purpose
 
 
@@ -164,14 +166,25 @@ class CallSteps:
 
     def step(self, call: PreparedCall, token: int, position: int) -> torch.Tensor:
         """One decode step: feed ``token`` at ``position`` (with the copies' due share); returns
-        the ``[vocab]`` float32 logits of the next token."""
+        the ``[vocab]`` float32 logits of the next token. Timed: a step without copies is the
+        baseline a framed call's steps are weighed against (:mod:`.framing.cost`)."""
         with self.lock, torch.inference_mode(), charging(call.tally, "decode"):
+            started = time.perf_counter()
             if call.framing is not None:
-                return call.framing.forward(self.model, call.pre.cache, [token])[0, -1].float()
-            return hf.run_forward(
-                self.model, torch.tensor([[token]], device=self.device), call.pre.cache,
-                position_ids=torch.tensor([[position]], device=self.device),
-            )[0, -1].float()
+                logits = call.framing.forward(self.model, call.pre.cache, [token])[0, -1].float()
+            else:
+                logits = hf.run_forward(
+                    self.model, torch.tensor([[token]], device=self.device), call.pre.cache,
+                    position_ids=torch.tensor([[position]], device=self.device),
+                )[0, -1].float()
+            if logits.device.type == "cuda":  # the step's end, not its launch
+                torch.cuda.synchronize(logits.device)
+            seconds = time.perf_counter() - started
+        if call.framing is None:
+            self.framer.copy_cost.record_step(seconds)
+        else:
+            call.steps, call.steps_s = call.steps + 1, call.steps_s + seconds
+        return logits
 
     def force_stepwise(self, call: PreparedCall, ids: list[int]) -> torch.Tensor:
         """:meth:`force` one decode step per token, as a generated reply costs (the copies ride on
@@ -222,7 +235,8 @@ class CallSteps:
             tail = [i for i in text.ids[-1:] if i not in self.info.eos_ids]  # the reply's last id: never fed
             with self.anchors.recording(), charging(call.tally, "copies"):  # the versions do not evict each other
                 call.framed = self.framer.after_call(self.model, call.plan, call.layout, agent, self.info.fingerprint,
-                                                     call.framing, call.pre.cache, reply, tail)
+                                                     call.framing, call.pre.cache, reply, tail,
+                                                     steps=call.steps, steps_s=call.steps_s)
                 if copies_after_audit:
                     done, seconds = self.framer.after_audit(self.model, call.plan, agent, self.info.fingerprint,
                                                             dense, reply, text.ids[:-1], tail)

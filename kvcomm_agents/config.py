@@ -28,6 +28,9 @@ MOVED = {
     "recompute_spread": "nothing: removed (measured and lost, benchmarks/LAB.md)",
 }
 
+#: Settings of ``KVCommConfig`` that were renamed, and their names now.
+RENAMED = {"text_copies_when_cheaper": "copies_when_cheaper"}
+
 #: How shared text is reused (``KVCommConfig.method``).
 Method = Literal["kvcomm", "rerotate", "exact_prefix", "dense"]
 
@@ -110,6 +113,15 @@ class KVCommConfig(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict):
+            for name in data:
+                if name in RENAMED:
+                    raise ValueError(f"{name} was renamed: use KVCommConfig({RENAMED[name]}=...)")
+        return data
 
     method: Method = Field(
         default="kvcomm",
@@ -301,17 +313,19 @@ class KVCommConfig(BaseModel):
             "False: each reader estimates offsets for the text or computes it."
         ),
     )
-    text_copies_when_cheaper: bool = Field(
+    copies_when_cheaper: bool = Field(
         default=True,
         description=(
-            "Where text copies are computed each in a forward of its own (a CPU), feed them only "
-            "while they cost at most the prefill they spare their readers, per text id, as "
-            "measured on this engine's calls (kvcomm_agents.framing.cost): a copy that costs more "
-            "only moves work into the sender's turn, and the graph finishes later. On the "
-            "embedded model on 2 CPU cores they cost more than they spared on the RAG hand-off "
-            "and stopped after two calls (whole graph 0.93x -> 1.00x dense, development range, "
-            "benchmarks/LAB.md); on CUDA, where copies ride on decode steps, they are always fed. "
-            "False: copies whatever they cost."
+            "Feed copies (reply_copies, text_copies) only while they cost at most the prefill they "
+            "spare their readers, per copy id, as measured on this engine's calls "
+            "(kvcomm_agents.framing.cost): a copy that costs more only moves work into the "
+            "sender's turn, and the graph finishes later. Reply copies are weighed on every "
+            "device (what the sender's decode steps took beyond plain ones); text copies where "
+            "each is computed in a forward of its own (a CPU; on CUDA they ride on decode steps "
+            "and are always fed). On the embedded model on 2 CPU cores, text copies stopped after "
+            "two calls on the RAG hand-off (whole graph 0.93x -> 1.00x dense, development range); "
+            "reply copies cost 5.3 s for 830 copy ids against 0.4 s of readers' prefill spared "
+            "on the debate (benchmarks/LAB.md). False: copies whatever they cost."
         ),
     )
     shared_runs: Literal["anywhere", "messages"] = Field(

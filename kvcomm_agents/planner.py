@@ -6,10 +6,13 @@ Order of business:
 2. shared segments are found in the prompt (:mod:`.matching`): by reference or whole text per
    message, then any other run of token ids an earlier call computed, wherever it sits;
 3. runs of at least ``min_match_tokens`` after the prefix (and before the last prompt token, whose
-   logits start the reply) are re-rotated; everything else is computed;
+   logits start the reply) are re-rotated, their first ``recompute_head`` ids computed in
+   context (a run of at most ``recompute_short_runs`` ids is computed whole);
+   everything else is computed;
 4. with ``method="kvcomm"`` each segment first passes the anchor gate: a segment judged new is
    computed, and so is everything after it (its context stays exact, so its offsets and those
-   after it can be recorded); reused runs get offsets estimated from the anchors;
+   after it can be recorded) unless it is computed whole anyway (3.); reused runs get offsets
+   estimated from the anchors;
 5. with own-text reuse (experimental), the receiver's own text after a reused segment comes from
    its own-text KV (plus the anchors' own-text offsets) when the agent computed that piece before.
 
@@ -26,7 +29,7 @@ from typing import Callable, Optional
 from .anchors import KVCommAnchors
 from .versions import Versions, is_framed
 from .config import KVCommConfig
-from .kv.own_text import OwnTextStore, piece_key
+from .kv.own_text import OwnTextStore, own_text_pieces
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .kv.store import SegmentStore
 from .matching import Occurrence, TokenMatch, find_occurrences, find_token_matches, match_runs
@@ -114,7 +117,7 @@ def plan_call(
     pieces: list[OwnTextPiece] = []
     if refuse_reason is None:
         reuse_own = own_texts if config.experimental.own_text == "reuse" else None
-        runs, pieces = _own_text(layout, runs, decider.observations, agent, reuse_own)
+        runs, pieces = own_text_pieces(layout.ids, runs, decider.observations, agent, reuse_own)
         plan = CallPlan(layout.ids, prefix, tuple(runs), tuple(decisions), None, tuple(decider.observations),
                         tuple(pieces))
         if (prefill_cost is not None and config.dense_when_cheaper and plan.reused_tokens
@@ -127,38 +130,6 @@ def plan_call(
     if refuse_reason is None and plan.reused_tokens == 0:
         plan = replace(plan, dense_reason="nothing_to_reuse")
     return plan
-
-
-def _own_text(
-    layout: PromptLayout, runs: list[ReusedRun], observations: list[Observation], agent: str,
-    own_texts: Optional[OwnTextStore],
-) -> tuple[list[ReusedRun], list[OwnTextPiece]]:
-    """The own-text piece after each segment that runs to its last token: the text up to the next
-    shared segment (reused or observed) or the last prompt token. It is reused from the agent's
-    own-text KV when there is one (``own_texts`` given). Returns the runs (own-text runs added)
-    and the pieces."""
-    n = int(layout.ids.numel())
-    ends = [(run.found_start, run.prompt_end, run, None) for run in runs]
-    ends += [(seen.prompt_start, seen.prompt_start + seen.length, None, seen) for seen in observations]
-    ends.sort(key=lambda item: item[0])
-    pieces, new_runs = [], []
-    for i, (_, end, run, seen) in enumerate(ends):
-        segment = run.segment if run is not None else seen.segment
-        if run is not None and run.segment_start + run.length != segment.num_tokens:
-            continue
-        if seen is not None and not seen.reaches_end:
-            continue
-        stop = ends[i + 1][0] if i + 1 < len(ends) else n - 1
-        if stop <= end:
-            continue
-        ids = tuple(layout.ids[end:stop].tolist())
-        key = piece_key(ids)
-        kv = own_texts.get(agent, key) if run is not None and own_texts is not None else None
-        reused = kv is not None and kv.num_tokens == stop - end
-        pieces.append(OwnTextPiece(end, stop, key, ids, segment, reused=reused, observed=seen is not None))
-        if reused:
-            new_runs.append(ReusedRun(kv, end, 0, stop - end, own_text=True, verdict=run.verdict))
-    return sorted(runs + new_runs, key=lambda r: r.prompt_start), pieces
 
 
 class _RunDecider:
@@ -223,7 +194,7 @@ class _RunDecider:
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
                 head = short = 0  # a version computed after the same text: no change of context to repair
-            taken = 0 if continues0 else computed_head(head, length0, short)
+            taken = self._taken(0, length0, continues0, head, short)
             first_p, first_s = p0 + taken, s0 + taken
             tokens = (first_s, end_s) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
@@ -243,7 +214,8 @@ class _RunDecider:
                     if not verdict.reuse:
                         reason = "over_kl_budget" if verdict.over_budget else "new_anchor"
             if reason is not None:
-                if not isinstance(occ, TokenMatch):  # a partial token run judged new costs only itself
+                # a partial token run judged new costs only itself; so does a segment computed whole
+                if not isinstance(occ, TokenMatch) and not self._computed_whole(beyond_prefix, head, short):
                     self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
                 for p, s, length, _ in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
@@ -251,13 +223,7 @@ class _RunDecider:
         reused = 0
         for index, (p, s, length, continues_prefix) in enumerate(beyond_prefix):
             length = min(length, n - 1 - p)
-            # cheap fidelity: the run's first tokens are computed, unless the run continues an
-            # exact prefix that already holds them (a repeated prompt then reuses what it reused);
-            # a run after a gap has its head even where a framed version fits the first run: the
-            # ids before it (the gap's, computed) are not the version's
-            first_head, first_short = (head, short) if index == 0 else (self.config.recompute_head,
-                                                                        self.config.recompute_short_runs)
-            taken = 0 if continues_prefix else computed_head(first_head, length, first_short)
+            taken = self._taken(index, length, continues_prefix, head, short)
             p, s, length = p + taken, s + taken, length - taken
             if length > 0:
                 self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))
@@ -266,9 +232,29 @@ class _RunDecider:
             skipped = 0
         reused += in_prefix
         if not reused:
-            return "prefilled", "too_short", 0, gate
+            whole = bool(beyond_prefix) and self._computed_whole(beyond_prefix, head, short)
+            return "prefilled", "short_run" if whole else "too_short", 0, gate
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
+    def _taken(self, index: int, length: int, continues_prefix: bool, head: int, short: int) -> int:
+        """Tokens computed in context at the start of run ``index`` (``length`` ids), for cheap
+        fidelity: none where it continues an exact prefix that holds them (a repeated prompt then
+        reuses what it reused); the first run's with ``head`` and ``short`` (zero where a
+        version fits it), a later run's with the config's (the ids before it, a gap's, computed,
+        are not the version's)."""
+        if continues_prefix:
+            return 0
+        if index:
+            head, short = self.config.recompute_head, self.config.recompute_short_runs
+        return computed_head(head, length, short)
+
+    def _computed_whole(self, runs: list[tuple[int, int, int, bool]], head: int, short: int) -> bool:
+        """Whether every one of ``runs`` (prompt start, segment start, length, whether it
+        continues the exact prefix) is computed whole (:meth:`_taken`). The gate's refusal of
+        such a segment computes it and records it as an anchor, but not everything after it
+        (``dense_from``): that would cost the later segments' reuse for text computed anyway."""
+        lengths = [min(length, self.n - 1 - p) for p, _, length, _ in runs]
+        return all(self._taken(i, lengths[i], run[3], head, short) >= lengths[i] for i, run in enumerate(runs))
 
     def _recorded(self, segment: KVSegment, tokens: Optional[tuple[int, int]], context, held: int = 0):
         """The verdict of a recorded version of ``segment`` fitting ``context`` (whose last

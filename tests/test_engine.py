@@ -382,4 +382,20 @@ def test_short_runs_are_computed_whole_and_long_ones_keep_their_head(model, toke
     cut = lengths[0]  # the shortest run is computed whole, the others keep theirs
     shorter = second_call(cut)
     assert shorter.reused_tokens == plain.reused_tokens - (cut - 4)
-    assert second_call(lengths[-1]).reused_tokens == 0
+    whole = second_call(lengths[-1])
+    assert whole.reused_tokens == 0 and {d.reason for d in whole.shared_decisions} == {"short_run"}
+
+
+@pytest.mark.parametrize("short", [0, 32])
+def test_a_refused_segment_computed_whole_does_not_compute_the_text_after_it(model, tokenizer, make_engine, short):
+    """Under KVCOMM a segment the gate judges new is computed and so, to be observed in exact
+    context, is everything after it. Where the segment is computed whole anyway (the question,
+    at most ``recompute_short_runs`` ids) its refusal costs only itself: the long reply after it
+    goes to the gate in its own right (judged new too, in a fresh engine) instead of being
+    computed as ``after_new_anchor``."""
+    engine = make_engine(model, method="kvcomm", prefix_cache=False, recompute_head=4, recompute_short_runs=short)
+    first = replayed(engine, solver_messages("You are solver one."), "s1", text=" ".join([REPLY] * 4))
+    stats = engine.replay(solver_messages("You are solver two.", first.text), agent="s2",
+                          reply_ids=[tokenizer.eos_token_id]).result.stats
+    reasons = {d.segment.kind[1] == "assistant": d.reason for d in stats.shared_decisions}  # the reply, the question
+    assert reasons == {False: "new_anchor", True: "after_new_anchor" if short == 0 else "new_anchor"}, reasons

@@ -149,6 +149,52 @@ def test_nothing_is_framed_when_switched_off_or_inside_frozen_anchors(model, tok
     assert sent.stats.framed_versions == 0
 
 
+@pytest.mark.parametrize("when_cheaper", [True, False])
+def test_reply_copies_measured_dearer_than_the_prefill_they_spare_are_not_fed(model, tokenizer, when_cheaper):
+    """A reply copy's measured seconds per copy id are weighed against the engine's prefill per
+    id (kvcomm_agents.framing.cost): once they cost more, the sender feeds none and the reader
+    computes the reply itself, its first token still dense's; with ``copies_when_cheaper=False``
+    they are fed whatever they cost. The rates are set at the ledger (this test's prompts are
+    too short to be measured)."""
+    engine = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, copies_when_cheaper=when_cheaper))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    _debate(engine, tokenizer, "You are a solver.", rounds=1)  # the framing learned
+    cost = engine._framer.copy_cost
+    assert cost.pays("reply")  # not measured yet: copies fed (test_the_first_reader_reuses_...)
+    for _ in range(cost.min_samples):
+        cost.record_prefill(1000, 1.0)
+        cost.record_copies("reply", 1000, 1.5)
+    assert not cost.pays("reply") and cost.pays("text")
+    sent, read, messages = _debate(engine, tokenizer, "You are a solver.", rounds=2)  # round 2: a new question
+    gates = {d.segment.kind: d.gate for d in read.result.stats.shared_decisions}
+    if when_cheaper:
+        assert sent.stats.framed_versions == 0 and sent.stats.forwarded.copies == 0
+        assert gates.get(("s1", "assistant")) is None or gates[("s1", "assistant")].offsets != "framed"
+    else:
+        assert sent.stats.framed_versions == 1 and gates[("s1", "assistant")].offsets == "framed"
+    torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="s2"),
+                               atol=tol(1e-4), rtol=0)
+
+
+def test_reply_copies_riding_on_generated_steps_are_measured_against_plain_steps(model, tokenizer):
+    """A generated reply's steps are timed: a call without copies gives plain steps, a call
+    feeding reply copies one sample of (copy ids, seconds beyond as many plain steps); a replay's
+    one-forward pass gives none (its cost is not a decode's)."""
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    cost = engine._framer.copy_cost
+    _debate(engine, tokenizer, "You are a solver.", rounds=1)  # replays: no steps timed
+    assert not cost._steps and not cost._copies["reply"]
+    question = f"{QUESTION} Say it for basket Q."
+    sender = [{"role": "system", "content": "You are a solver."}, {"role": "user", "content": question}]
+    plain = engine.chat([{"role": "system", "content": "You are a judge."}, {"role": "user", "content": "Hello there."}],
+                        agent="judge", max_new_tokens=6)
+    assert len(cost._steps) == plain.stats.generated_tokens - 1  # the first token comes from the prefill
+    framed = engine.chat(sender, agent="s1", max_new_tokens=24)
+    assert framed.stats.framed_versions >= 1 and framed.stats.forwarded.copies > 0
+    (copy_ids, seconds), = cost._copies["reply"]
+    assert copy_ids == framed.stats.forwarded.copies and seconds >= 0
+
+
 @pytest.mark.parametrize("chunk, budget", [(1, None), (16, None), (16, 4000)],
                          ids=["every-step", "chunks", "replay-windows"])
 def test_the_sender_decodes_as_without_framing_and_its_decoded_reply_is_copied_exactly(model, tokenizer, chunk,

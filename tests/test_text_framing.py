@@ -107,18 +107,18 @@ def test_copies_measured_dearer_than_the_prefill_they_spare_are_not_fed_on_a_cpu
     """Computed alone (a CPU), the copies' measured seconds per text id are weighed against the
     engine's prefill per id (kvcomm_agents.framing.cost): once they cost more, the planner feeds
     none and the reviewer computes the task itself, its first token still dense's; with
-    ``text_copies_when_cheaper=False`` they are fed whatever they cost. The rates are set at the
+    ``copies_when_cheaper=False`` they are fed whatever they cost. The rates are set at the
     ledger (this test's prompts are too short to be measured)."""
     monkeypatch.setattr(framer_module, "texts_alone", lambda device: True)
-    engine = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, text_copies_when_cheaper=when_cheaper))
+    engine = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, copies_when_cheaper=when_cheaper))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     _pipeline(engine, tokenizer, requests=1)  # the rule learned
     cost = engine._framer.copy_cost
-    assert cost.pays()  # not measured yet: copies fed (test_the_later_reader_reuses_...)
+    assert cost.pays("text")  # not measured yet: copies fed (test_the_later_reader_reuses_...)
     for _ in range(cost.min_samples):
         cost.record_prefill(1000, 1.0)
-        cost.record_copies(1000, 1.5)
-    assert not cost.pays()
+        cost.record_copies("text", 1000, 1.5)
+    assert not cost.pays("text")
     sent, read, messages = _pipeline(engine, tokenizer, requests=1, first=1)
     if when_cheaper:
         assert sent.stats.framed_versions == 0 and "framed" not in _user_gate(read), read.result.stats.shared_decisions
@@ -138,7 +138,7 @@ def test_copies_computed_alone_are_measured_on_the_engines_own_calls(model, toke
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
     sent, _, _ = _pipeline(engine, tokenizer, requests=2)
     cost = engine._framer.copy_cost
-    assert sent.stats.framed_versions == 1 and len(cost._copies) == 1  # request 2's copy
-    (text_ids, seconds), = cost._copies
+    assert sent.stats.framed_versions == 1 and len(cost._copies["text"]) == 1  # request 2's copy
+    (text_ids, seconds), = cost._copies["text"]
     assert 0 < text_ids < sent.stats.prompt_tokens and seconds > 0
     assert [n > 0 and s > 0 for n, s in cost._prefills] == [True] * 4  # every call's prefill

@@ -13,8 +13,8 @@ planner finds an exact version (:mod:`kvcomm_agents.versions`).
 - :mod:`.texts`: the prefixes readers put before shared text;
 - :mod:`.decode`: :class:`FramedDecode`, the copies fed with the sender's forwards (a 4-D mask
   keeps them apart);
-- :mod:`.cost`: :class:`~.cost.CopyCost`, whether text copies computed alone cost less than the
-  prefill they spare (measured on the engine's calls);
+- :mod:`.cost`: :class:`~.cost.CopyCost`, whether each kind of copy costs less than the prefill
+  it spares (measured on the engine's calls);
 - :mod:`.record`: the copies recorded as versions after the reply;
 - :mod:`.framer`: :class:`Framer`, the one object a call talks to.
 """

@@ -1,19 +1,27 @@
-"""Whether text copies save this engine time: their measured cost against the prefill they spare.
+"""Whether copies save this engine time: their measured cost against the prefill they spare.
 
-A text copy (:mod:`.texts`) computes shared text once more, after a later reader's prefix, so
-that the reader reuses it instead of computing it. Where the copy rides on the sender's decode
-steps (CUDA: a step is bound by reading the weights) it is assumed nearly free. Where it is
-computed in a forward of its own (a CPU, :func:`~.decode.texts_alone`) it costs what it costs:
-the reader's prefix computed again where it is short, the text, the versions recorded. If that
-is more per text id than the engine's own prefill per id, the copy only moves work into the
-sender's turn: a graph run on one engine then finishes later, and the reader's first token
-comes no sooner counted from the graph's start (on the development range, (c): 1.47-3.78 s of
-copies per request against 1.2-2.9 s of readers' prefill spared).
+A copy (:mod:`.texts`, :mod:`.replies`) computes text once more, in the context a later reader
+will read it in, so that the reader reuses it instead of computing it. That only pays where the
+copy costs less than the reader's own prefill of the same ids: otherwise it moves work into the
+sender's turn, and a graph run on one engine finishes later (the reader's first token comes no
+sooner counted from the graph's start).
 
-:class:`CopyCost` keeps both rates from the engine's own calls (recent ones, per text id and
-per prefilled id) and says whether copies pay. Until it has seen both it says they do, so the
-first copies are fed and measured; once they lose, no more are fed (the rates are a property of
-the model and device, not of the prompt), and a reader computes what the copy would have held.
+- **Text copies** computed in a forward of their own (a CPU, :func:`~.decode.texts_alone`) cost
+  what they cost: the reader's prefix computed again where it is short, the text, the versions
+  recorded (on the development range, (c): 1.47-3.78 s of copies per request against 1.2-2.9 s
+  of readers' prefill spared). Where they ride on CUDA decode steps they are assumed nearly free
+  and not measured (their share of a step cannot be told from the sender's).
+- **Reply copies** ride on the sender's decode steps: their cost is what those steps took beyond
+  as many plain steps (the engine's recent decode steps without copies; the copies' queries and
+  the 4-D mask every step of a framed call carries), plus the copies fed after the reply. Fed
+  after an audit they are a forward of their own, timed whole. On the report range, (b) and
+  (i) on a CPU, they cost 5.3 s for 830 copy ids against 0.4 s of readers' prefill spared.
+
+:class:`CopyCost` keeps each kind's seconds per copy id and the engine's seconds per prefilled
+id (recent calls) and says whether a kind pays. Until it has seen both it says it does, so the
+first copies are fed and measured; once they lose, no more of that kind are fed (the rates are a
+property of the model and device, not of the prompt), and a reader computes what the copy would
+have held.
 
 Pure bookkeeping over floats: no tensors, no model.
 """
@@ -23,30 +31,38 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from typing import Optional
+from typing import Literal, Optional
 
-__all__ = ["CopyCost", "MIN_PREFILL_IDS"]
+__all__ = ["CopyCost", "CopyKind", "MIN_PREFILL_IDS", "STEP_WINDOW"]
 
 #: A prefill counts toward the engine's rate only where it computed at least this many ids
 #: (short forwards are dominated by per-forward overheads a copy of a long text does not pay).
 MIN_PREFILL_IDS = 128
+#: Plain decode steps kept for the baseline reply copies are weighed over (single steps are
+#: noisy; a median over this many is not).
+STEP_WINDOW = 64
+
+#: The two kinds of copy (:mod:`.texts`, :mod:`.replies`).
+CopyKind = Literal["text", "reply"]
 
 
 class CopyCost:
-    """Seconds per text id of the text copies computed alone, against seconds per id of the
-    engine's prefills (thread-safe).
+    """Seconds per copy id of each kind of copy, against seconds per id of the engine's
+    prefills (thread-safe).
 
     Args:
-        window: recent measurements kept of each.
-        min_samples: measurements of each needed before copies may be judged to lose.
+        window: recent measurements kept of each kind of copy and of prefills.
+        min_samples: measurements of each needed before copies may be judged to lose (and plain
+            decode steps before a riding copy can be measured at all).
     """
 
     def __init__(self, window: int = 8, min_samples: int = 2) -> None:
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError("window >= 1 and 1 <= min_samples <= window")
         self.min_samples = min_samples
-        self._copies: deque[tuple[int, float]] = deque(maxlen=window)
+        self._copies: dict[str, deque[tuple[int, float]]] = {kind: deque(maxlen=window) for kind in ("text", "reply")}
         self._prefills: deque[tuple[int, float]] = deque(maxlen=window)
+        self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self._lock = threading.Lock()
 
     def record_prefill(self, computed_ids: int, seconds: float) -> None:
@@ -56,13 +72,33 @@ class CopyCost:
             with self._lock:
                 self._prefills.append((computed_ids, seconds))
 
-    def record_copies(self, text_ids: int, seconds: float) -> None:
-        """One call's text copies spared their readers ``text_ids`` ids of prefill and took
-        ``seconds`` (the readers' prefixes they computed again and the versions recorded
-        included)."""
-        if text_ids > 0 and seconds > 0:
+    def record_step(self, seconds: float) -> None:
+        """One decode step of a call that fed no copies took ``seconds``."""
+        if seconds > 0:
             with self._lock:
-                self._copies.append((text_ids, seconds))
+                self._steps.append(seconds)
+
+    def record_copies(self, kind: CopyKind, copy_ids: int, seconds: float) -> None:
+        """One call's copies of ``kind`` spared their readers ``copy_ids`` ids of prefill and took
+        ``seconds`` (for text copies: the readers' prefixes computed again and the versions
+        recorded included)."""
+        if copy_ids > 0 and seconds > 0:
+            with self._lock:
+                self._copies[kind].append((copy_ids, seconds))
+
+    def record_riding(self, copy_ids: int, steps: int, steps_s: float, after_s: float = 0.0) -> None:
+        """One call's reply copies, ``copy_ids`` ids, rode on its ``steps`` decode steps, which
+        took ``steps_s`` seconds together, and took ``after_s`` more after the reply (the ids
+        fed then, the versions recorded). Their cost: what the steps took beyond as many plain
+        steps (:meth:`record_step`'s median), plus ``after_s``; not recorded before
+        ``min_samples`` plain steps were seen."""
+        if copy_ids <= 0 or steps <= 0:
+            return
+        with self._lock:
+            if len(self._steps) < self.min_samples:
+                return
+            extra = max(0.0, steps_s - steps * statistics.median(self._steps)) + max(0.0, after_s)
+            self._copies["reply"].append((copy_ids, extra))
 
     @staticmethod
     def _rate(samples) -> float:
@@ -71,21 +107,24 @@ class CopyCost:
         of them) does not decide on its own."""
         return statistics.median(s / n for n, s in samples)
 
-    def rates(self) -> Optional[tuple[float, float]]:
-        """(copy seconds per text id, prefill seconds per id), each the median over the recent
-        measurements, or None until each has ``min_samples``."""
+    def rates(self, kind: CopyKind = "text") -> Optional[tuple[float, float]]:
+        """(copy seconds per id of ``kind``, prefill seconds per id), each the median over the
+        recent measurements, or None until each has ``min_samples``."""
         with self._lock:
-            if len(self._copies) < self.min_samples or len(self._prefills) < self.min_samples:
+            copies = self._copies[kind]
+            if len(copies) < self.min_samples or len(self._prefills) < self.min_samples:
                 return None
-            return self._rate(self._copies), self._rate(self._prefills)
+            return self._rate(copies), self._rate(self._prefills)
 
-    def pays(self) -> bool:
-        """Whether a text copy is worth feeding: not measured yet, or it costs at most the
-        prefill it spares, per id."""
-        rates = self.rates()
+    def pays(self, kind: CopyKind = "text") -> bool:
+        """Whether a copy of ``kind`` is worth feeding: not measured yet, or it costs at most
+        the prefill it spares, per id."""
+        rates = self.rates(kind)
         return rates is None or rates[0] <= rates[1]
 
     def clear(self) -> None:
         with self._lock:
-            self._copies.clear()
+            for copies in self._copies.values():
+                copies.clear()
             self._prefills.clear()
+            self._steps.clear()

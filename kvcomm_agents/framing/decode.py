@@ -177,6 +177,7 @@ class FramedDecode:
         self._prefixes_in = not self.texts or self.texts_alone  # the text copies' prefixes are in the cache
         self._texts_out = not self.texts or self.texts_alone  # the text copies' KV left the cache (or never entered)
         self.texts_s = 0.0  # seconds computing the text copies alone (:meth:`flush`)
+        self.reply_copy_ids = 0  # ids fed to the reply framings (lead-ins and lead-outs included)
 
     def _queries(self, copies: Sequence[int], tokens: Sequence[int], take: int,
                  lead_outs: bool = False) -> tuple[list[int], list[int], list[int]]:
@@ -332,6 +333,7 @@ class FramedDecode:
         self.slot_pos = torch.cat([self.slot_pos, q_pos])
         self.slot_ctx = torch.cat([self.slot_ctx, q_ctx])
         self.sent += len(tokens)
+        self.reply_copy_ids += int(((q_ctx >= 1) & (q_ctx <= len(self.rules))).sum())
         if copies:
             self.fed += len(copies)
             self.reply_ids += copies

@@ -39,7 +39,7 @@ class Framer:
         self.config, self.anchors, self.versions, self.info, self.store = config, anchors, versions, info, store
         self.reply_framing = ReaderFraming()
         self.text_framing = TextFraming()
-        self.copy_cost = CopyCost()  # text copies computed alone against the engine's prefill
+        self.copy_cost = CopyCost()  # copies against the engine's prefill
         self._turns = itertools.count()  # calls that recorded reply versions (lead-outs take turns)
 
     @property
@@ -74,13 +74,20 @@ class Framer:
 
     def texts_pay(self, device) -> bool:
         """Whether this call may feed text copies: ``text_copies`` on and, where they are
-        computed alone (a CPU) and ``text_copies_when_cheaper``, not measured to cost more per
+        computed alone (a CPU) and ``copies_when_cheaper``, not measured to cost more per
         text id than the engine's own prefill (:mod:`.cost`; riding on CUDA decode steps is
         assumed to pay, never measured)."""
         c = self.config
         if not c.text_copies:
             return False
-        return not (c.text_copies_when_cheaper and texts_alone(device)) or self.copy_cost.pays()
+        return not (c.copies_when_cheaper and texts_alone(device)) or self.copy_cost.pays("text")
+
+    def replies_pay(self) -> bool:
+        """Whether calls may feed reply copies: ``reply_copies`` on and, with
+        ``copies_when_cheaper``, not measured to cost more per copy id than the engine's own
+        prefill (:mod:`.cost`, on every device: what the sender's steps took beyond plain ones)."""
+        c = self.config
+        return c.reply_copies and (not c.copies_when_cheaper or self.copy_cost.pays("reply"))
 
     def _rerotates(self, reader: str) -> bool:
         """Whether ``reader`` is served shared text re-rotated, measured within the KL budget
@@ -97,7 +104,7 @@ class Framer:
         an ``n``-id prompt and ``new_tokens`` reply ids, and that some reader not served re-rotated
         (:meth:`_rerotates`) gave: a copy for readers who reuse the reply re-rotated is paid for
         in the sender's forwards and never read."""
-        if not self.config.reply_copies:
+        if not self.replies_pay():
             return []
         limit = self.info.max_positions
         framing = self.reply_framing
@@ -129,15 +136,19 @@ class Framer:
         with self.anchors.recording():
             done = record_framed_versions(framing, dense.cache, plan, reply, self.versions, self.info.rotator,
                                           self.store, fingerprint, next(self._turns))
-        return done, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.copy_cost.record_copies("reply", framing.reply_copy_ids, seconds)  # a forward of their own
+        return done, seconds
 
     def after_call(self, model, plan: CallPlan, layout: PromptLayout, agent: str, fingerprint: str,
                    framing: Optional[FramedDecode], cache, reply: Optional[KVSegment],
-                   tail: Sequence[int] = ()) -> tuple[int, float]:
+                   tail: Sequence[int] = (), steps: int = 0, steps_s: float = 0.0) -> tuple[int, float]:
         """Learn the framings this call gave others' replies and shared text; feed the copies
         what they still lack and record them as versions. ``tail``: the reply's text ids never
-        fed (its last generated id, unless an end of sequence). Returns (versions recorded,
-        seconds)."""
+        fed (its last generated id, unless an end of sequence). ``steps``, ``steps_s``: the
+        sender's single decode steps that carried ``framing`` and their seconds, what the reply
+        copies are measured by (:meth:`~.cost.CopyCost.record_riding`; not where text copies
+        rode on the same steps). Returns (versions recorded, seconds)."""
         if not self.on or self.anchors.frozen:
             return 0, 0.0
         if self.config.reply_copies:
@@ -156,11 +167,14 @@ class Framer:
             if replied:
                 done += record_framed_versions(framing, cache, plan, reply, self.versions, self.info.rotator,
                                                self.store, fingerprint, next(self._turns))
+                if not framing.texts or framing.texts_alone:  # else text copies rode on the same steps
+                    self.copy_cost.record_riding(framing.reply_copy_ids, steps, steps_s,
+                                                 time.perf_counter() - started - framing.texts_s)
             if framing.texts:
                 recording = time.perf_counter()
                 done += record_text_versions(framing, layout, self.store, fingerprint, self.versions,
                                              self.info.rotator)
                 if framing.texts_alone:  # what the copies cost, against the prefill they spare
-                    self.copy_cost.record_copies(sum(len(t.ids) for t in framing.texts if t.kv is not None),
+                    self.copy_cost.record_copies("text", sum(len(t.ids) for t in framing.texts if t.kv is not None),
                                                  framing.texts_s + time.perf_counter() - recording)
         return done, time.perf_counter() - started

@@ -14,10 +14,13 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+import torch
+
 from .block_count import BlockCount
+from ..plan import Observation, OwnTextPiece, ReusedRun
 from .segments import KVSegment
 
-__all__ = ["OwnTextStore", "piece_key"]
+__all__ = ["OwnTextStore", "own_text_pieces", "piece_key"]
 
 
 def piece_key(ids: Sequence[int]) -> str:
@@ -73,3 +76,35 @@ class OwnTextStore:
     def clear(self) -> None:
         with self._lock:
             self._pieces.clear()
+
+
+def own_text_pieces(
+    ids: torch.Tensor, runs: list[ReusedRun], observations: list[Observation], agent: str,
+    own_texts: Optional[OwnTextStore],
+) -> tuple[list[ReusedRun], list[OwnTextPiece]]:
+    """A plan's own-text pieces, given its ``[n]`` prompt ``ids``: after each segment that runs
+    to its last token, the text up to the next shared segment (reused or observed) or the last
+    prompt token. A piece is reused from the agent's own-text KV when there is one
+    (``own_texts`` given). Returns the runs (own-text runs added) and the pieces."""
+    n = int(ids.numel())
+    ends = [(run.found_start, run.prompt_end, run, None) for run in runs]
+    ends += [(seen.prompt_start, seen.prompt_start + seen.length, None, seen) for seen in observations]
+    ends.sort(key=lambda item: item[0])
+    pieces, new_runs = [], []
+    for i, (_, end, run, seen) in enumerate(ends):
+        segment = run.segment if run is not None else seen.segment
+        if run is not None and run.segment_start + run.length != segment.num_tokens:
+            continue
+        if seen is not None and not seen.reaches_end:
+            continue
+        stop = ends[i + 1][0] if i + 1 < len(ends) else n - 1
+        if stop <= end:
+            continue
+        piece = tuple(ids[end:stop].tolist())
+        key = piece_key(piece)
+        kv = own_texts.get(agent, key) if run is not None and own_texts is not None else None
+        reused = kv is not None and kv.num_tokens == stop - end
+        pieces.append(OwnTextPiece(end, stop, key, piece, segment, reused=reused, observed=seen is not None))
+        if reused:
+            new_runs.append(ReusedRun(kv, end, 0, stop - end, own_text=True, verdict=run.verdict))
+    return sorted(runs + new_runs, key=lambda r: r.prompt_start), pieces
