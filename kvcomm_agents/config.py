@@ -31,6 +31,16 @@ MOVED = {
 #: Settings of ``KVCommConfig`` that were renamed, and their names now.
 RENAMED = {"text_copies_when_cheaper": "copies_when_cheaper"}
 
+def _refuse_old_names(data, old: dict[str, str], message: str):
+    """``data`` (a model's raw input), or a clear error for a setting it names in ``old``
+    (``message`` formatted with the setting's ``name`` and what to write instead, ``new``)."""
+    if isinstance(data, dict):
+        for name in data:
+            if name in old:
+                raise ValueError(message.format(name=name, new=old[name]))
+    return data
+
+
 #: How shared text is reused (``KVCommConfig.method``).
 Method = Literal["kvcomm", "rerotate", "exact_prefix", "dense"]
 
@@ -47,11 +57,7 @@ class ExperimentalSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data):
-        if isinstance(data, dict):
-            for name in data:
-                if name in MOVED:
-                    raise ValueError(f"experimental.{name} is no longer an experimental setting: use {MOVED[name]}")
-        return data
+        return _refuse_old_names(data, MOVED, "experimental.{name} is no longer an experimental setting: use {new}")
 
     estimator: Literal["mean", "weighted"] = Field(
         default="mean",
@@ -117,11 +123,7 @@ class KVCommConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):
-        if isinstance(data, dict):
-            for name in data:
-                if name in RENAMED:
-                    raise ValueError(f"{name} was renamed: use KVCommConfig({RENAMED[name]}=...)")
-        return data
+        return _refuse_old_names(data, RENAMED, "{name} was renamed: use KVCommConfig({new}=...)")
 
     method: Method = Field(
         default="kvcomm",

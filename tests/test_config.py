@@ -1,6 +1,8 @@
 """``KVCommConfig`` validation (no model): methods, ranges, unknown and removed fields refused,
 the ``experimental`` sub-model, frozen instances, the sampler's argument checks."""
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -75,3 +77,12 @@ def test_a_setting_that_left_experimental_says_where_it_went():
     with pytest.raises(ValueError, match=r"removed"):
         KVCommConfig(experimental={"recompute_spread": 0.1})
     assert KVCommConfig(reply_copies=False).reply_copies is False
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"text_copies_when_cheaper": False}, "use KVCommConfig(copies_when_cheaper=...)"),
+    ({"experimental": {"recompute_head": 4}}, "use KVCommConfig(recompute_head=...)"),
+])
+def test_a_renamed_or_moved_setting_says_what_to_write_instead(settings, says):
+    with pytest.raises(ValidationError, match=re.escape(says)):
+        KVCommConfig(**settings)

@@ -14,8 +14,8 @@ sooner counted from the graph's start).
 - **Reply copies** ride on the sender's decode steps: their cost is what those steps took beyond
   as many plain steps (the engine's recent decode steps without copies; the copies' queries and
   the 4-D mask every step of a framed call carries), plus the copies fed after the reply. Fed
-  after an audit they are a forward of their own, timed whole. On the report range, (b) and
-  (i) on a CPU, they cost 5.3 s for 830 copy ids against 0.4 s of readers' prefill spared.
+  after an audit they are a forward of their own, timed whole. On the report range's debate
+  (b) on a CPU they cost 5.3 s for 830 copy ids against 0.4 s of readers' prefill spared.
 
 :class:`CopyCost` keeps each kind's seconds per copy id and the engine's seconds per prefilled
 id (recent calls) and says whether a kind pays. Until it has seen both it says it does, so the
