@@ -23,7 +23,9 @@ The baselines without anchors run with ``audit_every=0`` (an audit there only me
 ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kvcomm-own-text``
 (the receiver's own text reused with the anchors' own-text offsets), ``rerotate-messages`` /
 ``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-no-audit``,
-``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation),
+``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation: readers
+get copies where the default would serve them re-rotated; ``kvcomm-no-rerotation-copies-always``, the same
+with copies fed whatever they cost),
 ``kvcomm-unframed`` (no copies),
 ``kvcomm-replies-framed`` (reply copies only), ``kvcomm-copies-always`` (copies fed whatever
 they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
@@ -56,7 +58,8 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
-         "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-audit-new", "kvcomm-paper", "lower-bound")
+         "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new",
+         "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -178,6 +181,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, "copies_when_cheaper": False},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None, "recorded_versions": False},
         "kvcomm-no-rerotation": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False},
+        "kvcomm-no-rerotation-copies-always": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False,
+                                               "copies_when_cheaper": False},
         "kvcomm-audit-new": {"method": "kvcomm", "gamma": gamma,
                              "experimental": ExperimentalSettings(audit_new_readers=True)},
     }
