@@ -181,7 +181,8 @@ class CallSteps:
                 torch.cuda.synchronize(logits.device)
             seconds = time.perf_counter() - started
         if call.framing is None:
-            self.framer.copy_cost.record_step(seconds)
+            if self.framer.on:  # an engine that never feeds copies needs no baseline
+                self.framer.copy_cost.record_step(seconds)
         else:
             call.steps, call.steps_s = call.steps + 1, call.steps_s + seconds
         return logits

@@ -1,0 +1,66 @@
+"""What of a reused run is computed in context: its first ``recompute_head`` ids, a run of at
+most ``recompute_short_runs`` ids whole, and what a gate refusal of such a run costs (the engine on
+tiny real models)."""
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+
+from .conftest import REPLY, first_logits, replayed, solver_messages
+
+
+def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, tokenizer, make_engine):
+    """``recompute_head=4``: every reused run gives up its first 4 tokens to the
+    prefill; a head as long as the runs leaves nothing reused and the call equals dense."""
+    def second_call(head: int):
+        engine = make_engine(llama, prefix_cache=False, recompute_head=head)
+        first = replayed(engine, solver_messages("You are solver one."), "s1")
+        messages = solver_messages("You are solver two.", first.text)
+        return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]), messages
+
+    plain, messages = second_call(0)
+    headed, _ = second_call(4)
+    runs = [d for d in plain.result.stats.shared_decisions if d.status == "reused"]
+    assert runs and headed.result.stats.reused_tokens == plain.result.stats.reused_tokens - 4 * len(runs)
+    covered = lambda stats: {p for a, b in stats.reused_spans for p in range(a, b)}  # noqa: E731
+    heads = covered(plain.result.stats) - covered(headed.result.stats)
+    assert len(heads) == 4 * len(runs) and covered(headed.result.stats) <= covered(plain.result.stats)
+    whole, _ = second_call(10_000)
+    assert whole.result.stats.reused_tokens == 0
+    dense = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages, agent="s2")
+    torch.testing.assert_close(whole.first_token_logits, dense, atol=1e-4, rtol=0)
+
+
+def test_short_runs_are_computed_whole_and_long_ones_keep_their_head(model, tokenizer, make_engine):
+    """``recompute_short_runs=N``: a re-rotated run of at most N tokens is computed in context,
+    a longer one loses only its head (both tiny families)."""
+    def second_call(short: int):
+        engine = make_engine(model, prefix_cache=False, recompute_head=4, recompute_short_runs=short)
+        first = replayed(engine, solver_messages("You are solver one."), "s1")
+        messages = solver_messages("You are solver two.", first.text)
+        return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]).result.stats
+
+    plain = second_call(0)
+    lengths = sorted(b - a + 4 for a, b in plain.reused_spans)  # each run with its 4-token head
+    assert len(lengths) >= 2 and lengths[0] < lengths[-1]
+    cut = lengths[0]  # the shortest run is computed whole, the others keep theirs
+    shorter = second_call(cut)
+    assert shorter.reused_tokens == plain.reused_tokens - (cut - 4)
+    whole = second_call(lengths[-1])
+    assert whole.reused_tokens == 0 and {d.reason for d in whole.shared_decisions} == {"short_run"}
+
+
+@pytest.mark.parametrize("short", [0, 32])
+def test_a_refused_segment_computed_whole_does_not_compute_the_text_after_it(model, tokenizer, make_engine, short):
+    """Under KVCOMM a segment the gate judges new is computed and so, to be observed in exact
+    context, is everything after it. Where the segment is computed whole anyway (the question,
+    at most ``recompute_short_runs`` ids) its refusal costs only itself: the long reply after it
+    goes to the gate in its own right (judged new too, in a fresh engine) instead of being
+    computed as ``after_new_anchor``."""
+    engine = make_engine(model, method="kvcomm", prefix_cache=False, recompute_head=4, recompute_short_runs=short)
+    first = replayed(engine, solver_messages("You are solver one."), "s1", text=" ".join([REPLY] * 4))
+    stats = engine.replay(solver_messages("You are solver two.", first.text), agent="s2",
+                          reply_ids=[tokenizer.eos_token_id]).result.stats
+    reasons = {d.segment.kind[1] == "assistant": d.reason for d in stats.shared_decisions}  # the reply, the question
+    assert reasons == {False: "new_anchor", True: "after_new_anchor" if short == 0 else "new_anchor"}, reasons
