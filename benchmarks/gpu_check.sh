@@ -66,7 +66,7 @@ export PYTHONPATH="$PWD:$PWD/integrations:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 for dtype in float32 bfloat16; do
   start=$(date +%s)
   KVCOMM_TEST_DEVICE=$DEVICE KVCOMM_TEST_DTYPE=$dtype timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider \
-    -m exact tests/test_assembly.py tests/test_engine.py --junitxml "$OUT/exact_$dtype.xml" 2>&1 | tail -5
+    -m exact tests/engines/test_assembly.py tests/test_engine.py --junitxml "$OUT/exact_$dtype.xml" 2>&1 | tail -5
   step_json "exact_$dtype" "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 done
 

@@ -20,9 +20,13 @@ class TokenSampler:
         temperature: 0 for greedy, otherwise the softmax temperature.
         top_p: nucleus mass kept when sampling (1.0 keeps everything).
         seed: seeds the sampler's own generator; None draws a fresh seed.
+        vocab_size: ids at or above it are never picked: a checkpoint's output matrix may have
+            more rows than its tokenizer has tokens (padding rows), and an id the tokenizer
+            cannot decode must not reach the reply. None picks from every row.
     """
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None):
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                 vocab_size: Optional[int] = None):
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
@@ -31,11 +35,13 @@ class TokenSampler:
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.temperature = temperature
         self.top_p = top_p
+        self.vocab_size = vocab_size
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(seed if seed is not None else random.getrandbits(63))
 
     def __call__(self, logits: torch.Tensor) -> int:
         """Pick the next token id from ``[vocab]`` logits."""
+        logits = logits[: self.vocab_size]
         if self.temperature == 0.0:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)

@@ -288,7 +288,7 @@ class KVCommEngine:
         Raises:
             InvalidRequestError: an argument is wrong (before any compute).
         """
-        sampler = TokenSampler(temperature, top_p, seed)
+        sampler = TokenSampler(temperature, top_p, seed, vocab_size=len(self.tokenizer))
         yield from self._generate(messages, agent, max_new_tokens, sampler, stop, reuse, tools)
 
     def greedy(self, messages: Messages, *, agent: str, max_new_tokens: int = 256, reuse: Optional[bool] = None,
@@ -297,10 +297,11 @@ class KVCommEngine:
         (evaluation: a free run's first-token KL against dense). ``Replay.greedy_prefix`` is the
         whole reply."""
         rows: list[torch.Tensor] = []
+        choose = TokenSampler(vocab_size=len(self.tokenizer))
 
         def pick(logits: torch.Tensor) -> int:
-            rows.append(logits.detach().float().cpu())
-            return int(torch.argmax(logits))
+            rows.append(logits.detach().float().cpu())  # every row: KL is over the model's whole output
+            return choose(logits)
 
         result = _final(self._generate(messages, agent, max_new_tokens, pick, None, reuse, tools))
         return Replay(result, torch.stack(rows), len(result.token_ids))
@@ -343,7 +344,7 @@ class KVCommEngine:
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         check_length(layout, self.info.max_positions, len(ids), "reply_ids")
         with self._calls.prepared(layout, agent, reuse, len(ids), started) as call:
-            int(torch.argmax(call.pre.logits))  # what greedy decoding would do first (waits for the device)
+            int(torch.argmax(call.pre.logits))  # waits for the device: the first token's time
             ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
             logits = (self._calls.force_stepwise if stepwise else self._calls.force)(call, ids)
             text = TextAccumulator(self.tokenizer)
@@ -352,7 +353,7 @@ class KVCommEngine:
             text.flush()
             segment, audit_kl = self._calls.keep(call, messages, agent, text)
         result = self._calls.result(call, agent, reuse, text, "forced", segment, ttft, audit_kl)
-        return Replay(result, logits.cpu(), greedy_prefix(logits, ids))
+        return Replay(result, logits.cpu(), greedy_prefix(logits, ids, len(self.tokenizer)))
 
     def add_segment(self, text: str, *, kind: Optional[Kind] = None) -> SegmentRef:
         """Register text no agent generated (a document, a tool result) so later prompts reuse it.

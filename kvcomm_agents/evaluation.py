@@ -10,7 +10,7 @@ single run: agreement over ``k`` tokens holds exactly when ``greedy_prefix >= k`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -48,7 +48,8 @@ def trim_at_eos(ids: Sequence[int], eos_ids) -> list[int]:
     return ids[: ends[0] + 1] if ends else ids
 
 
-def greedy_prefix(logits: torch.Tensor, ids: Sequence[int]) -> int:
-    """How many leading ``ids`` greedy decoding would also produce (``logits[i]`` predicts ``ids[i]``)."""
-    agree = (logits.argmax(dim=-1).cpu() == torch.tensor(list(ids))).long()
+def greedy_prefix(logits: torch.Tensor, ids: Sequence[int], vocab_size: Optional[int] = None) -> int:
+    """How many leading ``ids`` greedy decoding would also produce (``logits[i]`` predicts ``ids[i]``;
+    as in generation, no id at or past ``vocab_size`` is picked)."""
+    agree = (logits[:, :vocab_size].argmax(dim=-1).cpu() == torch.tensor(list(ids))).long()
     return int(agree.cumprod(0).sum())
