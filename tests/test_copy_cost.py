@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcomm_agents.framing.cost import MIN_PREFILL_IDS, CopyCost
+from kvcomm_agents.framing.cost import CLEAR_FACTOR, MIN_PREFILL_IDS, CopyCost
 
 
 def test_copies_pay_until_both_rates_are_measured_then_only_when_cheaper_per_id():
@@ -59,21 +59,44 @@ def test_reply_copies_riding_on_decode_steps_cost_what_the_steps_took_beyond_pla
     prefill of 2 ms per id they do not pay. Framed steps no slower than plain ones cost only
     what came after the reply."""
     cost = CopyCost(window=4, min_samples=2)
-    cost.record_riding(200, 100, 4.8, 0.4)  # no plain step seen yet: nothing to weigh against
+    cost.record_riding({"reply": 200}, 100, 4.8, 0.4)  # no plain step seen yet: nothing to weigh against
     assert cost.rates("reply") is None and not cost._copies["reply"]
     for seconds in (0.040, 0.040, 0.041, 0.039, 0.040):
         cost.record_step(seconds)
     cost.record_prefill(1000, 2.0)
     cost.record_prefill(1000, 2.0)
-    cost.record_riding(200, 100, 4.8, 0.4)
-    assert cost.pays("reply")  # one sample: not yet judged
-    cost.record_riding(200, 100, 4.8, 0.4)
+    cost.record_riding({"reply": 200}, 100, 4.8, 0.4)
+    cost.record_riding({"reply": 200}, 100, 4.8, 0.4)
     assert cost.rates("reply") == pytest.approx((0.006, 0.002)) and not cost.pays("reply")
     assert cost.pays("text")  # the other kind is not judged by these
     cheap = CopyCost(min_samples=1)
     cheap.record_step(0.040)
     cheap.record_prefill(1000, 2.0)
-    cheap.record_riding(200, 100, 3.9, 0.2)  # steps faster than plain: counted as free
+    cheap.record_riding({"reply": 200}, 100, 3.9, 0.2)  # steps faster than plain: counted as free
     assert cheap.rates("reply") == pytest.approx((0.001, 0.002)) and cheap.pays("reply")
-    cheap.record_riding(0, 100, 9.0)  # no copy ids: nothing recorded
-    assert len(cheap._copies["reply"]) == 1
+    cheap.record_riding({"reply": 0, "text": 0}, 100, 9.0)  # no copy ids: nothing recorded
+    assert len(cheap._copies["reply"]) == 1 and not cheap._copies["text"]
+
+
+@pytest.mark.parametrize("dearer", [1.5, CLEAR_FACTOR * 1.5])
+def test_one_measurement_decides_only_where_copies_are_clearly_dearer(dearer):
+    """A graph gives about one measurement of reply copies: one that costs more than
+    CLEAR_FACTOR times the prefill per id stops them; a closer one waits for a second."""
+    cost = CopyCost(window=4, min_samples=2)
+    cost.record_prefill(1000, 2.0)  # 2 ms per id
+    cost.record_copies("reply", 100, 0.002 * dearer * 100)
+    assert cost.pays("reply") == (dearer <= CLEAR_FACTOR)
+    cost.record_prefill(1000, 2.0)
+    cost.record_copies("reply", 100, 0.002 * dearer * 100)
+    assert not cost.pays("reply")  # two each: the medians decide, dearer is dearer
+
+
+def test_copies_riding_together_are_measured_together():
+    """Text copies riding on CUDA decode steps beside reply copies: the steps' cost beyond plain
+    ones is spread over every copy id and counts against both kinds."""
+    cost = CopyCost(window=4, min_samples=1)
+    cost.record_step(0.040)
+    cost.record_prefill(1000, 1.0)  # 1 ms per id
+    cost.record_riding({"reply": 100, "text": 300}, 50, 2.0 + 1.2)  # 1.2 s beyond plain, 400 ids
+    assert cost.rates("reply") == pytest.approx((0.003, 0.001)) == cost.rates("text")
+    assert not cost.pays("reply") and not cost.pays("text")

@@ -102,14 +102,16 @@ def test_no_copy_without_the_readers_prefix_or_when_switched_off(model, tokenize
 
 
 @pytest.mark.parametrize("when_cheaper", [True, False])
-def test_copies_measured_dearer_than_the_prefill_they_spare_are_not_fed_on_a_cpu(model, tokenizer, when_cheaper,
-                                                                                 monkeypatch):
-    """Computed alone (a CPU), the copies' measured seconds per text id are weighed against the
-    engine's prefill per id (kvcomm_agents.framing.cost): once they cost more, the planner feeds
-    none and the reviewer computes the task itself, its first token still dense's; with
-    ``copies_when_cheaper=False`` they are fed whatever they cost. The rates are set at the
-    ledger (this test's prompts are too short to be measured)."""
-    monkeypatch.setattr(framer_module, "texts_alone", lambda device: True)
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "riding"])
+def test_copies_measured_dearer_than_the_prefill_they_spare_are_not_fed(model, tokenizer, when_cheaper, alone,
+                                                                        monkeypatch):
+    """Computed alone (a CPU) or riding on the sender's steps (CUDA), the copies' measured
+    seconds per text id are weighed against the engine's prefill per id
+    (kvcomm_agents.framing.cost): once they cost more, the planner feeds none and the reviewer
+    computes the task itself, its first token still dense's; with ``copies_when_cheaper=False``
+    they are fed whatever they cost. The rates are set at the ledger (this test's prompts are
+    too short to be measured)."""
+    monkeypatch.setattr(framer_module, "texts_alone", lambda device: alone)
     engine = KVCommEngine(model, tokenizer, config=mechanics(audit_every=0, copies_when_cheaper=when_cheaper))
     dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     _pipeline(engine, tokenizer, requests=1)  # the rule learned
@@ -142,3 +144,22 @@ def test_copies_computed_alone_are_measured_on_the_engines_own_calls(model, toke
     (text_ids, seconds), = cost._copies["text"]
     assert 0 < text_ids < sent.stats.prompt_tokens and seconds > 0
     assert [n > 0 and s > 0 for n, s in cost._prefills] == [True] * 4  # every call's prefill
+
+
+def test_copies_riding_on_generated_steps_are_measured_against_plain_steps(model, tokenizer, monkeypatch):
+    """Text copies riding on the sender's decode steps (CUDA) are measured as reply copies are:
+    a call without copies gives plain steps; the planner's generated call feeding the task's
+    copy gives one sample of (its text ids, seconds beyond as many plain steps)."""
+    monkeypatch.setattr(framer_module, "texts_alone", lambda device: False)
+    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    cost = engine._framer.copy_cost
+    _pipeline(engine, tokenizer, requests=1)  # replays: the rule learned, no steps timed
+    assert not cost._steps and not cost._copies["text"]
+    plain = engine.chat([{"role": "user", "content": "Hello there."}], agent="greeter", max_new_tokens=6)
+    assert len(cost._steps) == plain.stats.generated_tokens - 1 >= cost.min_samples
+    task = TASK.format("Quail")
+    sent = engine.chat([{"role": "system", "content": SENDER_SYSTEM}, {"role": "user", "content": task}],
+                       agent="planner", max_new_tokens=8)
+    assert sent.stats.framed_versions == 1 and not cost._copies["reply"]
+    (text_ids, seconds), = cost._copies["text"]
+    assert 0 < text_ids < sent.stats.prompt_tokens and seconds >= 0

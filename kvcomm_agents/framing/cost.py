@@ -16,12 +16,19 @@ sooner counted from the graph's start).
   the 4-D mask every step of a framed call carries), plus the copies fed after the reply. Fed
   after an audit they are a forward of their own, timed whole. On the report range's debate
   (b) on a CPU they cost 5.3 s for 830 copy ids against 0.4 s of readers' prefill spared.
+- **Copies riding together** (text copies on CUDA decode steps beside reply copies, or alone
+  on them): the steps' cost beyond plain ones is the cost of every copy id they carried, and
+  counts against each kind that rode.
 
 :class:`CopyCost` keeps each kind's seconds per copy id and the engine's seconds per prefilled
 id (recent calls) and says whether a kind pays. Until it has seen both it says it does, so the
 first copies are fed and measured; once they lose, no more of that kind are fed (the rates are a
 property of the model and device, not of the prompt), and a reader computes what the copy would
-have held.
+have held. A kind loses on the median of ``min_samples`` measurements, or on its first one
+where that costs more than :data:`CLEAR_FACTOR` times the prefill per id: a graph gives about
+one measurement of reply copies (a sender's steps are weighed only once plain steps were seen,
+which the graph's last agent gives), and copies five to fifteen times dearer than prefill
+(the debate above) should not run for several graphs before they are stopped.
 
 Pure bookkeeping over floats: no tensors, no model.
 """
@@ -31,9 +38,9 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
-from typing import Literal, Optional
+from typing import Literal, Mapping, Optional
 
-__all__ = ["CopyCost", "CopyKind", "MIN_PREFILL_IDS", "STEP_WINDOW"]
+__all__ = ["CLEAR_FACTOR", "CopyCost", "CopyKind", "MIN_PREFILL_IDS", "STEP_WINDOW"]
 
 #: A prefill counts toward the engine's rate only where it computed at least this many ids
 #: (short forwards are dominated by per-forward overheads a copy of a long text does not pay).
@@ -41,6 +48,10 @@ MIN_PREFILL_IDS = 128
 #: Plain decode steps kept for the baseline reply copies are weighed over (single steps are
 #: noisy; a median over this many is not).
 STEP_WINDOW = 64
+#: A kind of copy measured once at more than this many times the prefill's seconds per id loses
+#: without waiting for ``min_samples`` (the margin covers one noisy measurement: a copy sample
+#: and a prefill sample each slowed by up to about half by something else on the machine).
+CLEAR_FACTOR = 2.0
 
 #: The two kinds of copy (:mod:`.texts`, :mod:`.replies`).
 CopyKind = Literal["text", "reply"]
@@ -86,19 +97,23 @@ class CopyCost:
             with self._lock:
                 self._copies[kind].append((copy_ids, seconds))
 
-    def record_riding(self, copy_ids: int, steps: int, steps_s: float, after_s: float = 0.0) -> None:
-        """One call's reply copies, ``copy_ids`` ids, rode on its ``steps`` decode steps, which
-        took ``steps_s`` seconds together, and took ``after_s`` more after the reply (the ids
-        fed then, the versions recorded). Their cost: what the steps took beyond as many plain
-        steps (:meth:`record_step`'s median), plus ``after_s``; not recorded before
-        ``min_samples`` plain steps were seen."""
-        if copy_ids <= 0 or steps <= 0:
+    def record_riding(self, copy_ids: Mapping[CopyKind, int], steps: int, steps_s: float,
+                      after_s: float = 0.0) -> None:
+        """One call's copies, ``copy_ids`` ids of each kind, rode on its ``steps`` decode steps,
+        which took ``steps_s`` seconds together, and took ``after_s`` more after the reply (the
+        ids fed then, the versions recorded). Their cost: what the steps took beyond as many
+        plain steps (:meth:`record_step`'s median), plus ``after_s``, spread over every copy id
+        and recorded for each kind that rode (their shares of one step cannot be told apart);
+        not recorded before ``min_samples`` plain steps were seen."""
+        riding = {kind: n for kind, n in copy_ids.items() if n > 0}
+        if not riding or steps <= 0:
             return
         with self._lock:
             if len(self._steps) < self.min_samples:
                 return
             extra = max(0.0, steps_s - steps * statistics.median(self._steps)) + max(0.0, after_s)
-            self._copies["reply"].append((copy_ids, extra))
+            for kind in riding:
+                self._copies[kind].append((sum(riding.values()), extra))
 
     @staticmethod
     def _rate(samples) -> float:
@@ -118,9 +133,16 @@ class CopyCost:
 
     def pays(self, kind: CopyKind = "text") -> bool:
         """Whether a copy of ``kind`` is worth feeding: not measured yet, or it costs at most
-        the prefill it spares, per id."""
-        rates = self.rates(kind)
-        return rates is None or rates[0] <= rates[1]
+        the prefill it spares, per id (the medians of ``min_samples`` measurements each; before
+        that, at most :data:`CLEAR_FACTOR` times it)."""
+        with self._lock:
+            copies = self._copies[kind]
+            if not copies or not self._prefills:
+                return True
+            copy_rate, prefill_rate = self._rate(copies), self._rate(self._prefills)
+            if len(copies) >= self.min_samples and len(self._prefills) >= self.min_samples:
+                return copy_rate <= prefill_rate
+            return copy_rate <= CLEAR_FACTOR * prefill_rate
 
     def clear(self) -> None:
         with self._lock:

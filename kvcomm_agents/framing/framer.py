@@ -66,21 +66,21 @@ class Framer:
         rules = self._rules(agent, n, new_tokens) if plan.first_estimated() >= n else []
         texts = (self.text_framing.copies_for(plan, layout, agent, self.store, fingerprint, limit,
                                               rerotates=self._rerotates)
-                 if self.texts_pay(device) else [])
+                 if self.texts_pay() else [])
         if not rules and not texts:
             return None
         return FramedDecode(rules, slot_positions, n, chunk=copy_chunk(device), texts=texts,
                             rate=text_rate(device, len(texts)), texts_alone=texts_alone(device))
 
-    def texts_pay(self, device) -> bool:
-        """Whether this call may feed text copies: ``text_copies`` on and, where they are
-        computed alone (a CPU) and ``copies_when_cheaper``, not measured to cost more per
-        text id than the engine's own prefill (:mod:`.cost`; riding on CUDA decode steps is
-        assumed to pay, never measured)."""
+    def texts_pay(self) -> bool:
+        """Whether this call may feed text copies: ``text_copies`` on and, with
+        ``copies_when_cheaper``, not measured to cost more per text id than the engine's own
+        prefill (:mod:`.cost`: computed alone on a CPU, timed whole; riding on CUDA decode
+        steps, what the steps took beyond plain ones)."""
         c = self.config
         if not c.text_copies:
             return False
-        return not (c.copies_when_cheaper and texts_alone(device)) or self.copy_cost.pays("text")
+        return not c.copies_when_cheaper or self.copy_cost.pays("text")
 
     def replies_pay(self) -> bool:
         """Whether calls may feed reply copies: ``reply_copies`` on and, with
@@ -147,8 +147,8 @@ class Framer:
         what they still lack and record them as versions. ``tail``: the reply's text ids never
         fed (its last generated id, unless an end of sequence). ``steps``, ``steps_s``: the
         sender's single decode steps that carried ``framing`` and their seconds, what the reply
-        copies are measured by (:meth:`~.cost.CopyCost.record_riding`; not where text copies
-        rode on the same steps). Returns (versions recorded, seconds)."""
+        copies are measured by, and text copies where they rode on the same steps
+        (:meth:`~.cost.CopyCost.record_riding`). Returns (versions recorded, seconds)."""
         if not self.on or self.anchors.frozen:
             return 0, 0.0
         if self.config.reply_copies:
@@ -163,18 +163,25 @@ class Framer:
         started = time.perf_counter()
         framing.flush(model, cache, tail)
         done = 0
+        alone_s = framing.texts_s  # text copies computed in forwards of their own (a CPU)
         with self.anchors.recording():  # this call's copies do not evict each other
             if replied:
                 done += record_framed_versions(framing, cache, plan, reply, self.versions, self.info.rotator,
                                                self.store, fingerprint, next(self._turns))
-                if not framing.texts or framing.texts_alone:  # else text copies rode on the same steps
-                    self.copy_cost.record_riding(framing.reply_copy_ids, steps, steps_s,
-                                                 time.perf_counter() - started - framing.texts_s)
             if framing.texts:
                 recording = time.perf_counter()
                 done += record_text_versions(framing, layout, self.store, fingerprint, self.versions,
                                              self.info.rotator)
                 if framing.texts_alone:  # what the copies cost, against the prefill they spare
-                    self.copy_cost.record_copies("text", sum(len(t.ids) for t in framing.texts if t.kv is not None),
-                                                 framing.texts_s + time.perf_counter() - recording)
+                    alone_s += time.perf_counter() - recording
+                    self.copy_cost.record_copies("text", _text_copy_ids(framing), alone_s)
+        # the copies that rode on the sender's steps: what the steps took beyond plain ones
+        riding = {"reply": framing.reply_copy_ids if replied else 0,
+                  "text": 0 if framing.texts_alone else _text_copy_ids(framing)}
+        self.copy_cost.record_riding(riding, steps, steps_s, time.perf_counter() - started - alone_s)
         return done, time.perf_counter() - started
+
+
+def _text_copy_ids(framing: FramedDecode) -> int:
+    """Text ids the framing's text copies computed for their readers."""
+    return sum(len(t.ids) for t in framing.texts if t.kv is not None)
