@@ -3,6 +3,8 @@ no model."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from kvcomm_agents.framing.cost import CLEAR_FACTOR, MIN_PREFILL_IDS, CopyCost
@@ -59,13 +61,15 @@ def test_reply_copies_riding_on_decode_steps_cost_what_the_steps_took_beyond_pla
     prefill of 2 ms per id they do not pay. Framed steps no slower than plain ones cost only
     what came after the reply."""
     cost = CopyCost(window=4, min_samples=2)
-    cost.record_riding({"reply": 200}, 100, 4.8, 0.4)  # no plain step seen yet: nothing to weigh against
+    cost.record_riding({"reply": 200}, 100, 4.8, 0.4)  # no plain step seen yet: weighed later
     assert cost.rates("reply") is None and not cost._copies["reply"]
-    for seconds in (0.040, 0.040, 0.041, 0.039, 0.040):
+    cost.record_step(0.040)
+    assert not cost._copies["reply"]  # one plain step: no baseline yet
+    for seconds in (0.040, 0.041, 0.039, 0.040):
         cost.record_step(seconds)
+    assert cost._copies["reply"] == deque([(200, pytest.approx(1.2))])  # weighed once the baseline came
     cost.record_prefill(1000, 2.0)
     cost.record_prefill(1000, 2.0)
-    cost.record_riding({"reply": 200}, 100, 4.8, 0.4)
     cost.record_riding({"reply": 200}, 100, 4.8, 0.4)
     assert cost.rates("reply") == pytest.approx((0.006, 0.002)) and not cost.pays("reply")
     assert cost.pays("text")  # the other kind is not judged by these

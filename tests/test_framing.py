@@ -178,20 +178,26 @@ def test_reply_copies_measured_dearer_than_the_prefill_they_spare_are_not_fed(mo
 
 def test_reply_copies_riding_on_generated_steps_are_measured_against_plain_steps(model, tokenizer):
     """A generated reply's steps are timed: a call without copies gives plain steps, a call
-    feeding reply copies one sample of (copy ids, seconds beyond as many plain steps); a replay's
-    one-forward pass gives none (its cost is not a decode's)."""
+    feeding reply copies one sample of (copy ids, seconds beyond as many plain steps), weighed
+    when plain steps are first seen if it came before them; a replay's one-forward pass gives
+    none (its cost is not a decode's)."""
     engine = KVCommEngine(model, tokenizer, config=FRAMED)
     cost = engine._framer.copy_cost
     _debate(engine, tokenizer, "You are a solver.", rounds=1)  # replays: no steps timed
     assert not cost._steps and not cost._copies["reply"]
-    question = f"{QUESTION} Say it for basket Q."
-    sender = [{"role": "system", "content": "You are a solver."}, {"role": "user", "content": question}]
+    def sender(basket):
+        return [{"role": "system", "content": "You are a solver."},
+                {"role": "user", "content": f"{QUESTION} Say it for basket {basket}."}]
+
+    early = engine.chat(sender("P"), agent="s1", max_new_tokens=24)  # before any plain step
+    assert early.stats.forwarded.copies > 0 and not cost._copies["reply"]  # kept until a baseline
     plain = engine.chat([{"role": "system", "content": "You are a judge."}, {"role": "user", "content": "Hello there."}],
                         agent="judge", max_new_tokens=6)
     assert len(cost._steps) == plain.stats.generated_tokens - 1  # the first token comes from the prefill
-    framed = engine.chat(sender, agent="s1", max_new_tokens=24)
+    assert [n for n, _ in cost._copies["reply"]] == [early.stats.forwarded.copies]  # weighed now
+    framed = engine.chat(sender("Q"), agent="s1", max_new_tokens=24)
     assert framed.stats.framed_versions >= 1 and framed.stats.forwarded.copies > 0
-    (copy_ids, seconds), = cost._copies["reply"]
+    (_, _), (copy_ids, seconds) = cost._copies["reply"]
     assert copy_ids == framed.stats.forwarded.copies and seconds >= 0
 
 

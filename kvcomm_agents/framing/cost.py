@@ -25,10 +25,11 @@ id (recent calls) and says whether a kind pays. Until it has seen both it says i
 first copies are fed and measured; once they lose, no more of that kind are fed (the rates are a
 property of the model and device, not of the prompt), and a reader computes what the copy would
 have held. A kind loses on the median of ``min_samples`` measurements, or on its first one
-where that costs more than :data:`CLEAR_FACTOR` times the prefill per id: a graph gives about
-one measurement of reply copies (a sender's steps are weighed only once plain steps were seen,
-which the graph's last agent gives), and copies five to fifteen times dearer than prefill
-(the debate above) should not run for several graphs before they are stopped.
+where that costs more than :data:`CLEAR_FACTOR` times the prefill per id: a graph gives one
+measurement of reply copies per sender (its steps are weighed once the engine has decoded
+without copies, which the graph's last agent does, so a graph's first senders are weighed at
+its end), and copies five to fifteen times dearer than prefill (the debate above) should not
+run for several graphs before they are stopped.
 
 Pure bookkeeping over floats: no tensors, no model.
 """
@@ -74,6 +75,8 @@ class CopyCost:
         self._copies: dict[str, deque[tuple[int, float]]] = {kind: deque(maxlen=window) for kind in ("text", "reply")}
         self._prefills: deque[tuple[int, float]] = deque(maxlen=window)
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        #: riding copies measured before there was a baseline to weigh them against
+        self._unweighed: deque[tuple[dict, int, float, float]] = deque(maxlen=window)
         self._lock = threading.Lock()
 
     def record_prefill(self, computed_ids: int, seconds: float) -> None:
@@ -84,10 +87,14 @@ class CopyCost:
                 self._prefills.append((computed_ids, seconds))
 
     def record_step(self, seconds: float) -> None:
-        """One decode step of a call that fed no copies took ``seconds``."""
+        """One decode step of a call that fed no copies took ``seconds``; riding copies measured
+        before ``min_samples`` such steps were seen are weighed now."""
         if seconds > 0:
             with self._lock:
                 self._steps.append(seconds)
+                if len(self._steps) >= self.min_samples:
+                    while self._unweighed:
+                        self._weigh(*self._unweighed.popleft())
 
     def record_copies(self, kind: CopyKind, copy_ids: int, seconds: float) -> None:
         """One call's copies of ``kind`` spared their readers ``copy_ids`` ids of prefill and took
@@ -103,17 +110,23 @@ class CopyCost:
         which took ``steps_s`` seconds together, and took ``after_s`` more after the reply (the
         ids fed then, the versions recorded). Their cost: what the steps took beyond as many
         plain steps (:meth:`record_step`'s median), plus ``after_s``, spread over every copy id
-        and recorded for each kind that rode (their shares of one step cannot be told apart);
-        not recorded before ``min_samples`` plain steps were seen."""
+        and recorded for each kind that rode (their shares of one step cannot be told apart).
+        Measured before ``min_samples`` plain steps were seen (a graph's first senders, before
+        any agent decoded without copies), it is kept and weighed once they are."""
         riding = {kind: n for kind, n in copy_ids.items() if n > 0}
         if not riding or steps <= 0:
             return
         with self._lock:
             if len(self._steps) < self.min_samples:
-                return
-            extra = max(0.0, steps_s - steps * statistics.median(self._steps)) + max(0.0, after_s)
-            for kind in riding:
-                self._copies[kind].append((sum(riding.values()), extra))
+                self._unweighed.append((riding, steps, steps_s, after_s))
+            else:
+                self._weigh(riding, steps, steps_s, after_s)
+
+    def _weigh(self, riding: dict, steps: int, steps_s: float, after_s: float) -> None:
+        """Record one call's riding copies against the plain steps' median (lock held)."""
+        extra = max(0.0, steps_s - steps * statistics.median(self._steps)) + max(0.0, after_s)
+        for kind in riding:
+            self._copies[kind].append((sum(riding.values()), extra))
 
     @staticmethod
     def _rate(samples) -> float:
@@ -150,3 +163,4 @@ class CopyCost:
                 copies.clear()
             self._prefills.clear()
             self._steps.clear()
+            self._unweighed.clear()
