@@ -33,6 +33,8 @@ class TokenSampler:
             raise InvalidRequestError(f"top_p must be a number in (0, 1], got {top_p!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise InvalidRequestError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
         self.temperature = temperature
         self.top_p = top_p
         self.vocab_size = vocab_size

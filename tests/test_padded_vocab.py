@@ -10,18 +10,19 @@ import pytest
 import torch
 
 from kvcomm_agents import KVCommEngine
+from kvcomm_agents.errors import InvalidRequestError
 from kvcomm_agents.decoding import TokenSampler
-from kvcomm_agents.testing import tiny_llama
+from kvcomm_agents.testing import tiny_llama, tiny_qwen2
 
 from .conftest import DEVICE, DTYPE
 
 PADDING = 24
 
 
-@pytest.fixture(scope="module")
-def padded(tokenizer):
-    """A tiny Llama with ``PADDING`` rows past the tokenizer, made to win every argmax."""
-    model = tiny_llama(tokenizer, seed=0, vocab_size=len(tokenizer) + PADDING).to(device=DEVICE, dtype=DTYPE)
+@pytest.fixture(scope="module", params=[tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def padded(request, tokenizer):
+    """A tiny model of each family with ``PADDING`` rows past the tokenizer, made to win every argmax."""
+    model = request.param(tokenizer, seed=0, vocab_size=len(tokenizer) + PADDING).to(device=DEVICE, dtype=DTYPE)
     size = len(tokenizer)
 
     def favour_padding(module, inputs, output):
@@ -40,6 +41,9 @@ def test_a_sampler_never_picks_an_id_at_or_past_the_vocabulary():
     sampler = TokenSampler(temperature=1.0, seed=0, vocab_size=8)
     assert all(sampler(logits) < 8 for _ in range(50))
     assert TokenSampler()(logits) == 8  # no limit: every row
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(InvalidRequestError):
+            TokenSampler(vocab_size=bad)
 
 
 @pytest.mark.parametrize("reuse", [False, True])
