@@ -23,7 +23,8 @@ The baselines without anchors run with ``audit_every=0`` (an audit there only me
 ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kvcomm-own-text``
 (the receiver's own text reused with the anchors' own-text offsets), ``rerotate-messages`` /
 ``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-no-audit``,
-``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation: readers
+``kvcomm-audits-unpriced`` (every ``audit_every``-th
+reused call audited whatever reuse spared, ``audit_share=None``), ``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation: readers
 get copies where the default would serve them re-rotated; ``kvcomm-no-rerotation-copies-always``, the same
 with copies fed whatever they cost),
 ``kvcomm-unframed`` (no copies),
@@ -57,7 +58,7 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "PipelinedPrefill", "Low
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
-         "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
+         "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new",
          "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
@@ -175,6 +176,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                               "shared_runs": "messages"},
         "kvcomm-messages": {"method": "kvcomm", "gamma": gamma, "shared_runs": "messages"},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},
+        "kvcomm-audits-unpriced": {"method": "kvcomm", "gamma": gamma, "audit_share": None},
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
         "kvcomm-unframed": {"method": "kvcomm", "gamma": gamma, "reply_copies": False, "text_copies": False},
         "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma, "text_copies": False},

@@ -10,7 +10,8 @@ reports (``CallStats.audit_kl``). For ``method="kvcomm"`` the same pass also:
   were on, off where they were off), which gives :class:`~.anchors.tracker.OffsetTracker` a
   paired sample for ``(receiver, kind)``: the offset check and the KL budget read those.
 
-When: every ``audit_every``-th reused call, and a reused call carrying estimated offsets of a
+When: every ``audit_every``-th reused call once reuse has paid for it (``audit_share``: the
+audits' forwarded ids stay within that share of the prompt ids reuse spared), and a reused call carrying estimated offsets of a
 kind the tracker has too few samples of for this receiver (or holds back under the budget, a
 probe), at most one in ``tracker.warmup_gap`` of the receiver's calls; with
 ``experimental.audit_new_readers``, a receiver's first call served re-rotated on the other
@@ -63,6 +64,9 @@ class CallAuditor:
         self.model, self.rotator, self.config = model, rotator, config
         self.anchors, self.capture = anchors, capture
         self.reused_calls = 0
+        self.spared_ids = 0  # prompt ids reused calls did not prefill
+        self.audit_ids = 0  # ids every audit forwarded
+        self._period_due = False  # an every-N-th audit waits for reuse to pay for it
 
     def audit(self, plan: CallPlan, logits: torch.Tensor, agent: str) -> Optional[Audit]:
         """Audit a reused call if it is due; returns the :class:`Audit`, or None.
@@ -75,6 +79,8 @@ class CallAuditor:
         if not self.config.audit_every or not plan.runs:
             return None
         self.reused_calls += 1
+        self.spared_ids += plan.num_prompt - int(plan.computed_positions().numel())
+        self._period_due |= self.reused_calls % self.config.audit_every == 0
         kvcomm = self.config.method == "kvcomm"
         tracker = self.anchors.tracker
         kinds = plan.estimated_kinds() if kvcomm and not self.anchors.frozen else []
@@ -82,13 +88,17 @@ class CallAuditor:
         rerotated = kvcomm and not kinds and any(getattr(run.verdict, "rerotated", False) for run in plan.runs)
         new_reader = (rerotated and self.config.experimental.audit_new_readers and not self.anchors.frozen
                       and not tracker.rerotation_samples(agent))  # served on the others' samples alone
-        if self.reused_calls % self.config.audit_every and not warmup and not new_reader:
-            return None
-        tracker.audited(agent)
         kind = tracker.kind_to_flip(agent, kinds)
+        flipped = plan.with_offsets_flipped(kind) if kind is not None else None
+        cost = plan.num_prompt + (int(flipped.computed_positions().numel()) if flipped is not None else 0)
+        periodic = self._period_due and self.paid_for(cost)
+        if not periodic and not warmup and not new_reader:
+            return None
+        self._period_due = False
+        self.audit_ids += cost
+        tracker.audited(agent)
         flipped_logits = None
-        if kind is not None:
-            flipped = plan.with_offsets_flipped(kind)
+        if flipped is not None:
             flipped_logits = hf.prefill(self.model, flipped.prompt_ids, flipped.computed_positions(),
                                         assemble(flipped, self.rotator), flipped.reused_positions(),
                                         masked=True).logits
@@ -103,3 +113,9 @@ class CallAuditor:
         self.capture.observe(plan.as_observed(), agent, hf.kv_reader(dense.cache, dense.slot_positions),
                              self.anchors if kvcomm else None)
         return Audit(kl, dense)
+
+    def paid_for(self, cost: int) -> bool:
+        """Whether an audit forwarding ``cost`` ids keeps every audit's ids within
+        ``audit_share`` of the prompt ids reuse spared (always without a share)."""
+        share = self.config.audit_share
+        return share is None or self.audit_ids + cost <= share * self.spared_ids

@@ -216,6 +216,18 @@ class KVCommConfig(BaseModel):
             "(docs/anchors.md, 'Offsets checked against dense')."
         ),
     )
+    audit_share: Optional[float] = Field(
+        default=0.05, gt=0.0, le=1.0,
+        description=(
+            "What audits may spend, as a share of the prompt ids reuse spared: an every-N-th "
+            "audit (audit_every) waits until the ids the engine's reused calls did not prefill, "
+            "times this share, cover every id audits have forwarded, its own included (a dense "
+            "prefill of the prompt, plus the flipped pass with method='kvcomm'). Warm-up audits "
+            "and probes of the KL budget are not held back (the offsets' gate needs them) but "
+            "are charged to the same account. Default 0.05: the audits of a graph cost at most "
+            "a twentieth of the prefill reuse saved it. None: every audit_every-th reused call."
+        ),
+    )
     kl_budget: Optional[float] = Field(
         default=0.015, gt=0.0,
         description=(

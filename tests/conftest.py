@@ -80,8 +80,9 @@ def model(request, llama, qwen2):
 #: such runs are re-rotated (the default computes runs of up to 64 ids whole): what they check is
 #: the mechanics of reuse. Copies are fed whatever they cost: whether they pay is timed on the
 #: machine running the tests (tests/test_copy_cost.py sets the rates; tests that check the rule
-#: switch it on).
-MECHANICS = {"recompute_head": 4, "recompute_short_runs": 0, "copies_when_cheaper": False}
+#: switch it on). Audits run at the cadence a test sets, whatever reuse spared
+#: (tests/test_audit.py prices them).
+MECHANICS = {"recompute_head": 4, "recompute_short_runs": 0, "copies_when_cheaper": False, "audit_share": None}
 
 
 def mechanics(**config) -> KVCommConfig:

@@ -93,8 +93,9 @@ def prompt(llama, tokenizer):
 
 
 def auditor_for(model, **config):
-    """A CallAuditor with a spy for its capture; its anchors' freeze counter is ``.freeze``."""
-    config = KVCommConfig(**config)
+    """A CallAuditor with a spy for its capture; its anchors' freeze counter is ``.freeze``.
+    Audits are not priced against what reuse spared unless ``audit_share`` is given."""
+    config = KVCommConfig(**{"audit_share": None, **config})
     freeze = Freeze()
     anchors = KVCommAnchors.from_config(config, default_max_bytes=1 << 30, freeze=freeze)
     auditor = CallAuditor(model, rotator_from_config(model.config), config, anchors, Spy())
@@ -120,6 +121,37 @@ def test_every_nth_reused_call_is_audited_and_no_dense_call(llama, prompt):
     assert len(auditor.capture.seen) == 2  # only audits observe
     off = auditor_for(llama, method="rerotate", audit_every=0)
     assert [audited(off, prompt.plain, prompt.on_logits)[0] for _ in range(3)] == [None] * 3
+
+
+def test_every_nth_audit_waits_until_reuse_has_spared_what_it_costs(llama, prompt):
+    """``audit_share``: the audits' forwarded ids stay within that share of the prompt ids the
+    reused calls spared; a due audit runs on the first call after which it fits."""
+    spared = prompt.n - prompt.plain.computed_positions().numel()
+    assert 0 < spared < prompt.n
+    share = 0.5
+    auditor = auditor_for(llama, method="rerotate", audit_every=1, audit_share=share)
+    due, forwarded = [], 0
+    for call in range(1, 13):
+        fits = forwarded + prompt.n <= share * spared * call
+        audit, ids = audited(auditor, prompt.plain, prompt.on_logits)
+        forwarded += ids
+        due.append(audit is not None)
+        assert due[-1] == fits  # never ahead of what reuse paid, and never later
+        assert forwarded <= share * spared * call
+    assert 0 < sum(due) < len(due)
+    assert auditor.spared_ids == 12 * spared and auditor.audit_ids == forwarded == sum(due) * prompt.n
+
+
+def test_warm_up_audits_are_not_held_back_but_charged_to_the_same_account(llama, prompt):
+    """A kind that wants samples is audited on its warm-up gap however little reuse spared; the
+    every-N-th audit then waits until reuse has paid for both."""
+    auditor = auditor_for(llama, method="kvcomm", audit_every=1, audit_share=0.05)
+    gap = auditor.anchors.tracker.warmup_gap
+    due = [audited(auditor, prompt.on, prompt.on_logits)[0] is not None for _ in range(gap)]
+    assert due == [False] * (gap - 1) + [True]
+    assert auditor.audit_ids > 0.05 * auditor.spared_ids  # the warm-up audit ran on credit
+    plain = [audited(auditor, prompt.plain, prompt.on_logits)[0] is not None for _ in range(3)]
+    assert plain == [False] * 3  # no estimates: only the every-N-th audit, still unpaid
 
 
 def test_an_audit_is_kl_of_dense_against_served_over_one_dense_prefill(llama, prompt):

@@ -62,7 +62,7 @@ def test_every_forward_of_a_call_is_in_its_stats(model, tokenizer, stepwise):
     each call (counted by a hook on the model) is what the call's stats say, and the copies and
     audits are among it (a forward the engine did not charge fails here). Re-rotation is not
     trusted on measurement here: a reader served re-rotated is fed no copies."""
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=1, measured_rerotation=False))
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=1, audit_share=None, measured_rerotation=False))
     meter = ModelTokens(model)
     try:
         seen = {"copies": 0, "audit": 0}
