@@ -206,7 +206,8 @@ class KVCommConfig(BaseModel):
     audit_every: int = Field(
         default=16, ge=0,
         description=(
-            "Prefill every N-th reused call densely as well, after its reply, and record the "
+            "Prefill every N-th reused call densely as well (at most: audit_share may hold it "
+            "back), after its reply, and record the "
             "first-token KL(dense || reuse) in its stats (0 = off: no audits, and KVCOMM's "
             "offsets are never checked). With method='kvcomm' the audit's exact KV is recorded "
             "in the anchors, one more reuse prefill flips one segment kind's offsets, and a "
@@ -219,13 +220,14 @@ class KVCommConfig(BaseModel):
     audit_share: Optional[float] = Field(
         default=0.05, gt=0.0, le=1.0,
         description=(
-            "What audits may spend, as a share of the prompt ids reuse spared: an every-N-th "
-            "audit (audit_every) waits until the ids the engine's reused calls did not prefill, "
+            "Caps the every-N-th audits (audit_every) at this share of the prompt ids reuse "
+            "spared: a due audit waits until the ids the engine's reused calls did not prefill, "
             "times this share, cover every id audits have forwarded, its own included (a dense "
-            "prefill of the prompt, plus the flipped pass with method='kvcomm'). Warm-up audits "
-            "and probes of the KL budget are not held back (the offsets' gate needs them) but "
-            "are charged to the same account. Default 0.05: the audits of a graph cost at most "
-            "a twentieth of the prefill reuse saved it. None: every audit_every-th reused call."
+            "prefill of the prompt, plus the flipped pass with method='kvcomm'), then runs on "
+            "the first call where it fits. Warm-up audits and probes of the KL budget are not "
+            "held back (the offsets' gate needs them) but are charged to the same account, so "
+            "they may go over it and the every-N-th ones then wait. Default 0.05: a twentieth "
+            "of the prefill reuse spared. None: a fixed cadence, every audit_every-th reused call."
         ),
     )
     kl_budget: Optional[float] = Field(

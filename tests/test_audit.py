@@ -142,16 +142,41 @@ def test_every_nth_audit_waits_until_reuse_has_spared_what_it_costs(llama, promp
     assert auditor.spared_ids == 12 * spared and auditor.audit_ids == forwarded == sum(due) * prompt.n
 
 
+def test_an_audit_held_back_runs_on_the_first_call_it_fits_between_periods(llama, prompt):
+    """Due on the 3rd reused call but not yet paid for, the audit waits for the first call on
+    which it fits (the 5th here), not for the next multiple of ``audit_every``."""
+    spared = prompt.n - prompt.plain.computed_positions().numel()
+    share = prompt.n / (4.5 * spared)  # one audit fits once 4.5 calls' worth of ids were spared
+    auditor = auditor_for(llama, method="rerotate", audit_every=3, audit_share=share)
+    due = [audited(auditor, prompt.plain, prompt.on_logits)[0] is not None for _ in range(7)]
+    assert due == [False, False, False, False, True, False, False]
+
+
 def test_warm_up_audits_are_not_held_back_but_charged_to_the_same_account(llama, prompt):
     """A kind that wants samples is audited on its warm-up gap however little reuse spared; the
-    every-N-th audit then waits until reuse has paid for both."""
-    auditor = auditor_for(llama, method="kvcomm", audit_every=1, audit_share=0.05)
-    gap = auditor.anchors.tracker.warmup_gap
-    due = [audited(auditor, prompt.on, prompt.on_logits)[0] is not None for _ in range(gap)]
-    assert due == [False] * (gap - 1) + [True]
-    assert auditor.audit_ids > 0.05 * auditor.spared_ids  # the warm-up audit ran on credit
-    plain = [audited(auditor, prompt.plain, prompt.on_logits)[0] is not None for _ in range(3)]
-    assert plain == [False] * 3  # no estimates: only the every-N-th audit, still unpaid
+    every-N-th audit then waits until reuse has paid for both, later than it would have for its
+    own cost alone."""
+    spared = prompt.n - prompt.plain.computed_positions().numel()
+    assert spared == prompt.n - prompt.on.computed_positions().numel()
+    probe = auditor_for(llama, method="kvcomm", audit_every=1)
+    gap = probe.anchors.tracker.warmup_gap
+    share = prompt.n / ((gap + 1) * spared)  # alone, a plain call's audit would fit on call gap + 1
+    auditor = auditor_for(llama, method="kvcomm", audit_every=1, audit_share=share)
+    warm_up = [audited(auditor, prompt.on, prompt.on_logits) for _ in range(gap)]
+    assert [audit is not None for audit, _ in warm_up] == [False] * (gap - 1) + [True]
+    forwarded = warm_up[-1][1]
+    assert forwarded > prompt.n and auditor.audit_ids == forwarded  # the dense and the flipped pass
+    assert forwarded > share * auditor.spared_ids  # it ran on credit
+    plain, call = [], gap
+    while not any(plain):
+        call += 1
+        assert call < gap + 50, "the every-N-th audit never ran"
+        plain.append(audited(auditor, prompt.plain, prompt.on_logits)[0] is not None)
+    first = len(plain)  # the plain call whose audit ran
+    assert forwarded + prompt.n <= share * spared * call  # paid for both, then
+    assert forwarded + prompt.n > share * spared * (call - 1)  # and not a call sooner
+    assert first > 1  # without the warm-up's charge it would have run on the first
+    assert auditor.audit_ids == forwarded + prompt.n
 
 
 def test_an_audit_is_kl_of_dense_against_served_over_one_dense_prefill(llama, prompt):

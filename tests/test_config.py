@@ -26,7 +26,7 @@ def test_every_method_is_accepted_and_only_dense_turns_reuse_off(method):
 @pytest.mark.parametrize("fields", [
     {"method": "none"}, {"method": "mean"}, {"method": None},
     {"gamma": 1.5}, {"gamma": -0.1}, {"min_match_tokens": 0}, {"max_anchors": 0}, {"store_max_bytes": -1},
-    {"audit_every": -1},
+    {"audit_every": -1}, {"audit_share": 0.0}, {"audit_share": 1.5},
     # removed settings are refused, not ignored
     {"reuse": False}, {"offsets": "none"}, {"template": "reuse"}, {"segment_reuse": False}, {"gate": "error"},
     {"max_error": 0.5}, {"offset_max_error": 1.0}, {"recompute_share": 0.5}, {"verify_rope": False},
