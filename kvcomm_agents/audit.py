@@ -79,7 +79,7 @@ class CallAuditor:
         if not self.config.audit_every or not plan.runs:
             return None
         self.reused_calls += 1
-        self.spared_ids += plan.num_prompt - int(plan.computed_positions().numel())
+        self.spared_ids += plan.reused_tokens
         self._period_due |= self.reused_calls % self.config.audit_every == 0
         kvcomm = self.config.method == "kvcomm"
         tracker = self.anchors.tracker
@@ -88,12 +88,13 @@ class CallAuditor:
         rerotated = kvcomm and not kinds and any(getattr(run.verdict, "rerotated", False) for run in plan.runs)
         new_reader = (rerotated and self.config.experimental.audit_new_readers and not self.anchors.frozen
                       and not tracker.rerotation_samples(agent))  # served on the others' samples alone
+        if not (self._period_due or warmup or new_reader):
+            return None
         kind = tracker.kind_to_flip(agent, kinds)
         flipped = plan.with_offsets_flipped(kind) if kind is not None else None
         cost = plan.num_prompt + (int(flipped.computed_positions().numel()) if flipped is not None else 0)
-        periodic = self._period_due and self.paid_for(cost)
-        if not periodic and not warmup and not new_reader:
-            return None
+        if not (warmup or new_reader or self.paid_for(cost)):
+            return None  # the every-N-th audit waits for reuse to pay for it
         self._period_due = False
         self.audit_ids += cost
         tracker.audited(agent)
