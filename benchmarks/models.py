@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvcomm_agents.models import load_model
-from kvcomm_agents.testing import tiny_llama, tiny_tokenizer
+from kvcomm_agents.testing import tiny_llama, tiny_qwen2, tiny_tokenizer
 
 __all__ = ["SHAPES", "LoadedModel", "load"]
 
@@ -37,6 +37,9 @@ SHAPES: dict[str, tuple[type, type, dict]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False)),
 }
 
+#: The tests' seeded random models (3 layers, 64 wide): they run anywhere, in seconds per graph.
+TINY = {"tiny": tiny_llama, "tiny-qwen2": tiny_qwen2}
+
 
 @dataclass
 class LoadedModel:
@@ -49,10 +52,10 @@ class LoadedModel:
 
 
 def _random_model(shape: str, tokenizer, device: str, dtype: torch.dtype):
-    if shape == "tiny":  # the tests' tiny Llama: CPU smoke runs of the benchmark itself
-        return tiny_llama(tokenizer, seed=0).to(device=device, dtype=dtype)
+    if shape in TINY:  # the tests' tiny families: CPU smoke runs, and both families' fidelity
+        return TINY[shape](tokenizer, seed=0).to(device=device, dtype=dtype)
     if shape not in SHAPES:
-        raise ValueError(f"unknown shape '{shape}'; built-in: tiny, {', '.join(SHAPES)}")
+        raise ValueError(f"unknown shape '{shape}'; built-in: {', '.join([*TINY, *SHAPES])}")
     model_class, config_class, fields = SHAPES[shape]
     config = config_class(**fields, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                           pad_token_id=tokenizer.pad_token_id, attn_implementation="sdpa")

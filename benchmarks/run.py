@@ -30,7 +30,7 @@ import torch
 from . import measure, report
 from .graph import ModelMeter, run_graph
 from .graph_report import GRAPH_LEGEND, fastest_and_closest, format_graphs, summarize_decisions, summarize_graphs
-from .models import load
+from .models import TINY, load
 from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor
 from .workloads import (Workload, changing_graph, coding_pipeline, fan_out, gsm8k_debate, gsm8k_one_message,
                         long_document, paper_shape, rag_handoff, shared_history)
@@ -260,8 +260,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    if args.model.startswith("random:") and args.model != "random:tiny" and device.type != "cuda":
-        raise SystemExit("random:<shape> models are full size: run them on a GPU (random:tiny runs anywhere)")
+    if args.model.startswith("random:") and args.model.split(":", 1)[1] not in TINY and device.type != "cuda":
+        raise SystemExit(f"random:<shape> models are full size: run them on a GPU ({', '.join(TINY)} run anywhere)")
     profile = PROFILES[args.profile]
     info = versions(device)
     print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)

@@ -3,8 +3,11 @@
     .venv-vllm/bin/python -m benchmarks.vllm_serving --out benchmarks/out/vllm     # all phases
     bash scripts/run.sh test-vllm -k pinned                                        # sets up .venv-vllm
 
-Each strategy runs in a process of its own, one after the other (they never share the CPU);
-speed is reported as ratios to plain vLLM measured in the same invocation.
+Each strategy's engine runs in a process of its own, and no two run at once (they never share
+the CPU). In the ``ttft`` phase the strategies take turns graph by graph (the order rotated per
+graph), so a drift of the machine's speed falls on all of them alike (``--sequential``: each
+strategy's graphs in one go, one strategy after another); the other phases run one strategy after
+another. Speed is reported as ratios to plain vLLM measured in the same invocation.
 
 - ``ttft``: the GSM8K debate (4 solvers, each reading the question and every earlier reply), one
   graph at a time: TTFT per agent index (vLLM's own first-token latency; the HF engine's
@@ -67,25 +70,70 @@ def _report(output) -> dict:
     return (output.kv_transfer_params or {}).get("kvcomm", {})
 
 
-def run_vllm(strategy: str, phase: str, args) -> dict:
+def ttft_graph(engine, request, index: int, reply_tokens: int) -> list[dict]:
+    """One graph through a vLLM ``engine`` (:class:`~benchmarks.vllm_driver.VLLMDriver`): a
+    record per agent call, then the graph's wall time."""
+    records, replies, started = [], [], time.perf_counter()
+    for k, agent in enumerate(request.agents):
+        ids = engine.ids(request.messages(k, replies))
+        out = engine.generate([ids], [agent], reply_tokens)[0]
+        replies.append(out.outputs[0].text)
+        records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": len(ids),
+                        "reused_tokens": _report(out).get("reused_tokens", out.num_cached_tokens or 0),
+                        "ttft_s": out.metrics.first_token_latency})
+    records.append({"graph": index, "wall_s": time.perf_counter() - started})
+    return records
+
+
+def hf_graph(engine, request, index: int, reply_tokens: int) -> list[dict]:
+    """One graph through the HF ``engine`` (:class:`~kvcomm_agents.KVCommEngine`), recorded as
+    :func:`ttft_graph` records it (plus each call's audit KL, where one ran)."""
+    records, replies, started = [], [], time.perf_counter()
+    for k, agent in enumerate(request.agents):
+        result = engine.chat(request.messages(k, replies), agent=agent, max_new_tokens=reply_tokens, temperature=0.0)
+        replies.append(result.text)
+        s = result.stats
+        records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": s.prompt_tokens,
+                        "reused_tokens": s.reused_tokens, "ttft_s": s.ttft_s, "kl": s.audit_kl})
+    records.append({"graph": index, "wall_s": time.perf_counter() - started})
+    return records
+
+
+def _engine(strategy: str):
+    """``(engine, one graph's runner)`` for ``strategy``: vLLM in this process, or the HF engine."""
+    if strategy == "hf":
+        import torch
+
+        from kvcomm_agents import KVCommEngine
+
+        torch.set_num_threads(2)
+        return KVCommEngine.from_pretrained(dtype=torch.float32), hf_graph
     from kvcomm_agents.embedded import embedded_model_dir
 
     from benchmarks.vllm_driver import VLLMDriver
 
-    engine = VLLMDriver(strategy, str(embedded_model_dir()))
+    return VLLMDriver(strategy, str(embedded_model_dir())), ttft_graph
+
+
+def serve(strategy: str, args) -> None:
+    """A child of the interleaved ``ttft`` phase: load ``strategy``'s engine, say ``READY``, then
+    run the graph whose index each stdin line names and print its records (``RESULT``), until
+    stdin closes. It waits on stdin while the other strategies run: they never share the CPU."""
+    engine, graph = _engine(strategy)
+    requests = _workload(args.requests, args.offset, args.workload)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        index = int(line)
+        print("RESULT " + json.dumps(graph(engine, requests[index], index, args.reply_tokens)), flush=True)
+
+
+def run_vllm(strategy: str, phase: str, args) -> dict:
+    engine, graph = _engine(strategy)
     requests = _workload(args.requests, args.offset, args.workload)
     records = []
     if phase == "ttft":
         for index, request in enumerate(requests):
-            replies, started = [], time.perf_counter()
-            for k, agent in enumerate(request.agents):
-                ids = engine.ids(request.messages(k, replies))
-                out = engine.generate([ids], [agent], args.reply_tokens)[0]
-                replies.append(out.outputs[0].text)
-                records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": len(ids),
-                                "reused_tokens": _report(out).get("reused_tokens", out.num_cached_tokens or 0),
-                                "ttft_s": out.metrics.first_token_latency})
-            records.append({"graph": index, "wall_s": time.perf_counter() - started})
+            records += graph(engine, request, index, args.reply_tokens)
     elif phase == "batch":
         for group in range(2):  # a warm-up batch, then the measured one
             batch = requests[group * args.batch:(group + 1) * args.batch]
@@ -122,41 +170,84 @@ def run_vllm(strategy: str, phase: str, args) -> dict:
 
 
 def run_hf(phase: str, args) -> dict:
-    import torch
-
-    from kvcomm_agents import KVCommEngine
-
-    torch.set_num_threads(2)
-    engine = KVCommEngine.from_pretrained(dtype=torch.float32)
+    engine, graph = _engine("hf")
     requests = _workload(args.requests, args.offset, args.workload)
     records = []
-
-    def graph(request, index):
-        replies = []
-        for k, agent in enumerate(request.agents):
-            result = engine.chat(request.messages(k, replies), agent=agent, max_new_tokens=args.reply_tokens,
-                                 temperature=0.0)
-            replies.append(result.text)
-            s = result.stats
-            records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": s.prompt_tokens,
-                            "reused_tokens": s.reused_tokens, "ttft_s": s.ttft_s, "kl": s.audit_kl})
-
     if phase == "ttft":
         for index, request in enumerate(requests):
-            started = time.perf_counter()
-            graph(request, index)
-            records.append({"graph": index, "wall_s": time.perf_counter() - started})
+            records += graph(engine, request, index, args.reply_tokens)
     elif phase == "batch":
         for group in range(2):
             batch = requests[group * args.batch:(group + 1) * args.batch]
             started = time.perf_counter()
             for i, request in enumerate(batch):
-                graph(request, group * args.batch + i)
+                records += [r for r in graph(engine, request, group * args.batch + i, args.reply_tokens)
+                            if "wall_s" not in r]
             records.append({"group": group, "graphs": len(batch), "wall_s": time.perf_counter() - started})
     return {"strategy": "hf", "phase": phase, "records": records}
 
 
 # ---- orchestration --------------------------------------------------------------------------
+def _child(strategy: str, args, requests: int, mode: list[str]) -> list[str]:
+    """The command line of a child process running ``strategy``."""
+    python = args.hf_python if strategy == "hf" else sys.executable
+    return [python, "-m", "benchmarks.vllm_serving", *mode, "--requests", str(requests), "--offset", str(args.offset),
+            "--batch", str(args.batch), "--reply-tokens", str(args.reply_tokens), "--workload", args.workload]
+
+
+def _child_env() -> dict:
+    # vLLM drops to 1 torch thread "for serving" unless OMP_NUM_THREADS says otherwise;
+    # the HF engine uses 2: both get the machine's 2 cores
+    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+
+
+def _line(child: subprocess.Popen, prefix: str, strategy: str, log: Path) -> str:
+    """The child's next stdout line starting with ``prefix`` (other lines are vLLM's logs)."""
+    for line in child.stdout:
+        if line.startswith(prefix):
+            return line[len(prefix):]
+    raise SystemExit(f"{strategy} ended without '{prefix.strip()}' ({child.wait()}); see {log}")
+
+
+def interleaved_ttft(strategies: list[str], args, out: Path, command=None) -> list[dict]:
+    """The ``ttft`` phase with the strategies taking turns graph by graph: each strategy's engine
+    loads in a child process of its own (:func:`serve`), then for every graph each child in turn
+    runs it while the others wait on their stdin, the order rotated by one per graph. A drift of
+    the machine's speed over the run then falls on every strategy alike: run one after another,
+    two runs of the same strategies spread more than the effect on the whole graph.
+    ``command(strategy)``: a child's command line (:func:`serve`, by default)."""
+    command = command or (lambda strategy: _child(strategy, args, args.requests, ["--serve", strategy]))
+    children, logs, handles = {}, {}, []
+    try:
+        for strategy in strategies:
+            print(f"loading {strategy} ...", flush=True)
+            logs[strategy] = out / f"ttft-{strategy}.log"
+            handles.append(logs[strategy].open("w"))
+            children[strategy] = subprocess.Popen(command(strategy), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                  stderr=handles[-1], text=True, env=_child_env())
+            _line(children[strategy], "READY", strategy, logs[strategy])  # one loads at a time
+        records: dict[str, list] = {s: [] for s in strategies}
+        for index in range(args.requests):
+            turn = strategies[index % len(strategies):] + strategies[:index % len(strategies)]
+            for strategy in turn:
+                child = children[strategy]
+                child.stdin.write(f"{index}\n")
+                child.stdin.flush()
+                records[strategy] += json.loads(_line(child, "RESULT ", strategy, logs[strategy]))
+            walls = {s: next(r["wall_s"] for r in records[s] if r.get("graph") == index and "wall_s" in r)
+                     for s in strategies}
+            print(f"graph {index}: " + ", ".join(f"{s} {w:.1f} s" for s, w in walls.items()), flush=True)
+    finally:
+        for child in children.values():
+            if child.stdin and not child.stdin.closed:
+                child.stdin.close()
+        for child in children.values():
+            child.wait()
+        for handle in handles:
+            handle.close()
+    return [{"strategy": s, "phase": "ttft", "records": records[s]} for s in strategies]
+
+
 def _median(values) -> Optional[float]:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -239,7 +330,11 @@ def main(argv=None) -> None:
                         help="b: the GSM8K debate; c: the RAG hand-off (ttft and fidelity phases)")
     parser.add_argument("--hf-python", default=".venv/bin/python", help="interpreter for the HF engine (needs accelerate)")
     parser.add_argument("--summarize", default=None, help="print the tables of an earlier run's JSON")
+    parser.add_argument("--sequential", action="store_true",
+                        help="ttft phase: each strategy's graphs in a process of its own, one strategy after another "
+                             "(by default the strategies take turns graph by graph)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "strategy:phase", run in a child process
+    parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # a strategy: an interleaved ttft child
     args = parser.parse_args(argv)
     if args.summarize:
         saved = json.loads(Path(args.summarize).read_text())
@@ -247,6 +342,9 @@ def main(argv=None) -> None:
         saved["summary"] = table
         Path(args.summarize).write_text(json.dumps(saved, indent=1, default=str))
         print_tables(table)
+        return
+    if args.serve:
+        serve(args.serve, args)
         return
     if args.one:
         strategy, phase = args.one.split(":")
@@ -258,6 +356,9 @@ def main(argv=None) -> None:
     strategies = args.strategies.split(",")
     results = []
     for phase in args.phases.split(","):
+        if phase == "ttft" and not args.sequential:
+            results += interleaved_ttft(strategies, args, out)
+            continue
         if phase == "batch":
             args_requests = max(args.requests, 2 * args.batch)
         for strategy in strategies:
@@ -265,17 +366,11 @@ def main(argv=None) -> None:
                 continue
             if phase == "fidelity" and not strategy.startswith("connector"):
                 continue  # the HF engine's own fidelity is in benchmarks/LAB.md (its audits)
-            python = args.hf_python if strategy == "hf" else sys.executable
             requests = args_requests if phase == "batch" else args.requests
-            command = [python, "-m", "benchmarks.vllm_serving", "--one", f"{strategy}:{phase}",
-                       "--requests", str(requests), "--offset", str(args.offset), "--batch", str(args.batch),
-                       "--reply-tokens", str(args.reply_tokens), "--workload", args.workload]
             print(f"running {strategy} / {phase} ...", flush=True)
             started = time.perf_counter()
-            # vLLM drops to 1 torch thread "for serving" unless OMP_NUM_THREADS says otherwise;
-            # the HF engine uses 2: both get the machine's 2 cores
-            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            done = subprocess.run(_child(strategy, args, requests, ["--one", f"{strategy}:{phase}"]),
+                                  capture_output=True, text=True, env=_child_env())
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
                 raise SystemExit(f"{strategy}/{phase} failed ({done.returncode}):\n{done.stderr[-4000:]}")

@@ -284,3 +284,44 @@ def test_a_readers_first_token_counts_the_calls_before_it_from_the_graphs_start(
     moved = [call(1, 6.0, 1.0), call(2, 3.0, 0.2), call(3, 3.0, 0.2)]  # copies in agent 1's turn
     assert _first_tokens_from_start(moved) == pytest.approx({(0, 2): 6.2, (0, 3): 9.2})
     assert _from_start_speedup(dense, moved) == pytest.approx((5 / 6.2 + 9 / 9.2) / 2)
+
+
+STUB_CHILD = r"""
+import json, sys, time
+strategy = sys.argv[1]
+print("vLLM-like log line", flush=True)
+print("READY", flush=True)
+for line in sys.stdin:
+    started = time.perf_counter()
+    time.sleep(0.02)
+    print("RESULT " + json.dumps([{"graph": int(line), "agent_index": 1, "prompt_tokens": 4, "reused_tokens": 0,
+                                   "ttft_s": 0.01, "strategy": strategy, "started": started},
+                                  {"graph": int(line), "wall_s": time.perf_counter() - started, "started": started,
+                                   "ended": time.perf_counter()}]), flush=True)
+"""
+
+
+def test_vllm_strategies_take_turns_graph_by_graph_never_at_once(tmp_path):
+    """The vLLM benchmark's ttft phase: one child per strategy, each graph run by every child in
+    turn (the order rotated per graph), never two at once, each strategy's records its own."""
+    import sys
+    from types import SimpleNamespace
+
+    from benchmarks.vllm_serving import interleaved_ttft, summarize
+
+    script = tmp_path / "child.py"
+    script.write_text(STUB_CHILD)
+    strategies = ["vllm-apc", "connector", "connector-replies"]
+    results = interleaved_ttft(strategies, SimpleNamespace(requests=4), tmp_path,
+                               command=lambda strategy: [sys.executable, str(script), strategy])
+    assert [r["strategy"] for r in results] == strategies
+    walls = sorted((r["started"], r["ended"], result["strategy"], r["graph"]) for result in results
+                   for r in result["records"] if "wall_s" in r)
+    assert all(earlier[1] <= later[0] for earlier, later in zip(walls, walls[1:]))  # never two at once
+    for graph in range(4):  # each graph by every strategy, the first turn rotating
+        turn = [strategy for _, _, strategy, g in walls if g == graph]
+        assert turn == strategies[graph % 3:] + strategies[:graph % 3]
+    for result in results:
+        assert {r["strategy"] for r in result["records"] if "strategy" in r} == {result["strategy"]}
+    table = summarize(results, warmup=1)
+    assert set(table["ttft"]) == set(strategies) and table["ttft"]["vllm-apc"]["graph_speedup_vs_vllm"] == 1.0
