@@ -21,19 +21,19 @@ def assemble(plan: CallPlan, rotator: RopeRotator, position_offset: int = 0) -> 
     """The reused slots of ``plan`` in the order of ``plan.reused_positions()`` (recomputed
     positions dropped), keys at their prompt positions plus ``position_offset``.
 
-    One rotation, one offset addition and one concatenation per run and device group, not per
-    layer. An exact prefix alone is returned as views (the cache's update makes the one copy).
+    One rotation (straight into the assembled block) and one offset addition per run and device
+    group, not per layer. An exact prefix alone is returned as views (the cache's update makes the
+    one copy).
     """
     pieces = []
     if plan.prefix is not None:
-        prefix = plan.prefix.entry.kv.window(0, plan.prefix_length)
-        pieces.append(prefix.shifted(rotator, position_offset))
+        pieces.append((plan.prefix.entry.kv.window(0, plan.prefix_length), position_offset))
     for run in plan.runs:
         kv = run.segment.kv.window(run.segment_start, run.segment_start + run.length)
         if run.offsets_on:
             kv = kv.with_offsets(run.key_offsets, run.value_offsets)
-        pieces.append(kv.shifted(rotator, run.shift + position_offset))
-    block = KVBlock.cat(pieces)
+        pieces.append((kv, run.shift + position_offset))
+    block = KVBlock.assembled(pieces, rotator)
     if plan.recompute is not None:
         positions = torch.cat([torch.arange(plan.prefix_length)]
                               + [torch.arange(run.prompt_start, run.prompt_end) for run in plan.runs])

@@ -73,6 +73,31 @@ class KVBlock:
             blocks[0].starts,
         )
 
+    @staticmethod
+    def assembled(pieces: Sequence[tuple["KVBlock", int]], rotator: RopeRotator) -> "KVBlock":
+        """``(block, delta)`` pieces (same grouping), each one's keys moved by ``delta``
+        positions, concatenated along tokens: every piece rotated straight into one new block
+        (one pass over each piece's keys and values, where shifting then :meth:`cat` makes two).
+        One piece with ``delta`` 0: that block itself."""
+        if len(pieces) == 1:
+            block, delta = pieces[0]
+            return block.shifted(rotator, delta)
+        first = pieces[0][0]
+        tokens = sum(block.num_tokens for block, _ in pieces)
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return t.new_empty((t.shape[0], t.shape[1], tokens, t.shape[3]))
+
+        out = KVBlock(tuple(empty(k) for k in first.keys), tuple(empty(v) for v in first.values), first.starts)
+        at = 0
+        for block, delta in pieces:
+            end = at + block.num_tokens
+            for g, (keys, values) in enumerate(zip(block.keys, block.values)):
+                rotator.shift(keys, delta, out=out.keys[g][:, :, at:end])
+                out.values[g][:, :, at:end].copy_(values)
+            at = end
+        return out
+
     # ---- shape ----------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:

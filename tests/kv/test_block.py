@@ -136,6 +136,26 @@ def test_cat_concatenates_tokens_per_layer(starts):
     assert KVBlock.cat(blocks[:1]) is blocks[0]
 
 
+@pytest.mark.parametrize("starts", GROUPINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_assembled_rotates_each_piece_straight_into_one_block(starts, dtype):
+    """Pieces (windows of other blocks, some not moved) rotated into one block equal each piece
+    shifted by its delta, then concatenated; a single unmoved piece is returned as it is."""
+    parts = [per_layer(seed, tokens, dtype) for seed, tokens in ((1, 3), (2, 1), (3, 4))]
+    deltas = (40, 0, -3)
+    blocks = [grouped(p, starts).window(0, len(p[0][0][0, 0])) for p in parts]
+    rotator = RopeRotator(INV_FREQ.float())
+    joined = KVBlock.assembled(list(zip(blocks, deltas)), rotator)
+    assert joined.num_tokens == 8 and joined.starts == starts and joined.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for i in range(LAYERS):
+        keys, values = joined.layer(i)
+        expected = torch.cat([rotate(p[i][0].float(), d) for p, d in zip(parts, deltas)], dim=2)
+        torch.testing.assert_close(keys.float(), expected, atol=tolerance, rtol=0)
+        assert torch.equal(values, torch.cat([p[i][1] for p in parts], dim=2))
+    assert KVBlock.assembled([(blocks[1], 0)], rotator) is blocks[1]
+
+
 def test_operations_compose_like_the_assembly_of_a_run():
     """window -> offsets -> shift, as the assembly treats a run, equals the per-layer recipe."""
     layers = per_layer(dtype=torch.float64)

@@ -52,6 +52,23 @@ def test_canonical_frame_round_trip(rotator):
     torch.testing.assert_close(rotator.shift(canonical, 200), rotator.shift(keys_at_50, 150), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("delta", [37, torch.tensor([4, 9, -2, 0, 100])])
+def test_rotating_into_a_given_tensor_writes_the_same_keys_there(rotator, delta):
+    keys = torch.randn(1, 2, 5, 16)
+    out = torch.full((1, 2, 9, 16), 7.0)
+    moved = rotator.shift(keys, delta, out=out[:, :, 2:7])
+    torch.testing.assert_close(moved, rotator.shift(keys, delta), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[:, :, 2:7], rotator.shift(keys, delta), atol=1e-6, rtol=0)
+    assert torch.all(out[:, :, :2] == 7.0) and torch.all(out[:, :, 7:] == 7.0)  # nothing outside the window
+
+
+def test_half_by_half_rotation_matches_the_rotate_half_formula(rotator):
+    keys = torch.randn(3, 2, 6, 16, dtype=torch.float64)
+    angles = 123 * rotator.inv_freq_on(keys.device).double()
+    cos, sin = torch.cat([angles.cos()] * 2), torch.cat([angles.sin()] * 2)
+    torch.testing.assert_close(rotator.shift(keys, 123), keys * cos + rotate_half(keys) * sin, atol=1e-12, rtol=0)
+
+
 def test_half_precision_keys_rotate_in_float32(rotator):
     keys = torch.randn(1, 2, 4, 16)
     moved = rotator.shift(keys.to(torch.bfloat16), 100)
