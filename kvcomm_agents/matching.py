@@ -124,9 +124,10 @@ def match_runs(layout: PromptLayout, segment: KVSegment, start: int, limit: int)
         ``(prompt_start, segment_start, length)`` for each maximal run of consecutive matches.
     """
     runs: list[list[int]] = []
+    ids = layout.id_list()
     for j in layout.tokens_within(start, start + limit):
         s, e = layout.offsets[j]
-        i = segment.index_of(s - start, int(layout.ids[j]))
+        i = segment.index_of(s - start, ids[j])
         if i is None or segment.char_spans[i][1] != e - start:
             continue
         if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == i:

@@ -8,6 +8,7 @@ for token. Tokenizing a chat prompt piece by piece gives other ids (measured on 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -38,6 +39,8 @@ class PromptLayout:
     offsets: list[tuple[int, int]]
     content_spans: list[Optional[tuple[int, int]]]
     refs: list[Any] = field(default_factory=list)
+    _bounds: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+    _id_list: Optional[list[int]] = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def of_ids(cls, ids) -> "PromptLayout":
@@ -55,8 +58,24 @@ class PromptLayout:
         return None if span is None else self.text[span[0] : span[1]]
 
     def tokens_within(self, start: int, end: int) -> range:
-        """Indices of the tokens lying entirely inside characters ``[start, end)``."""
-        return token_span(self.offsets, start, end)
+        """Indices of the tokens lying entirely inside characters ``[start, end)``
+        (:func:`token_span`; by bisection where the offsets' starts and ends never decrease, as
+        a tokenizer's do: planning asks this for every segment found, of every prompt)."""
+        if self._bounds is None:
+            starts, ends = [s for s, _ in self.offsets], [e for _, e in self.offsets]
+            ordered = all(a <= b for a, b in zip(starts, starts[1:])) and all(a <= b for a, b in zip(ends, ends[1:]))
+            self._bounds = (starts, ends) if ordered else ()
+        if not self._bounds:
+            return token_span(self.offsets, start, end)
+        starts, ends = self._bounds
+        first = bisect.bisect_left(starts, start)
+        return range(first, max(first, bisect.bisect_right(ends, end)))
+
+    def id_list(self) -> list[int]:
+        """``ids`` as Python ints (cached): per-token lookups without indexing a tensor."""
+        if self._id_list is None:
+            self._id_list = self.ids.tolist()
+        return self._id_list
 
 
 #: Roles chat templates render; anything else is refused (a typo would render as nonsense).

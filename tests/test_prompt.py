@@ -35,6 +35,22 @@ def test_token_span_keeps_only_tokens_inside():
     assert token_span(offsets, 4, 8) == range(2, 2)
 
 
+def test_a_layouts_token_lookup_by_bisection_equals_the_scan(tokenizer):
+    """``tokens_within`` bisects a real prompt's offsets and scans offsets that go backwards
+    (a tokenizer giving (0, 0) to added tokens): either way what :func:`token_span` gives."""
+    from kvcomm_agents.prompt import PromptLayout
+
+    layout = render_prompt(tokenizer, solver_messages("You are solver two.", "the answer is 72, naïvely"))
+    n = len(layout.text)
+    for start in range(0, n + 2, 3):
+        for end in range(start, n + 3, 7):
+            assert layout.tokens_within(start, end) == token_span(layout.offsets, start, end), (start, end)
+    backwards = PromptLayout("abcdefgh", layout.ids[:5], [(0, 2), (2, 4), (0, 0), (4, 6), (6, 8)], [(0, 8)])
+    for start, end in [(0, 8), (2, 8), (1, 6), (4, 8), (0, 0)]:
+        assert backwards.tokens_within(start, end) == token_span(backwards.offsets, start, end)
+    assert backwards.id_list() == layout.ids[:5].tolist()
+
+
 def test_tools_are_passed_to_the_chat_template():
     from kvcomm_agents.testing import tiny_tokenizer
 

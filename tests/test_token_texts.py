@@ -50,6 +50,20 @@ def test_the_same_text_split_into_other_ids_matches_as_text(tokenizer):
     assert texts.leading([newline] * 3 + words, keep=len(words) + 2) == 1
 
 
+def test_matches_are_the_same_whatever_sequence_holds_the_ids(tokenizer):
+    """Lists, tuples and tensors of the same ids give the same match (the remembered pairs are
+    keyed on the ids, not on the container)."""
+    import torch
+
+    texts = TokenTexts.of(tokenizer)
+    a, b = _ids(tokenizer, "Solver 1 answered: 12 apples"), _ids(tokenizer, "Solver 2 answered: 12 apples")
+    expected = texts.matched(a, b)
+    assert 0 < expected < len(a)
+    for x, y in [(tuple(a), tuple(b)), (torch.tensor(a), b), (a, torch.tensor(b)), (torch.tensor(a), torch.tensor(b))]:
+        assert texts.matched(x, y) == expected
+    assert texts.same_text(torch.tensor(a), tuple(a))
+
+
 def test_special_tokens_only_match_themselves(tokenizer):
     texts = TokenTexts.of(tokenizer)
     special = sorted(tokenizer.all_special_ids)

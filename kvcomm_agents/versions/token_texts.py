@@ -26,6 +26,8 @@ import weakref
 from functools import lru_cache
 from typing import Optional, Sequence
 
+import torch
+
 __all__ = ["TokenTexts"]
 
 #: What :meth:`TokenTexts.of` built, per tokenizer object.
@@ -60,6 +62,7 @@ class TokenTexts:
         self.texts = list(texts)
         self.whitespace = frozenset(whitespace)
         self.text = lru_cache(maxsize=TEXT_CACHE)(self._text)
+        self._matched = lru_cache(maxsize=TEXT_CACHE)(self._matched_texts)
 
     @classmethod
     def of(cls, tokenizer) -> Optional["TokenTexts"]:
@@ -114,9 +117,13 @@ class TokenTexts:
     def matched(self, context: Sequence[int], other: Sequence[int]) -> int:
         """How many of ``context``'s last ids have their whole text inside the longest common
         text suffix of ``context`` and ``other`` (the same as the common id suffix's length where
-        both split their text alike)."""
-        text, starts = self.text(tuple(int(i) for i in context))
-        theirs = self.text(tuple(int(i) for i in other))[0]
+        both split their text alike). Remembered per pair: a plan compares the same contexts
+        against every receiver's recorded version."""
+        return self._matched(_key(context), _key(other))
+
+    def _matched_texts(self, context: tuple[int, ...], other: tuple[int, ...]) -> int:
+        text, starts = self.text(context)
+        theirs = self.text(other)[0]
         lo, hi = 0, min(len(text), len(theirs))  # the common suffix's length, by bisection
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -128,7 +135,7 @@ class TokenTexts:
 
     def same_text(self, a: Sequence[int], b: Sequence[int]) -> bool:
         """Whether two id sequences hold the same text."""
-        return self.text(tuple(int(i) for i in a))[0] == self.text(tuple(int(i) for i in b))[0]
+        return self.text(_key(a))[0] == self.text(_key(b))[0]
 
     def leading(self, ids: Sequence[int], keep: int = 1) -> int:
         """How many of ``ids``' first ids are whitespace, leaving at least ``keep`` ids after them."""
@@ -136,3 +143,12 @@ class TokenTexts:
         while n < len(ids) - keep and int(ids[n]) in self.whitespace:
             n += 1
         return n
+
+
+def _key(ids: Sequence[int]) -> tuple[int, ...]:
+    """``ids`` as a tuple (the texts' cache key): a tuple as it is (the planner's contexts are
+    tuples of ints), a tensor through ``tolist``, anything else through ``int``. Planning
+    compares hundreds of contexts per call."""
+    if type(ids) is tuple:
+        return ids
+    return tuple(ids.tolist()) if isinstance(ids, torch.Tensor) else tuple(map(int, ids))
