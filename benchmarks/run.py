@@ -261,7 +261,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if args.model.startswith("random:") and args.model.split(":", 1)[1] not in TINY and device.type != "cuda":
-        raise SystemExit(f"random:<shape> models are full size: run them on a GPU ({', '.join(TINY)} run anywhere)")
+        raise SystemExit(f"random:<shape> models are full size: run them on a GPU ({', '.join('random:' + shape for shape in TINY)} run anywhere)")
     profile = PROFILES[args.profile]
     info = versions(device)
     print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)

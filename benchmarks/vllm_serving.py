@@ -201,11 +201,13 @@ def _child_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
 
 
-def _line(child: subprocess.Popen, prefix: str, strategy: str, log: Path) -> str:
-    """The child's next stdout line starting with ``prefix`` (other lines are vLLM's logs)."""
+def _line(child: subprocess.Popen, prefix: str, strategy: str, log: Path, handle) -> str:
+    """The child's next stdout line starting with ``prefix``; other lines (vLLM's logs) go to
+    ``handle``, the child's log file ``log``."""
     for line in child.stdout:
         if line.startswith(prefix):
             return line[len(prefix):]
+        handle.write(line)
     raise SystemExit(f"{strategy} ended without '{prefix.strip()}' ({child.wait()}); see {log}")
 
 
@@ -214,8 +216,10 @@ def interleaved_ttft(strategies: list[str], args, out: Path, command=None) -> li
     loads in a child process of its own (:func:`serve`), then for every graph each child in turn
     runs it while the others wait on their stdin, the order rotated by one per graph. A drift of
     the machine's speed over the run then falls on every strategy alike: run one after another,
-    two runs of the same strategies spread more than the effect on the whole graph.
-    ``command(strategy)``: a child's command line (:func:`serve`, by default)."""
+    two runs of the same strategies spread more than the effect on the whole graph. Every
+    strategy's engine stays loaded meanwhile (vLLM's: ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV
+    each): where memory is short, ``--sequential``. ``command(strategy)``: a child's command
+    line (:func:`serve`, by default)."""
     command = command or (lambda strategy: _child(strategy, args, args.requests, ["--serve", strategy]))
     children, logs, handles = {}, {}, []
     try:
@@ -225,24 +229,34 @@ def interleaved_ttft(strategies: list[str], args, out: Path, command=None) -> li
             handles.append(logs[strategy].open("w"))
             children[strategy] = subprocess.Popen(command(strategy), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                   stderr=handles[-1], text=True, env=_child_env())
-            _line(children[strategy], "READY", strategy, logs[strategy])  # one loads at a time
+            _line(children[strategy], "READY", strategy, logs[strategy], handles[-1])  # one loads at a time
         records: dict[str, list] = {s: [] for s in strategies}
         for index in range(args.requests):
             turn = strategies[index % len(strategies):] + strategies[:index % len(strategies)]
             for strategy in turn:
-                child = children[strategy]
-                child.stdin.write(f"{index}\n")
-                child.stdin.flush()
-                records[strategy] += json.loads(_line(child, "RESULT ", strategy, logs[strategy]))
+                child, handle = children[strategy], handles[strategies.index(strategy)]
+                try:
+                    child.stdin.write(f"{index}\n")
+                    child.stdin.flush()
+                except OSError:  # it died between graphs
+                    raise SystemExit(f"{strategy} ended before graph {index} ({child.wait()}); see {logs[strategy]}")
+                records[strategy] += json.loads(_line(child, "RESULT ", strategy, logs[strategy], handle))
             walls = {s: next(r["wall_s"] for r in records[s] if r.get("graph") == index and "wall_s" in r)
                      for s in strategies}
             print(f"graph {index}: " + ", ".join(f"{s} {w:.1f} s" for s, w in walls.items()), flush=True)
     finally:
         for child in children.values():
-            if child.stdin and not child.stdin.closed:
-                child.stdin.close()
+            for pipe in (child.stdin, child.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
         for child in children.values():
-            child.wait()
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # stuck: never let the benchmark hang on it
+                child.kill()
+                child.wait()
         for handle in handles:
             handle.close()
     return [{"strategy": s, "phase": "ttft", "records": records[s]} for s in strategies]

@@ -63,9 +63,10 @@ def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
     Args:
         keys: ``[..., tokens, head_dim]`` (e.g. ``[batch, kv_heads, tokens, head_dim]``).
-        cos, sin: ``[head_dim]`` or ``[tokens, head_dim]`` from :func:`rotation_tables`.
-        out: where to write the result (shaped and typed like ``keys``, not overlapping it), or
-            None for a new tensor.
+        cos, sin: ``[head_dim]`` or ``[tokens, head_dim]`` from :func:`rotation_tables` (each
+            row the same angles twice, one copy per half of the head).
+        out: where to write the result (shaped and typed like ``keys``), or None for a new
+            tensor.
 
     Returns:
         The rotated keys (``out`` when given), typed like ``keys``; half-precision keys are
@@ -74,9 +75,12 @@ def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         allocation, where ``k ⊙ cos + rotate_half(k) ⊙ sin`` makes five; a long reused prompt's
         alignment is mostly this.
     """
-    if keys.dtype in (torch.float16, torch.bfloat16):
-        wide = keys.float()
-        rotated = (wide * cos + rotate_half(wide) * sin).to(keys.dtype)
+    if cos.shape[-1] != keys.shape[-1] or sin.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"rotation tables of width {cos.shape[-1]} for keys of head_dim {keys.shape[-1]}")
+    if keys.dtype in (torch.float16, torch.bfloat16) or (
+            out is not None and out.untyped_storage().data_ptr() == keys.untyped_storage().data_ptr()):
+        wide = keys.float() if keys.dtype in (torch.float16, torch.bfloat16) else keys
+        rotated = (wide * cos + rotate_half(wide) * sin).to(keys.dtype)  # a temporary: out may alias keys
         return rotated if out is None else out.copy_(rotated)
     half = keys.shape[-1] // 2
     cos, sin = cos[..., :half].to(keys.dtype), sin[..., :half].to(keys.dtype)  # both halves share them

@@ -146,9 +146,9 @@ class TokenTexts:
 
 
 def _key(ids: Sequence[int]) -> tuple[int, ...]:
-    """``ids`` as a tuple (the texts' cache key): a tuple as it is (the planner's contexts are
-    tuples of ints), a tensor through ``tolist``, anything else through ``int``. Planning
+    """``ids`` as a tuple (the texts' cache key): a tuple of ints as it is (the planner's contexts),
+    a tensor through ``tolist``, anything else through ``int``. Planning
     compares hundreds of contexts per call."""
-    if type(ids) is tuple:
+    if type(ids) is tuple and (not ids or type(ids[0]) is int):
         return ids
     return tuple(ids.tolist()) if isinstance(ids, torch.Tensor) else tuple(map(int, ids))

@@ -69,6 +69,15 @@ def test_half_by_half_rotation_matches_the_rotate_half_formula(rotator):
     torch.testing.assert_close(rotator.shift(keys, 123), keys * cos + rotate_half(keys) * sin, atol=1e-12, rtol=0)
 
 
+def test_rotating_keys_into_themselves_or_with_tables_of_another_width(rotator):
+    keys = torch.randn(1, 2, 5, 16)
+    expected = rotator.shift(keys, 9)
+    assert rotator.shift(keys, 9, out=keys) is keys  # out may be the keys themselves
+    torch.testing.assert_close(keys, expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="head_dim 8"):
+        rotator.shift(keys[..., :8], 9)  # a rotator of 16 channels for 8-wide heads
+
+
 def test_half_precision_keys_rotate_in_float32(rotator):
     keys = torch.randn(1, 2, 4, 16)
     moved = rotator.shift(keys.to(torch.bfloat16), 100)
