@@ -307,7 +307,8 @@ def test_vllm_strategies_take_turns_graph_by_graph_never_at_once(tmp_path):
     import sys
     from types import SimpleNamespace
 
-    from benchmarks.vllm_serving import interleaved_ttft, summarize
+    from benchmarks.vllm_serving import summarize
+    from benchmarks.vllm_turns import interleaved_ttft
 
     script = tmp_path / "child.py"
     script.write_text(STUB_CHILD)
