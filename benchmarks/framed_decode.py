@@ -1,12 +1,12 @@
 """What framed copies cost the sender and save its readers: whole pipelines timed, with and without.
 
-The default feeds copies of each reply (``reply_copies``) and of shared prompt
-text (``text_copies``) inside the sender's own decode steps
+Copies of each reply (``reply_copies``) and of shared prompt text (``text_copies``), off in the
+default and switched on here, are fed inside the sender's own decode steps
 (``kvcomm_agents.framing.decode.FramedDecode``): a step computes more than one token. Where a
 decode step costs the read of the weights (a GPU) that should be nearly free; on a CPU it is
 not. The forced benchmark (``python -m benchmarks``) times the readers' first token and the
 sender's work after its reply; this script times everything, per pipeline: two engines
-(``default``, ``unframed``: both switches off) answer the same messages (the unframed engine's
+(``framed``: both switches on, ``unframed``: both off) answer the same messages (the unframed engine's
 replies feed both), call by call, the engine that goes first alternating. Per call: time to
 first token, decode seconds per generated token (``total_s - ttft_s - framed_s`` over the
 tokens after the first), the copies' work after the reply; per pipeline: the sum of its calls'
@@ -31,7 +31,7 @@ import torch
 from . import workloads as W
 from .models import load
 
-ENGINES = ("default", "unframed")
+ENGINES = ("framed", "unframed")
 
 
 def pipelines(tokenizer, requests: int, tokens: int) -> dict[str, W.Workload]:
@@ -49,7 +49,7 @@ def measure(model, tokenizer, workload: W.Workload, *, tokens: int) -> list[dict
     seconds after the reply, ``total_s`` and copies recorded."""
     from kvcomm_agents import KVCommConfig, KVCommEngine
 
-    engines = {"default": KVCommEngine(model, tokenizer, config=KVCommConfig()),
+    engines = {"framed": KVCommEngine(model, tokenizer, config=KVCommConfig(reply_copies=True, text_copies=True)),
                "unframed": KVCommEngine(model, tokenizer, config=KVCommConfig(reply_copies=False, text_copies=False))}
     records = []
     for r, request in enumerate(workload.requests):
@@ -79,7 +79,7 @@ def _median(values) -> float | None:
 def summary(records: list[dict]) -> dict:
     """Paired medians: decode ms/token of calls that fed copies, downstream TTFT speed-up,
     pipeline wall time."""
-    fed = [r for r in records if r["default"]["copies"] and min(r[n]["tokens"] for n in ENGINES) > 8]
+    fed = [r for r in records if r["framed"]["copies"] and min(r[n]["tokens"] for n in ENGINES) > 8]
     walls: dict[int, dict[str, float]] = {}
     for r in records:
         for name in ENGINES:
@@ -89,14 +89,14 @@ def summary(records: list[dict]) -> dict:
     return {
         "calls": len(records), "calls_with_copies": len(fed),
         "unframed_decode_ms_per_token": _median(1000 * r["unframed"]["decode_s_per_token"] for r in fed),
-        "default_decode_ms_per_token": _median(1000 * r["default"]["decode_s_per_token"] for r in fed),
-        "decode_default_over_unframed": _median(r["default"]["decode_s_per_token"] / r["unframed"]["decode_s_per_token"]
+        "framed_decode_ms_per_token": _median(1000 * r["framed"]["decode_s_per_token"] for r in fed),
+        "decode_framed_over_unframed": _median(r["framed"]["decode_s_per_token"] / r["unframed"]["decode_s_per_token"]
                                                 for r in fed),
-        "downstream_ttft_unframed_over_default": _median(r["unframed"]["ttft_s"] / r["default"]["ttft_s"] for r in downstream),
+        "downstream_ttft_unframed_over_framed": _median(r["unframed"]["ttft_s"] / r["framed"]["ttft_s"] for r in downstream),
         "pipelines": len(walls),
         "wall_unframed_s": _median(w["unframed"] for w in walls.values()),
-        "wall_default_s": _median(w["default"] for w in walls.values()),
-        "wall_unframed_over_default": _median(w["unframed"] / w["default"] for w in walls.values()),
+        "wall_framed_s": _median(w["framed"] for w in walls.values()),
+        "wall_unframed_over_framed": _median(w["unframed"] / w["framed"] for w in walls.values()),
     }
 
 
@@ -121,21 +121,21 @@ def main(argv=None) -> dict:
           f"{args.requests - 1} measured requests per workload after 1 warm-up")
     print(f"{'workload':<10}{'calls fed':>10}{'decode ms/tok':>22}{'decode x':>10}"
           f"{'downstream TTFT':>17}{'pipeline wall s':>20}{'wall':>8}")
-    print(f"{'':<10}{'copies':>10}{'unframed / default':>22}{'':>10}{'unframed/default':>17}"
-          f"{'unframed / default':>20}{'gain':>8}")
+    print(f"{'':<10}{'copies':>10}{'unframed / framed':>22}{'':>10}{'unframed/framed':>17}"
+          f"{'unframed / framed':>20}{'gain':>8}")
     for name in args.workloads.split(","):
         records = measure(loaded.model, loaded.tokenizer, chosen[name], tokens=args.tokens)
         s = summary(records)
         result["workloads"][name] = {"title": chosen[name].title, "summary": s, "records": records}
         print(f"{name:<10}{s['calls_with_copies']:>10}"
-              f"{_fmt(s['unframed_decode_ms_per_token'], '.1f') + ' / ' + _fmt(s['default_decode_ms_per_token'], '.1f'):>22}"
-              f"{_fmt(s['decode_default_over_unframed'], '.2f'):>9}x"
-              f"{_fmt(s['downstream_ttft_unframed_over_default'], '.2f'):>16}x"
-              f"{_fmt(s['wall_unframed_s'], '.2f') + ' / ' + _fmt(s['wall_default_s'], '.2f'):>20}"
-              f"{_fmt(s['wall_unframed_over_default'], '.2f'):>7}x")
+              f"{_fmt(s['unframed_decode_ms_per_token'], '.1f') + ' / ' + _fmt(s['framed_decode_ms_per_token'], '.1f'):>22}"
+              f"{_fmt(s['decode_framed_over_unframed'], '.2f'):>9}x"
+              f"{_fmt(s['downstream_ttft_unframed_over_framed'], '.2f'):>16}x"
+              f"{_fmt(s['wall_unframed_s'], '.2f') + ' / ' + _fmt(s['wall_framed_s'], '.2f'):>20}"
+              f"{_fmt(s['wall_unframed_over_framed'], '.2f'):>7}x")
     print("decode x: the default's decode time per token over the unframed engine's, calls whose sender fed "
           "copies; downstream TTFT: agents after the first, unframed TTFT / default TTFT; wall gain: a pipeline's "
-          "summed call time, unframed / default (>1: the default is faster end to end). Medians of paired ratios.")
+          "summed call time, unframed / framed (>1: the default is faster end to end). Medians of paired ratios.")
     path = Path(args.out) / f"{args.model.replace(':', '-')}-{args.device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

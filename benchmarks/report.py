@@ -145,7 +145,7 @@ def summarize_answers(answers: list[dict]) -> list[dict]:
     return rows
 
 
-_STRATEGY_ORDER = ["dense", "prefix", "pipelined", "rerotate-messages", "rerotate", "cacheblend", "kvcomm-messages", "kvcomm-mean", "kvcomm-replies-framed", "kvcomm-unframed", "kvcomm-weighted", "kvcomm-own-text",
+_STRATEGY_ORDER = ["dense", "prefix", "pipelined", "rerotate-messages", "rerotate", "cacheblend", "kvcomm-messages", "kvcomm-mean", "kvcomm-replies-framed", "kvcomm-copies", "kvcomm-unframed", "kvcomm-weighted", "kvcomm-own-text",
                    "kvcomm-paper", "lower-bound"]
 
 

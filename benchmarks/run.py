@@ -39,7 +39,7 @@ GRAPH_PHASES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 DECIDING_PHASES = ("b", "i")  # the last agent decides: judge consistency
 DECISION_STRATEGIES = ("dense", "rerotate", "kvcomm-mean")
 PHASES = GRAPH_PHASES + ("b-e2e",)
-E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean", "kvcomm-unframed")
+E2E_STRATEGIES = ("dense", "rerotate", "kvcomm-mean", "kvcomm-copies")
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kv
 ``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-no-audit``,
 ``kvcomm-audits-unpriced`` (every ``audit_every``-th
 reused call audited whatever reuse spared, ``audit_share=None``), ``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation: readers
-get copies where the default would serve them re-rotated; ``kvcomm-no-rerotation-copies-always``, the same
+compute what the default would serve them re-rotated; ``kvcomm-no-rerotation-copies-always``, the same
 with copies fed whatever they cost),
-``kvcomm-unframed`` (no copies),
-``kvcomm-replies-framed`` (reply copies only), ``kvcomm-copies-always`` (copies fed whatever
+``kvcomm-copies`` (reply and text copies on, fed while they cost at most the prefill they spare),
+``kvcomm-replies-framed`` (reply copies only, the same rule), ``kvcomm-copies-always`` (copies fed whatever
 they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
 served on other receivers' samples audited, ``experimental.audit_new_readers``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
@@ -58,7 +58,7 @@ __all__ = ["CallOutcome", "Strategy", "EngineStrategy", "PipelinedPrefill", "Low
 BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
-         "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-unframed", "kvcomm-replies-framed",
+         "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new",
          "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
@@ -139,6 +139,9 @@ PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recompute_sh
          "text_copies": False, "experimental": ExperimentalSettings(estimator="weighted")}
 
 
+#: reply and text copies on (both off in the default)
+COPIES = {"reply_copies": True, "text_copies": True}
+
 #: the suffixes an engine strategy's name may take: ``-head-N`` recomputes the first N tokens of
 #: each reused run, ``-short-N`` computes whole every approximate run of at most N tokens
 _SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?")
@@ -178,13 +181,13 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},
         "kvcomm-audits-unpriced": {"method": "kvcomm", "gamma": gamma, "audit_share": None},
         "kvcomm-no-budget": {"method": "kvcomm", "gamma": gamma, "kl_budget": None},
-        "kvcomm-unframed": {"method": "kvcomm", "gamma": gamma, "reply_copies": False, "text_copies": False},
-        "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma, "text_copies": False},
-        "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, "copies_when_cheaper": False},
+        "kvcomm-copies": {"method": "kvcomm", "gamma": gamma, **COPIES},
+        "kvcomm-replies-framed": {"method": "kvcomm", "gamma": gamma, "reply_copies": True},
+        "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, **COPIES, "copies_when_cheaper": False},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None, "recorded_versions": False},
         "kvcomm-no-rerotation": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False},
         "kvcomm-no-rerotation-copies-always": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False,
-                                               "copies_when_cheaper": False},
+                                               **COPIES, "copies_when_cheaper": False},
         "kvcomm-audit-new": {"method": "kvcomm", "gamma": gamma,
                              "experimental": ExperimentalSettings(audit_new_readers=True)},
     }

@@ -301,21 +301,26 @@ class KVCommConfig(BaseModel):
         ),
     )
     reply_copies: bool = Field(
-        default=True,
+        default=False,
         description=(
             "Compute each reply a second time, as its readers will see it: after the text they "
             "put before it (learned from earlier calls: the sender's prompt without its generation "
             "header, then a lead-in such as 'Solver 2 answered:'), fed with the sender's own "
             "decode steps in the same cache, and recorded as a version the first reader reuses "
-            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing.replies). Measured on CPU, "
-            "40 GSM8K debates: readers 2.2x -> 3.95x dense to the first token, first-token KL "
-            "0.0118 -> 0.0011; end to end 19 of 20 final answers equal to dense's (14 without); "
-            "the sender decodes about 1.07x slower per token (copies fed 16 tokens at a time on "
-            "a CPU, with every step on CUDA). False: the first reader of each reply computes it."
+            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing.replies). Off by "
+            "default: on one device a copy computes in the sender's turn what its reader would "
+            "compute, so it brings the reader's first token sooner and the graph's end later. "
+            "Measured whole (report range, 2 CPU cores): the default with copies fed them in the "
+            "first graphs of the debate (b) and the fan-out (i) only, at 1.00x dense's graph time "
+            "against 1.02x and 1.07x without, and (b)'s second and third solvers 0.0001 from "
+            "dense against 0.0000; on one H200 (the paper's shape, random 8B weights) 1.57x dense "
+            "with copies against 1.68x without, KL 0.0054 against 0.0039 (benchmarks/LAB.md, "
+            "'Copies off by default'). True: for readers' first token at the graph's cost "
+            "(40 GSM8K debates on a CPU: readers 2.2x -> 3.95x dense to the first token)."
         ),
     )
     text_copies: bool = Field(
-        default=True,
+        default=False,
         description=(
             "Compute shared prompt text (a task, documents) a second time for each later reader, "
             "after that reader's own prefix (its system text: learned from earlier calls, its KV "
@@ -325,14 +330,18 @@ class KVCommConfig(BaseModel):
             "reader's decode steps (up to 256 text ids per generated token, the rest after its "
             "reply); on a CPU each is computed after the reply in a forward of its own, about "
             "the prefill it saves its reader. None for a reader whose re-rotation was measured "
-            "within kl_budget (measured_rerotation). "
-            "False: each reader estimates offsets for the text or computes it."
+            "within kl_budget (measured_rerotation). Off by default, as reply_copies: work moved "
+            "into the first reader's turn, not removed (on the report range no timed graph fed "
+            "one; on the RAG hand-off's development range, before copies were weighed against "
+            "the prefill, readers' TTFT 3.11x dense and the graph 0.92x with them, against 1.07x "
+            "and 0.96x without). "
+            "True: each later reader reuses the text as computed after its own prefix."
         ),
     )
     copies_when_cheaper: bool = Field(
         default=True,
         description=(
-            "Feed copies (reply_copies, text_copies) only while they cost at most the prefill they "
+            "With copies on (reply_copies, text_copies), feed them only while they cost at most the prefill they "
             "spare their readers, per copy id, as measured on this engine's calls "
             "(kvcomm_agents.framing.cost): a copy that costs more only moves work into the "
             "sender's turn, and the graph finishes later. Reply copies are weighed on every "

@@ -78,11 +78,12 @@ def model(request, llama, qwen2):
 #: Tests of the reuse mechanics run on short texts (the tiny tokenizer: replies and shared
 #: messages of 10-40 ids). They pin the run head at 4 ids and compute no short run whole, so that
 #: such runs are re-rotated (the default computes runs of up to 64 ids whole): what they check is
-#: the mechanics of reuse. Copies are fed whatever they cost: whether they pay is timed on the
-#: machine running the tests (tests/test_copy_cost.py sets the rates; tests that check the rule
-#: switch it on). Audits run at the cadence a test sets, whatever reuse spared
-#: (tests/test_audit.py prices them).
-MECHANICS = {"recompute_head": 4, "recompute_short_runs": 0, "copies_when_cheaper": False, "audit_share": None}
+#: the mechanics of reuse. Copies (off in the default) are on and fed whatever they cost, so that
+#: their mechanics run wherever reuse's do: whether they pay is timed on the machine running the
+#: tests (tests/test_copy_cost.py sets the rates; tests that check the rule switch it on). Audits
+#: run at the cadence a test sets, whatever reuse spared (tests/test_audit.py prices them).
+MECHANICS = {"recompute_head": 4, "recompute_short_runs": 0, "reply_copies": True, "text_copies": True,
+             "copies_when_cheaper": False, "audit_share": None}
 
 
 def mechanics(**config) -> KVCommConfig:

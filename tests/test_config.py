@@ -76,7 +76,7 @@ def test_a_setting_that_left_experimental_says_where_it_went():
         ExperimentalSettings(framed_replies=False)
     with pytest.raises(ValueError, match=r"removed"):
         KVCommConfig(experimental={"recompute_spread": 0.1})
-    assert KVCommConfig(reply_copies=False).reply_copies is False
+    assert KVCommConfig(reply_copies=True).reply_copies is True
 
 
 @pytest.mark.parametrize("settings, says", [

@@ -58,11 +58,12 @@ def _pipeline(engine, tokenizer, rounds: int, stepwise: bool):
 
 @pytest.mark.parametrize("stepwise", [True, False])
 def test_every_forward_of_a_call_is_in_its_stats(model, tokenizer, stepwise):
-    """KVCOMM with framed copies and an audit on every reused call: what the model forwarded in
+    """KVCOMM with copies switched on and an audit on every reused call: what the model forwarded in
     each call (counted by a hook on the model) is what the call's stats say, and the copies and
     audits are among it (a forward the engine did not charge fails here). Re-rotation is not
     trusted on measurement here: a reader served re-rotated is fed no copies."""
-    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=1, audit_share=None, measured_rerotation=False))
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(audit_every=1, audit_share=None, measured_rerotation=False,
+                                                                reply_copies=True, text_copies=True))
     meter = ModelTokens(model)
     try:
         seen = {"copies": 0, "audit": 0}

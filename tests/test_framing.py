@@ -48,7 +48,7 @@ def test_no_rule_where_the_base_fits_or_the_reader_does_not_repeat_the_sender():
     assert learn_rule(SENDER, SENDER[: ALIGN_IDS - 1]) is None  # too little known of the sender
 
 
-FRAMED = mechanics(audit_every=0)  # reply_copies is on by default
+FRAMED = mechanics(audit_every=0)  # copies on (tests/conftest.py, MECHANICS)
 QUESTION = "Sam has twelve apples and eats three of them. How many apples are left now, after lunch?"
 REPLIES = ["Twelve minus three is nine, so Sam has nine apples left. The final number is 9.",
            "Three eaten of twelve leaves nine apples on the table. The final number is nine."]
@@ -89,6 +89,18 @@ def test_the_first_reader_reuses_the_reply_its_sender_computed_in_its_framing_ex
     assert read.result.stats.reused_tokens > read_unframed.result.stats.reused_tokens
     torch.testing.assert_close(read.first_token_logits, first_logits(dense, messages, agent="s2"),
                                atol=tol(1e-4), rtol=0)
+
+
+def test_the_default_feeds_no_copies_and_a_user_may_switch_them_on(model, tokenizer):
+    """Copies move a reader's prefill into its sender's turn (the graph ends later on one
+    device), so the default feeds none: the same debate with ``reply_copies=True`` does."""
+    default = KVCommEngine(model, tokenizer)
+    sent, read, _ = _debate(default, tokenizer, "You are a solver.")
+    assert sent.stats.framed_versions == 0 and sent.stats.forwarded.copies == 0
+    assert all(d.gate is None or d.gate.offsets != "framed" for d in read.result.stats.shared_decisions)
+    switched_on = KVCommEngine(model, tokenizer, config=KVCommConfig(reply_copies=True, copies_when_cheaper=False))
+    sent_on, _, _ = _debate(switched_on, tokenizer, "You are a solver.")
+    assert sent_on.stats.framed_versions >= 1 and sent_on.stats.forwarded.copies > 0
 
 
 def test_no_reply_copy_for_a_reader_served_re_rotated(model, tokenizer):

@@ -37,11 +37,12 @@ def _run(model, tokenizer, workload, strategies, warmup=1):
 
 
 def test_every_forward_is_charged_to_its_graph(llama, tokenizer):
-    """KVCOMM with an audit on every reused call and framed copies, a rogue strategy, pipelined
+    """KVCOMM with an audit on every reused call and copies switched on, a rogue strategy, pipelined
     prefill: a graph's tokens are what the model forwarded during its calls, whoever asked.
     (Re-rotation is not trusted on measurement for the audited one: readers served re-rotated
     get no copies. The default, with its re-rotation checks, is charged the same way.)"""
-    audited_settings = {"method": "kvcomm", "audit_every": 1, "audit_share": None, "recompute_head": 4, "measured_rerotation": False}
+    audited_settings = {"method": "kvcomm", "audit_every": 1, "audit_share": None, "recompute_head": 4, "measured_rerotation": False,
+                         "reply_copies": True, "text_copies": True}
     strategies = [build("dense", llama, tokenizer), EngineStrategy("kvcomm-audited", llama, tokenizer, audited_settings),
                   Rogue("rogue", llama, tokenizer, {"method": "rerotate"}), build("pipelined", llama, tokenizer),
                   build("lower-bound", llama, tokenizer), build("kvcomm-mean", llama, tokenizer)]

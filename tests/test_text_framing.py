@@ -14,7 +14,7 @@ from kvcomm_agents.framing import framer as framer_module
 from .conftest import first_logits, tol
 from .conftest import mechanics
 
-FRAMED = mechanics(audit_every=0)  # text_copies is on by default
+FRAMED = mechanics(audit_every=0)  # copies on (tests/conftest.py, MECHANICS)
 OFF = mechanics(audit_every=0, text_copies=False)
 SENDER_SYSTEM = "You are the planner of a small team. Read the task and write a short plan."
 READER_SYSTEM = "You are the reviewer of the team. Read the task, then check the plan line by line."
