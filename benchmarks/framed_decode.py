@@ -133,9 +133,9 @@ def main(argv=None) -> dict:
               f"{_fmt(s['downstream_ttft_unframed_over_framed'], '.2f'):>16}x"
               f"{_fmt(s['wall_unframed_s'], '.2f') + ' / ' + _fmt(s['wall_framed_s'], '.2f'):>20}"
               f"{_fmt(s['wall_unframed_over_framed'], '.2f'):>7}x")
-    print("decode x: the default's decode time per token over the unframed engine's, calls whose sender fed "
-          "copies; downstream TTFT: agents after the first, unframed TTFT / default TTFT; wall gain: a pipeline's "
-          "summed call time, unframed / framed (>1: the default is faster end to end). Medians of paired ratios.")
+    print("decode x: the framed engine's decode time per token over the unframed engine's, calls whose sender "
+          "fed copies; downstream TTFT: agents after the first, unframed TTFT / framed TTFT; wall gain: a "
+          "pipeline's summed call time, unframed / framed (>1: copies end it sooner). Medians of paired ratios.")
     path = Path(args.out) / f"{args.model.replace(':', '-')}-{args.device}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

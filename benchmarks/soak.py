@@ -51,6 +51,7 @@ def soak(calls: int = 1000, *, agents: int = 4, store_mib: int = 8, anchor_mib: 
     tokenizer = tiny_tokenizer()
     engine = KVCommEngine(tiny_llama(tokenizer, seed=seed), tokenizer, config=KVCommConfig(
         store_max_bytes=store_mib * 2**20, anchor_max_bytes=anchor_mib * 2**20,
+        reply_copies=True, text_copies=True,  # off by default; on here, so that their versions fill the budgets too
         experimental={"own_text": "reuse", "own_text_max_bytes": 2**20}))
     rows, done, started = [], 0, time.perf_counter()
     while done < calls:

@@ -25,8 +25,8 @@ ablations behind ``benchmarks/LAB.md`` run when named: ``kvcomm-weighted``, ``kv
 ``kvcomm-messages`` (shared text found only as whole messages), ``kvcomm-no-audit``,
 ``kvcomm-audits-unpriced`` (every ``audit_every``-th
 reused call audited whatever reuse spared, ``audit_share=None``), ``kvcomm-no-versions``, ``kvcomm-no-budget``, ``kvcomm-no-rerotation`` (no measured re-rotation: readers
-compute what the default would serve them re-rotated; ``kvcomm-no-rerotation-copies-always``, the same
-with copies fed whatever they cost),
+compute what the default would serve them re-rotated; ``kvcomm-no-rerotation-copies``, the same with
+copies on under the cost rule; ``kvcomm-no-rerotation-copies-always``, with copies fed whatever they cost),
 ``kvcomm-copies`` (reply and text copies on, fed while they cost at most the prefill they spare),
 ``kvcomm-replies-framed`` (reply copies only, the same rule), ``kvcomm-copies-always`` (copies fed whatever
 they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
@@ -59,7 +59,8 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
-         "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new",
+         "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
+         "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new",
          "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
@@ -186,6 +187,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-copies-always": {"method": "kvcomm", "gamma": gamma, **COPIES, "copies_when_cheaper": False},
         "kvcomm-no-versions": {"method": "kvcomm", "gamma": gamma, "kl_budget": None, "recorded_versions": False},
         "kvcomm-no-rerotation": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False},
+        "kvcomm-no-rerotation-copies": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False, **COPIES},
         "kvcomm-no-rerotation-copies-always": {"method": "kvcomm", "gamma": gamma, "measured_rerotation": False,
                                                **COPIES, "copies_when_cheaper": False},
         "kvcomm-audit-new": {"method": "kvcomm", "gamma": gamma,

@@ -228,7 +228,8 @@ class CallSteps:
             with charging(call.tally, "audit"):
                 audit = self.auditor.audit(call.plan, call.pre.logits, agent)
             audit_kl = audit.kl if audit is not None else None
-            copies_after_audit = audit is not None and (call.framing is None or not call.framing.rules)
+            copies_after_audit = (audit is not None and self.framer.on
+                                  and (call.framing is None or not call.framing.rules))
             dense = audit.dense if copies_after_audit else None  # else its prompt KV is freed now
             audit = None
             wanted = segment is not None and (call.framing is not None or copies_after_audit)

@@ -231,7 +231,7 @@ def test_offset_sources_scores_the_learned_predictors(tmp_path):
 
 def test_framed_decode_times_whole_pipelines_with_and_without_copies(tmp_path):
     """``benchmarks.framed_decode`` answers the same messages on both engines and reports each
-    engine's copies (whether the default feeds any on this tiny random model depends on what its
+    engine's copies (whether the framed engine feeds any on this tiny random model depends on what its
     readers' plans computed: tests/test_text_framing.py checks the copies themselves)."""
     from benchmarks import framed_decode
 

@@ -65,9 +65,9 @@ def _by_kind(stats):
     return {d.segment.kind: d for d in stats.decisions}
 
 
-def test_default_kvcomm_records_anchors_then_reuses(engine):
-    """The default engine (KVCOMM, mean offsets, entropy gate, recorded versions, KL budget,
-    framed replies and texts): on the first question solver two computes the question (in
+def test_kvcomm_with_copies_records_anchors_then_reuses(engine):
+    """The default's method (KVCOMM, mean offsets, entropy gate, recorded versions, KL budget)
+    with reply and text copies switched on (tests/conftest.py, MECHANICS): on the first question solver two computes the question (in
     solver one's prompt it followed another system text, inside the context window) as a new
     anchor, and solver one's reply after it; that call teaches solver one where its readers put
     the question and its reply. On the last question solver one computed the question after each

@@ -98,7 +98,8 @@ def test_the_default_feeds_no_copies_and_a_user_may_switch_them_on(model, tokeni
     sent, read, _ = _debate(default, tokenizer, "You are a solver.")
     assert sent.stats.framed_versions == 0 and sent.stats.forwarded.copies == 0
     assert all(d.gate is None or d.gate.offsets != "framed" for d in read.result.stats.shared_decisions)
-    switched_on = KVCommEngine(model, tokenizer, config=KVCommConfig(reply_copies=True, copies_when_cheaper=False))
+    assert not KVCommConfig().reply_copies and not KVCommConfig().text_copies
+    switched_on = KVCommEngine(model, tokenizer, config=KVCommConfig(reply_copies=True))
     sent_on, _, _ = _debate(switched_on, tokenizer, "You are a solver.")
     assert sent_on.stats.framed_versions >= 1 and sent_on.stats.forwarded.copies > 0
 

@@ -3,8 +3,8 @@
 In a graph, the agent after a sender reads the sender's reply the moment it is complete: on a
 server that claims only what it can rebuild without holes (vLLM with the KVCOMM connector), the
 claim ends where that reply starts, and the reader computes the reply and everything after it.
-The HF engine computes a reply in its readers' framing inside the sender's own decode steps
-(``kvcomm_agents.framing.replies``); a batching server has no decode steps to ride on, but it batches whatever
+The HF engine can compute a reply in its readers' framing inside the sender's own decode steps
+(``reply_copies=True``, ``kvcomm_agents.framing.replies``); a batching server has no decode steps to ride on, but it batches whatever
 is waiting with the sender's decode. So while the sender streams its reply, the client sends,
 every :data:`CHUNK` new ids, one one-token request per later reader: the reader's prompt as it
 will be, up to the reply generated so far. Each is computed with exact prefixes only (the

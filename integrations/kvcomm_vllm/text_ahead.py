@@ -1,7 +1,7 @@
 """Shared input prefilled ahead in its later readers' framing, as requests of their own.
 
-The HF engine computes shared input (a task, retrieved documents) in each later reader's framing
-inside the first reader's decode steps (``kvcomm_agents.framing.texts``). A serving engine that batches
+The HF engine can compute shared input (a task, retrieved documents) in each later reader's framing
+inside the first reader's decode steps (``text_copies=True``, ``kvcomm_agents.framing.texts``). A serving engine that batches
 requests (vLLM with the KVCOMM connector) has no such steps to ride on, but it batches: the
 client sends, beside the first reader's request, one short request per later reader whose prompt
 is that reader's own prefix (its system text and header) followed by the new text, one token
