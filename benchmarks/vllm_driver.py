@@ -24,7 +24,8 @@ class VLLMDriver:
         if strategy.startswith("connector"):
             from kvcomm_vllm import engine_kwargs
 
-            kwargs.update(engine_kwargs({"kl_budget": None} if strategy == "connector-unaudited" else None))
+            kwargs.update(engine_kwargs({"kl_budget": None} if strategy == "connector-unaudited" else None,
+                                        background_capture=strategy == "connector-background-capture"))
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the same process layout as the connector
             kwargs.update(enable_prefix_caching=strategy.startswith("vllm-apc"), distributed_executor_backend="uni")

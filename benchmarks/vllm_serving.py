@@ -17,7 +17,8 @@ another. Speed is reported as ratios to plain vLLM measured in the same invocati
   every ratio), ``vllm-apc-copies`` (the prefix cache plus the client's prefill-ahead and reply
   copies, without the connector: the copies are exact-prefix requests, which the prefix cache
   alone serves), ``vllm`` (prefix caching off), ``connector`` (KVCOMM, default settings: no estimated offsets, as nothing audits
-  them on vLLM), ``connector-ahead`` (the connector with the client's prefill-ahead copies,
+  them on vLLM; finished requests kept inline, on the scheduler's path), ``connector-background-capture``
+  (the same, kept on the broker's capture thread), ``connector-ahead`` (the connector with the client's prefill-ahead copies,
   ``kvcomm_vllm.text_ahead``: what ``VLLMEngine`` sends by default; each call is stepped as a
   stream and its copies, one token each, are added once its first token is out),
   ``connector-replies`` (those copies and
@@ -29,6 +30,10 @@ another. Speed is reported as ratios to plain vLLM measured in the same invocati
 - ``batch``: 8 graphs at once (each agent step of all 8 graphs submitted together, so vLLM
   batches them), whole-batch wall time: ``vllm``, ``connector``, and the HF engine serving the
   8 graphs one after the other (it serves one stream at a time).
+- ``stream``: 8 graphs served as 8 users send them (each graph's next agent submitted the moment
+  its predecessor finishes, graph ``g`` starting ``g * STAGGER`` engine steps after the first), so
+  requests finish while others run: the whole set's wall time and each graph's, after a warm-up
+  set; vLLM strategies only.
 - ``fidelity``: per receiver call, each connector strategy's first-token distribution against vLLM
   dense on the same ids (full vocabulary).
 
@@ -50,8 +55,8 @@ from typing import Optional
 from benchmarks.vllm_turns import child_command, child_env, interleaved_ttft
 
 AGENTS = 4
-STRATEGIES = ("vllm-apc", "vllm-apc-copies", "vllm", "connector", "connector-ahead", "connector-replies",
-              "connector-unaudited", "hf")
+STRATEGIES = ("vllm-apc", "vllm-apc-copies", "vllm", "connector", "connector-background-capture", "connector-ahead",
+              "connector-replies", "connector-unaudited", "hf")
 #: the reference of every ratio: vLLM as it runs by default (prefix caching on)
 REFERENCE = "vllm-apc"
 
@@ -128,6 +133,49 @@ def serve(strategy: str, args) -> None:
         print("RESULT " + json.dumps(graph(engine, requests[index], index, args.reply_tokens)), flush=True)
 
 
+#: engine steps between the starts of two graphs in the ``stream`` phase
+STAGGER = 4
+
+
+def stream_graphs(driver, requests, reply_tokens: int) -> dict:
+    """``requests``' graphs served at once on ``driver``'s engine as independent users send them:
+    a graph's next agent is submitted as soon as its predecessor's reply is out, graph ``g``'s
+    first agent ``g * STAGGER`` steps after the first graph's. Returns the set's wall time and
+    each graph's."""
+    from vllm import SamplingParams
+
+    engine = driver.llm.llm_engine
+    replies = [[] for _ in requests]
+    live, begun, ended = {}, {}, {}
+
+    def submit(g: int) -> None:
+        k, request = len(replies[g]), requests[g]
+        ids = driver.ids(request.messages(k, replies[g]))
+        params = SamplingParams(max_tokens=reply_tokens, temperature=0,
+                                extra_args={"kv_transfer_params": {"agent": request.agents[k]}})
+        live[engine.add_request(f"stream-{g}-{k}", {"prompt_token_ids": ids}, params)] = g
+        live[f"stream-{g}-{k}"] = g
+
+    started, step, next_graph = time.perf_counter(), 0, 0
+    while len(ended) < len(requests):
+        if next_graph < len(requests) and step >= next_graph * STAGGER:
+            begun[next_graph] = time.perf_counter()
+            submit(next_graph)
+            next_graph += 1
+        for out in engine.step():
+            if not out.finished or out.request_id not in live:
+                continue
+            g = live.pop(out.request_id)
+            replies[g].append(out.outputs[0].text)
+            if len(replies[g]) < len(requests[g].agents):
+                submit(g)
+            else:
+                ended[g] = time.perf_counter()
+        step += 1
+    return {"graphs": len(requests), "wall_s": time.perf_counter() - started,
+            "graph_s": [ended[g] - begun[g] for g in range(len(requests))]}
+
+
 def run_vllm(strategy: str, phase: str, args) -> dict:
     engine, graph = _engine(strategy)
     requests = _workload(args.requests, args.offset, args.workload)
@@ -146,6 +194,10 @@ def run_vllm(strategy: str, phase: str, args) -> dict:
                 for i, out in enumerate(outs):
                     replies[i].append(out.outputs[0].text)
             records.append({"group": group, "graphs": len(batch), "wall_s": time.perf_counter() - started})
+    elif phase == "stream":
+        for group in range(2):  # a warm-up set, then the measured one
+            batch = requests[group * args.batch:(group + 1) * args.batch]
+            records.append({"group": group, **stream_graphs(engine, batch, args.reply_tokens)})
     else:  # fidelity: the connector's claim against vLLM dense, same ids, full vocabulary
         import torch
 
@@ -198,7 +250,7 @@ def summarize(results: list[dict], warmup: int) -> dict:
     """Per strategy: TTFT per agent index, graph wall time, token share; batch wall time;
     fidelity. Ratios are to vLLM as it runs by default (:data:`REFERENCE`, prefix caching on) from
     the same invocation."""
-    table: dict = {"ttft": {}, "batch": {}, "fidelity": {}}
+    table: dict = {"ttft": {}, "batch": {}, "stream": {}, "fidelity": {}}
     for result in results:
         strategy, phase, records = result["strategy"], result["phase"], result["records"]
         if phase == "ttft":
@@ -212,6 +264,10 @@ def summarize(results: list[dict], warmup: int) -> dict:
         elif phase == "batch":
             measured = [r for r in records if r.get("group") == 1]
             table["batch"][strategy] = {"graphs": measured[0]["graphs"], "wall_s": measured[0]["wall_s"]}
+        elif phase == "stream":
+            measured = [r for r in records if r.get("group") == 1][0]
+            table["stream"][strategy] = {"graphs": measured["graphs"], "wall_s": measured["wall_s"],
+                                         "graph_median_s": statistics.median(measured["graph_s"])}
         else:
             calls = [r for r in records if r["graph"] >= warmup and r["agent_index"] > 1]
             kls = [r["kl"] for r in calls if r.get("kl") is not None]
@@ -223,6 +279,11 @@ def summarize(results: list[dict], warmup: int) -> dict:
         if base:
             row["speedup_vs_vllm"] = {k: (base["ttft_s"][k] / v if v else None) for k, v in row["ttft_s"].items()}
             row["graph_speedup_vs_vllm"] = base["graph_wall_s"] / row["graph_wall_s"]
+    stream_base = table["stream"].get(REFERENCE)
+    for row in table["stream"].values():
+        if stream_base:
+            row["speedup_vs_vllm"] = stream_base["wall_s"] / row["wall_s"]
+            row["graph_speedup_vs_vllm"] = stream_base["graph_median_s"] / row["graph_median_s"]
     for row in table["batch"].values():
         row["graphs_per_s"] = row["graphs"] / row["wall_s"]
     hf = table["batch"].get("hf")
@@ -249,6 +310,13 @@ def print_tables(table: dict, workload: str = "b") -> None:
         for strategy, row in table["batch"].items():
             print(f"{strategy:<11} {row['wall_s']:8.1f} s  {row['graphs_per_s']:.3f} graphs/s"
                   + (f"  {row['throughput_vs_hf']:.2f}x HF" if "throughput_vs_hf" in row else ""))
+    if table["stream"]:
+        n = next(iter(table["stream"].values()))["graphs"]
+        print(f"\n{n} graphs as {n} users send them (staggered by {STAGGER} steps): the set's wall time and the median "
+              "graph's (speed-up vs vLLM with its prefix cache)")
+        for strategy, row in table["stream"].items():
+            print(f"{strategy:<24} {row['wall_s']:8.1f} s {row.get('speedup_vs_vllm') or 0:5.2f}x   "
+                  f"graph {row['graph_median_s']:6.1f} s {row.get('graph_speedup_vs_vllm') or 0:5.2f}x")
     if table["fidelity"]:
         print("\nfidelity, receivers (agent index > 1): mean first-token KL against dense on the same ids")
         for strategy, row in table["fidelity"].items():
@@ -300,14 +368,16 @@ def main(argv=None) -> None:
         if phase == "ttft" and not args.sequential:
             results += interleaved_ttft(strategies, args, out)
             continue
-        if phase == "batch":
+        if phase in ("batch", "stream"):
             args_requests = max(args.requests, 2 * args.batch)
         for strategy in strategies:
             if phase == "batch" and strategy == "vllm-apc":
                 continue
+            if phase == "stream" and strategy == "hf":
+                continue  # one stream at a time: the batch phase measures it
             if phase == "fidelity" and not strategy.startswith("connector"):
                 continue  # the HF engine's own fidelity is in benchmarks/LAB.md (its audits)
-            requests = args_requests if phase == "batch" else args.requests
+            requests = args_requests if phase in ("batch", "stream") else args.requests
             print(f"running {strategy} / {phase} ...", flush=True)
             started = time.perf_counter()
             done = subprocess.run(child_command(strategy, args, requests, ["--one", f"{strategy}:{phase}"]),

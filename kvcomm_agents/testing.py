@@ -145,8 +145,9 @@ class PrefixOnlyRuntime:
     KV for positions ``0 .. claim``, compute the rest, decode, hand the KV back. The reference the
     vLLM connector is checked against (``tests_vllm/``), and the broker's own test bed."""
 
-    def __init__(self, model, tokenizer, *, shared=None, **config):
+    def __init__(self, model, tokenizer, *, shared=None, background_capture: bool = False, **config):
         self.model, self.tokenizer = model, tokenizer
+        self.background_capture = background_capture  # finish(..., background=True), as the connector does
         self.broker = KVCommBroker(tokenizer, rotator_from_config(model.config), model_fingerprint(model, tokenizer),
                                    KVCommConfig(**config), shared=shared)
         self.count = 0
@@ -176,7 +177,8 @@ class PrefixOnlyRuntime:
                                              position_ids=torch.tensor([[n + step]]))[0, -1]
                 out.append(int(step_logits.argmax()) if forced is None else forced[step + 1])
             slots = torch.arange(n + new_tokens - 1)
-            report = self.broker.finish(rid, out, lambda positions: hf.kv_at_positions(pre.cache, slots, positions))
+            report = self.broker.finish(rid, out, lambda positions: hf.kv_at_positions(pre.cache, slots, positions),
+                                        background=self.background_capture)
         return logits, out, report, claim, pre
 
     def dense_logits(self, ids: list[int]) -> torch.Tensor:

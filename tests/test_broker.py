@@ -4,6 +4,9 @@ both tiny families. The vLLM connector drives the same broker (tests_vllm/)."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import torch
 
@@ -136,3 +139,56 @@ def test_a_prefix_only_request_claims_its_exact_prefix_only_and_is_kept_as_one(l
     assert not [d for d in report["decisions"] if d["status"] == "reused" and d["reason"] != "exact_prefix"]
     _, _, report, claim, _ = runtime.run(prompt, "b", new_tokens=1)
     assert report["prefix_tokens"] == claim.length == len(prompt) - 1  # the copy's prompt, exact
+
+
+def _slowed(runtime, seconds: float):
+    """Every capture of ``runtime``'s broker starts ``seconds`` late (a busy capture thread)."""
+    keep = runtime.broker.capture.keep_call
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return keep(*args, **kwargs)
+
+    runtime.broker.capture.keep_call = slow
+
+
+def test_a_capture_kept_in_the_background_serves_the_next_request_as_an_inline_one(llama, tokenizer):
+    """The connector keeps finished requests on the broker's capture thread; a request planned
+    after another finished waits for its capture, so it claims what the inline capture gives it,
+    however slow the capture is."""
+    inline = PrefixOnlyRuntime(llama, tokenizer)
+    background = PrefixOnlyRuntime(llama, tokenizer, background_capture=True)
+    _slowed(background, 0.3)
+    first = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]
+    for runtime in (inline, background):
+        _, reply_ids, report, _, _ = runtime.run(runtime.ids(first), "a")
+        assert report["prompt_tokens"] == len(runtime.ids(first))  # the report does not wait for the capture
+        follow = runtime.ids(first + [{"role": "assistant", "content": tokenizer.decode(reply_ids)},
+                                      {"role": "user", "content": "Give the final answer only."}])
+        runtime.follow = runtime.run(follow, "a")
+    (logits_i, reply_i, report_i, claim_i, _), (logits_b, reply_b, report_b, claim_b, _) = inline.follow, background.follow
+    assert claim_b.length == claim_i.length > 0 and reply_b == reply_i
+
+    def decided(report):  # segment ids are drawn per store
+        return {**report, "decisions": [(d["span"], d["status"], d["reason"], d["reused_tokens"]) for d in report["decisions"]]}
+
+    assert decided(report_b) == decided(report_i)
+    torch.testing.assert_close(logits_b, logits_i, atol=0, rtol=0)
+    background.broker.settle()
+    assert background.broker.pending_captures == 0
+
+
+def test_a_failed_background_capture_costs_reuse_not_the_output(llama, tokenizer, caplog):
+    runtime = PrefixOnlyRuntime(llama, tokenizer, background_capture=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("paged KV unreadable")
+
+    runtime.broker.capture.keep_call = broken
+    ids = runtime.ids([{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}])
+    with caplog.at_level(logging.ERROR, logger="kvcomm_agents.capture"):
+        runtime.run(ids, "a")
+        logits, _, report, claim, _ = runtime.run(ids, "a")
+    assert "capture failed" in caplog.text
+    assert claim.length == 0 and report["dense_reason"] == "nothing_to_reuse"
+    torch.testing.assert_close(logits, runtime.dense_logits(ids), atol=tol(1e-4), rtol=0)

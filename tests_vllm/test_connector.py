@@ -32,6 +32,29 @@ def test_exact_prefix_claim_gives_vllms_own_greedy_output(client):
     assert served.outputs[0].token_ids == dense.outputs[0].token_ids  # token for token
 
 
+def test_a_capture_kept_off_the_scheduler_serves_the_next_request_exactly(client, broker, monkeypatch):
+    """``background_capture=True``: the finished request's KV is copied out of its blocks and kept
+    on the broker's capture thread; the follow-up, planned after, waits for it and claims it."""
+    from kvcomm_vllm.connector import runtimes
+
+    (runtime,) = runtimes()
+    monkeypatch.setattr(runtime, "background_capture", True)
+    queued = []
+    submit = broker._captures.submit
+    monkeypatch.setattr(broker._captures, "submit", lambda touch, job: (queued.append(touch), submit(touch, job)))
+    first = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": questions(3)[2]}]
+    reply = client.generate(client.ids(first), "background_a", max_tokens=32).outputs[0].text
+    follow = client.ids(first + [{"role": "assistant", "content": reply},
+                                 {"role": "user", "content": "State the final answer as a number."}])
+    served = client.generate(follow, "background_a", max_tokens=32)
+    assert len(queued) == 2  # both requests kept in the background
+    assert served.kv_transfer_params["kvcomm"]["reused_tokens"] >= len(client.ids(first))
+    dense = client.generate(follow, "background_a", reuse=False, max_tokens=32)
+    assert served.outputs[0].token_ids == dense.outputs[0].token_ids
+    broker.settle()
+    assert broker.pending_captures == 0
+
+
 def test_kvcomm_claims_match_the_reference_runtime_and_its_fidelity(client, model_dir):
     """A two-agent debate (B reads A's reply) for several questions: every claim the connector
     makes equals the claim of the same broker on transformers (PrefixOnlyRuntime) fed the same

@@ -28,7 +28,7 @@ MODULE = "kvcomm_vllm.connector"
 
 
 def kv_transfer_config(kvcomm: Optional[dict[str, Any]] = None, shared_store: Optional[str] = None,
-                       shared_namespace: str = "kvcomm") -> dict[str, Any]:
+                       shared_namespace: str = "kvcomm", background_capture: bool = False) -> dict[str, Any]:
     """vLLM's ``kv_transfer_config`` for the connector.
 
     Args:
@@ -36,8 +36,13 @@ def kv_transfer_config(kvcomm: Optional[dict[str, Any]] = None, shared_store: Op
         shared_store: a Redis URL (``"redis://host:6379/0"``): the segment tier this replica shares
             with the others of its fleet (:mod:`kvcomm_agents.kv.redis_tier`); None: its own only.
         shared_namespace: the fleet's key prefix on that server.
+        background_capture: keep finished requests' KV on a capture thread, off the scheduler's
+            path (each request's KV is copied out of its blocks first, on the KV's device, and
+            held until kept); False (the default): inline, the scheduler waits for it. Equal on a
+            CPU (8 staggered graphs of (b), ``docs/scale-out.md``); meant for a GPU server, where
+            inline capture stalls every running request; not yet measured there.
     """
-    extra: dict[str, Any] = {"kvcomm": dict(kvcomm or {})}
+    extra: dict[str, Any] = {"kvcomm": dict(kvcomm or {}), "background_capture": background_capture}
     if shared_store:
         extra.update(shared_store=shared_store, shared_namespace=shared_namespace)
     return {
@@ -50,15 +55,15 @@ def kv_transfer_config(kvcomm: Optional[dict[str, Any]] = None, shared_store: Op
 
 
 def engine_kwargs(kvcomm: Optional[dict[str, Any]] = None, shared_store: Optional[str] = None,
-                  shared_namespace: str = "kvcomm") -> dict[str, Any]:
+                  shared_namespace: str = "kvcomm", background_capture: bool = False) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: the connector, vLLM's prefix cache
     off (approximate KV must never be hashed as exact blocks), the worker in the scheduler's
     process. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (on CPU vLLM otherwise moves the worker to
-    a process of its own). ``shared_store``: see :func:`kv_transfer_config`."""
+    a process of its own). ``shared_store``, ``background_capture``: see :func:`kv_transfer_config`."""
     check_vllm_version()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return {
-        "kv_transfer_config": kv_transfer_config(kvcomm, shared_store, shared_namespace),
+        "kv_transfer_config": kv_transfer_config(kvcomm, shared_store, shared_namespace, background_capture),
         "enable_prefix_caching": False,
         "distributed_executor_backend": "uni",
         # the client's prefill-ahead copies are sent with a lower priority (a higher number):

@@ -15,8 +15,11 @@ it). Per request, on token ids alone:
   the blocks for vLLM to recompute (``kv_load_failure_policy="recompute"``).
 - **capture** (:meth:`request_finished`): the prompt and reply KV of every finished request is
   read from its blocks before they are freed and becomes segments, exact prefixes, own-text KV
-  and anchor observations for later requests. The request's report (tokens reused, each shared
-  segment's decision and reason) goes back in the output's ``kv_transfer_params["kvcomm"]``.
+  and anchor observations for later requests, inline; with ``background_capture=True``
+  (:func:`kvcomm_vllm.kv_transfer_config`) the blocks are copied out and the rest runs on the
+  broker's capture thread, off the scheduler's path (a request planned later that could read it
+  waits for it). The request's report (tokens reused, each shared segment's decision and reason)
+  goes back in the output's ``kv_transfer_params["kvcomm"]``.
 
 Safety: vLLM's own prefix cache is refused at start (it would hash approximate KV as exact
 blocks and serve it to later requests); this connector's exact-prefix reuse replaces it.
@@ -91,6 +94,7 @@ class _Runtime:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.config = KVCommConfig(**extra.get("kvcomm", {}))
         self.fingerprint = _fingerprint(vllm_config, self.tokenizer)
+        self.background_capture = extra.get("background_capture", False) is True
         self.broker = KVCommBroker(self.tokenizer, rotator_from_config(hf_config), self.fingerprint, self.config,
                                    device=vllm_config.device_config.device, shared=_shared_tier(extra))
         self.paged: Optional[PagedKV] = None
@@ -231,13 +235,16 @@ class KVCommConnector(KVConnectorBase_V1):
         prompt = len(request.prompt_token_ids)
         output = list(request.output_token_ids)
         with_kv = request.num_computed_tokens - prompt + 1  # generated ids fed back: their KV exists
-        kv_at = None
-        if paged is not None and paged.readable and request.num_computed_tokens >= prompt and block_ids:
-            ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids)
-            kv_at = lambda positions: paged.read(ids, positions)  # noqa: E731
-            output = output[: max(with_kv, 0)]
+        kv_at, background = None, self._runtime.background_capture
         try:
-            report = self.broker.finish(request.request_id, output, kv_at)
+            if paged is not None and paged.readable and request.num_computed_tokens >= prompt and block_ids:
+                ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids)
+                if background:  # the blocks are freed on return: copy them out, keep them later
+                    kv_at = paged.read(ids, torch.arange(request.num_computed_tokens)).select
+                else:
+                    kv_at = lambda positions: paged.read(ids, positions)  # noqa: E731
+                output = output[: max(with_kv, 0)]
+            report = self.broker.finish(request.request_id, output, kv_at, background=background)
         except Exception:  # noqa: BLE001 - a capture failure costs later reuse, never this request
             logger.exception("KVCOMM capture failed for request %s", request.request_id)
             self.broker.drop(request.request_id)

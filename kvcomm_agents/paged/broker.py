@@ -11,7 +11,9 @@ the core's own parts, on token ids alone:
    the runtime cannot compute holes, so the claim is the reused prefix of the prompt;
 2. :meth:`aligned`: the claimed KV, re-rotated and offset (:func:`~.alignment.assemble`);
 3. :meth:`finish`: what the request computed becomes segments, exact prefixes, own-text KV and
-   anchor observations (:meth:`~.capture.CallCapture.keep_call`), read through ``kv_at``.
+   anchor observations (:meth:`~.capture.CallCapture.keep_call`), read through ``kv_at``; inline,
+   or (``background=True``) on the broker's capture thread (:mod:`.capture_queue`), later plans
+   that could read it waiting for it.
 
 No runtime imports: the runtime adapter (``integrations/kvcomm_vllm``) moves KV between its
 memory and :class:`~.kv.block.KVBlock` tensors.
@@ -29,6 +31,7 @@ from ..alignment import assemble
 from ..anchors import KVCommAnchors
 from ..budgets import default_budgets
 from ..capture import CallCapture, KVAt
+from .capture_queue import CaptureQueue, CaptureTouch
 from .claims import DENSE_TAIL, Claim, contiguous_claim
 from ..config import KVCommConfig
 from ..kv.block import KVBlock
@@ -100,6 +103,7 @@ class KVCommBroker:
         self.capture = CallCapture(self.store, tokenizer, rotator, fingerprint, c, self.own_texts)
         self._requests: dict[str, BrokeredRequest] = {}
         self._lock = threading.RLock()
+        self._captures = CaptureQueue()
 
     # ---- the runtime's three moments ------------------------------------------------------
     def plan(self, request_id: str, prompt_ids: Sequence[int] | torch.Tensor, agent: str = "default", *,
@@ -116,6 +120,7 @@ class KVCommBroker:
                 that what the request computes is exact and kept as an exact prefix: a client's
                 copy of a later reader's prompt (:mod:`~kvcomm_vllm.reply_ahead`).
         """
+        self._captures.settle(agent, prompt_ids)  # the captures queued before it that it could read
         with self._lock:
             known = self._requests.get(request_id)
             if known is not None:
@@ -147,7 +152,8 @@ class KVCommBroker:
             return None
         return assemble(request.plan, self.rotator)
 
-    def finish(self, request_id: str, output_ids: Sequence[int], kv_at: Optional[KVAt]) -> dict[str, Any]:
+    def finish(self, request_id: str, output_ids: Sequence[int], kv_at: Optional[KVAt], *,
+               background: bool = False) -> dict[str, Any]:
         """Keep what a finished request computed and forget it; returns its report
         (:meth:`report`).
 
@@ -155,18 +161,40 @@ class KVCommBroker:
             output_ids: every generated id (the last one has no KV).
             kv_at: the request's KV at ``[n]`` positions of prompt plus reply (None: the runtime
                 could not read it, e.g. the request was aborted before its prefill; nothing kept).
+            background: keep it on the broker's capture thread and return at once (``kv_at``
+                must stay readable until then: a copy, not the runtime's live cache); a later
+                :meth:`plan` that could read it (same agent, same first ids, or quoting its
+                reply: :mod:`.capture_queue`) waits for it. A failure there is logged and costs
+                later reuse only.
         """
         with self._lock:
             request = self._requests.pop(request_id, None)
-            if request is None:
-                return {}
+        if request is None:
+            return {}
+        report = self._report(request)
+        if kv_at is not None and self.config.reuse:
             generated = [int(t) for t in output_ids][:-1]
-            if kv_at is not None and self.config.reuse:
-                with torch.inference_mode():
-                    reply = self.tokenizer.decode(generated, skip_special_tokens=True)
-                    self.capture.keep_call(request.plan, request.agent, generated, reply, kv_at,
-                                           self.anchors if self.config.method == "kvcomm" else None)
-            return self._report(request)
+            if background:
+                touch = CaptureTouch.of(request.agent, request.plan.prompt_ids, generated)
+                self._captures.submit(touch, lambda: self._keep(request, generated, kv_at))
+            else:
+                self._keep(request, generated, kv_at)
+        return report
+
+    def settle(self) -> None:
+        """Wait until every capture queued by ``finish(..., background=True)`` has been kept."""
+        self._captures.settle()
+
+    @property
+    def pending_captures(self) -> int:
+        """Captures queued by ``finish(..., background=True)`` and not yet kept."""
+        return self._captures.pending
+
+    def _keep(self, request: BrokeredRequest, generated: list[int], kv_at: KVAt) -> None:
+        with self._lock, torch.inference_mode():
+            reply = self.tokenizer.decode(generated, skip_special_tokens=True)
+            self.capture.keep_call(request.plan, request.agent, generated, reply, kv_at,
+                                   self.anchors if self.config.method == "kvcomm" else None)
 
     def drop(self, request_id: str) -> None:
         """Forget a request without keeping anything (aborted, or its load failed)."""
