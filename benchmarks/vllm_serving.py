@@ -33,7 +33,8 @@ another. Speed is reported as ratios to plain vLLM measured in the same invocati
 - ``stream``: 8 graphs served as 8 users send them (each graph's next agent submitted the moment
   its predecessor finishes, graph ``g`` starting ``g * STAGGER`` engine steps after the first), so
   requests finish while others run: the whole set's wall time and each graph's, after a warm-up
-  set; vLLM strategies only.
+  set; vLLM strategies without the client's copies (the copies ride on ``VLLMDriver``'s
+  lockstep steps, which this phase does not use).
 - ``fidelity``: per receiver call, each connector strategy's first-token distribution against vLLM
   dense on the same ids (full vocabulary).
 
@@ -57,6 +58,8 @@ from benchmarks.vllm_turns import child_command, child_env, interleaved_ttft
 AGENTS = 4
 STRATEGIES = ("vllm-apc", "vllm-apc-copies", "vllm", "connector", "connector-background-capture", "connector-ahead",
               "connector-replies", "connector-unaudited", "hf")
+#: strategies whose client sends copies (``VLLMDriver``'s stepped generate)
+COPYING = ("vllm-apc-copies", "connector-ahead", "connector-replies")
 #: the reference of every ratio: vLLM as it runs by default (prefix caching on)
 REFERENCE = "vllm-apc"
 
@@ -153,8 +156,11 @@ def stream_graphs(driver, requests, reply_tokens: int) -> dict:
         ids = driver.ids(request.messages(k, replies[g]))
         params = SamplingParams(max_tokens=reply_tokens, temperature=0,
                                 extra_args={"kv_transfer_params": {"agent": request.agents[k]}})
-        live[engine.add_request(f"stream-{g}-{k}", {"prompt_token_ids": ids}, params)] = g
-        live[f"stream-{g}-{k}"] = g
+        key = f"stream-{g}-{k}"
+        given = engine.add_request(key, {"prompt_token_ids": ids}, params)
+        live[key] = g
+        if given is not None and given != key:  # vLLM may suffix the id; outputs carry one or the other
+            live[given] = g
 
     started, step, next_graph = time.perf_counter(), 0, 0
     while len(ended) < len(requests):
@@ -373,8 +379,8 @@ def main(argv=None) -> None:
         for strategy in strategies:
             if phase == "batch" and strategy == "vllm-apc":
                 continue
-            if phase == "stream" and strategy == "hf":
-                continue  # one stream at a time: the batch phase measures it
+            if phase == "stream" and (strategy == "hf" or strategy in COPYING):
+                continue  # the HF engine serves one stream at a time; copies need the lockstep driver
             if phase == "fidelity" and not strategy.startswith("connector"):
                 continue  # the HF engine's own fidelity is in benchmarks/LAB.md (its audits)
             requests = args_requests if phase in ("batch", "stream") else args.requests

@@ -142,38 +142,50 @@ def test_a_prefix_only_request_claims_its_exact_prefix_only_and_is_kept_as_one(l
 
 
 def _slowed(runtime, seconds: float):
-    """Every capture of ``runtime``'s broker starts ``seconds`` late (a busy capture thread)."""
-    keep = runtime.broker.capture.keep_call
+    """Every capture of ``runtime``'s broker starts ``seconds`` late, before it takes the broker's
+    lock (a capture thread busy with earlier ones)."""
+    keep = runtime.broker._keep
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return keep(*args, **kwargs)
 
-    runtime.broker.capture.keep_call = slow
+    runtime.broker._keep = slow
+
+
+def _decided(report):
+    """A report without its segment ids (drawn per store)."""
+    return {**report, "decisions": [(d["span"], d["status"], d["reason"], d["found_by"], d["reused_tokens"],
+                                      d["segment"]["kind"]) for d in report["decisions"]]}
 
 
 def test_a_capture_kept_in_the_background_serves_the_next_request_as_an_inline_one(llama, tokenizer):
-    """The connector keeps finished requests on the broker's capture thread; a request planned
-    after another finished waits for its capture, so it claims what the inline capture gives it,
-    however slow the capture is."""
+    """The connector may keep finished requests on the broker's capture thread; a request planned
+    after another finished waits for the capture it could read, so it claims and decides what the
+    inline capture gives it, however late the capture runs: the same agent following up, and
+    another agent quoting the reply after a system text no request had."""
     inline = PrefixOnlyRuntime(llama, tokenizer)
     background = PrefixOnlyRuntime(llama, tokenizer, background_capture=True)
     _slowed(background, 0.3)
     first = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": QUESTION}]
     for runtime in (inline, background):
-        _, reply_ids, report, _, _ = runtime.run(runtime.ids(first), "a")
-        assert report["prompt_tokens"] == len(runtime.ids(first))  # the report does not wait for the capture
-        follow = runtime.ids(first + [{"role": "assistant", "content": tokenizer.decode(reply_ids)},
+        _, reply_ids, _, _, _ = runtime.run(runtime.ids(first), "a")
+        if runtime is background:
+            assert runtime.broker.pending_captures == 1  # finish returned before keeping
+        reply = tokenizer.decode(reply_ids)
+        follow = runtime.ids(first + [{"role": "assistant", "content": reply},
                                       {"role": "user", "content": "Give the final answer only."}])
-        runtime.follow = runtime.run(follow, "a")
-    (logits_i, reply_i, report_i, claim_i, _), (logits_b, reply_b, report_b, claim_b, _) = inline.follow, background.follow
-    assert claim_b.length == claim_i.length > 0 and reply_b == reply_i
-
-    def decided(report):  # segment ids are drawn per store
-        return {**report, "decisions": [(d["span"], d["status"], d["reason"], d["reused_tokens"]) for d in report["decisions"]]}
-
-    assert decided(report_b) == decided(report_i)
-    torch.testing.assert_close(logits_b, logits_i, atol=0, rtol=0)
+        quote = runtime.ids([{"role": "system", "content": SYSTEM_B},
+                             {"role": "user", "content": f"{QUESTION}\nAgent A said: {reply}"}])
+        runtime.results = [runtime.run(quote, "b"), runtime.run(follow, "a")]
+    for (logits_i, reply_i, report_i, claim_i, _), (logits_b, reply_b, report_b, claim_b, _) in zip(
+            inline.results, background.results):
+        assert claim_b.length == claim_i.length and reply_b == reply_i
+        assert _decided(report_b) == _decided(report_i)
+        torch.testing.assert_close(logits_b, logits_i, atol=0, rtol=0)
+    quoted, followed = inline.results[0][2], inline.results[1][2]
+    assert any(d["segment"]["kind"] == ["a", "assistant"] for d in quoted["decisions"])  # A's reply found: captured
+    assert followed["reused_tokens"] > 0
     background.broker.settle()
     assert background.broker.pending_captures == 0
 

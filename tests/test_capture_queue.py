@@ -10,7 +10,8 @@ import pytest
 from kvcomm_agents.paged.capture_queue import CaptureQueue, CaptureTouch
 
 PROMPT = list(range(100, 140))
-REPLY = [7, 8, 9, 10]
+REPLY = list(range(7, 27))
+SHARED = (10, 30)  # a shared text the captured request read: PROMPT[10:30]
 
 
 def _blocked(queue: CaptureQueue):
@@ -22,7 +23,7 @@ def _blocked(queue: CaptureQueue):
         release.wait(10)
         done.set()
 
-    queue.submit(CaptureTouch.of("a", PROMPT, REPLY), job)
+    queue.submit(CaptureTouch.of("a", PROMPT, REPLY, [SHARED]), job)
     return release, done
 
 
@@ -37,9 +38,12 @@ def test_an_unrelated_request_is_planned_while_a_capture_runs():
 
 
 @pytest.mark.parametrize("agent, prompt", [
-    ("b", [1, 2] + REPLY + [3]),   # the next agent, quoting the reply
-    ("a", list(range(500, 560))),  # the same agent (its own text, its anchors)
-    ("b", PROMPT + [1, 2, 3]),     # the same start (an exact prefix)
+    ("b", [1, 2] + REPLY + [3]),        # the next agent, quoting the reply
+    ("b", [1, 2, 999] + REPLY[1:]),     # quoting it re-tokenized at its first word
+    ("b", [1, 2] + REPLY[:9]),          # quoting its start only
+    ("a", list(range(500, 560))),       # the same agent (its own text, its anchors)
+    ("b", PROMPT + [1, 2, 3]),          # the same start (an exact prefix)
+    ("b", [1, 2] + PROMPT[SHARED[0]:SHARED[1]]),  # a text it read (versions recorded of it)
 ])
 def test_a_request_that_could_read_a_capture_waits_for_it(agent, prompt):
     queue = CaptureQueue()

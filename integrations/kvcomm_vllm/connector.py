@@ -18,7 +18,7 @@ it). Per request, on token ids alone:
   and anchor observations for later requests, inline; with ``background_capture=True``
   (:func:`kvcomm_vllm.kv_transfer_config`) the blocks are copied out and the rest runs on the
   broker's capture thread, off the scheduler's path (a request planned later that could read it
-  waits for it). The request's report (tokens reused, each shared segment's decision and reason)
+  waits for it; at most :data:`MAX_PENDING_CAPTURES` copies wait at once, past that inline). The request's report (tokens reused, each shared segment's decision and reason)
   goes back in the output's ``kv_transfer_params["kvcomm"]``.
 
 Safety: vLLM's own prefix cache is refused at start (it would hash approximate KV as exact
@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcomm_agents import KVCommConfig, UnsupportedModelError
-from kvcomm_agents.paged import KVCommBroker, rotator_from_config
+from kvcomm_agents.paged import KVBlock, KVCommBroker, rotator_from_config
 
 from .paged import PagedKV
 
@@ -171,6 +171,23 @@ def _fingerprint(vllm_config: "VllmConfig", tokenizer) -> str:
     return "vllm-" + digest.hexdigest()[:16]
 
 
+#: finished requests whose KV copies may wait for the capture thread at once (each holds its
+#: request's whole KV on the KV's device, outside vLLM's budget); past it, capture runs inline
+MAX_PENDING_CAPTURES = 4
+
+
+def _kv_at_copy(block: KVBlock, length: int):
+    """``kv_at`` over ``block``, a copy of a request's positions ``0 .. length``: a position
+    outside raises here (on CUDA an out-of-range index would be a device-side assert)."""
+
+    def kv_at(positions: torch.Tensor) -> KVBlock:
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= length):
+            raise IndexError(f"positions up to {int(positions.max())} read from a copy of {length}")
+        return block.select(positions)
+
+    return kv_at
+
+
 def _layers_of(vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor]) -> list[tuple[object, torch.Tensor]]:
     """``(attention module, cache)`` per layer, in model order."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -235,12 +252,14 @@ class KVCommConnector(KVConnectorBase_V1):
         prompt = len(request.prompt_token_ids)
         output = list(request.output_token_ids)
         with_kv = request.num_computed_tokens - prompt + 1  # generated ids fed back: their KV exists
-        kv_at, background = None, self._runtime.background_capture
+        background = self._runtime.background_capture and self.broker.pending_captures < MAX_PENDING_CAPTURES
+        kv_at = None
         try:
             if paged is not None and paged.readable and request.num_computed_tokens >= prompt and block_ids:
                 ids = list(block_ids[0]) if block_ids and isinstance(block_ids[0], (list, tuple)) else list(block_ids)
                 if background:  # the blocks are freed on return: copy them out, keep them later
-                    kv_at = paged.read(ids, torch.arange(request.num_computed_tokens)).select
+                    kv_at = _kv_at_copy(paged.read(ids, torch.arange(request.num_computed_tokens)),
+                                        request.num_computed_tokens)
                 else:
                     kv_at = lambda positions: paged.read(ids, positions)  # noqa: E731
                 output = output[: max(with_kv, 0)]

@@ -120,7 +120,12 @@ class KVCommBroker:
                 that what the request computes is exact and kept as an exact prefix: a client's
                 copy of a later reader's prompt (:mod:`~kvcomm_vllm.reply_ahead`).
         """
-        self._captures.settle(agent, prompt_ids)  # the captures queued before it that it could read
+        with self._lock:
+            known = self._requests.get(request_id)
+        if known is not None:  # vLLM asks again for a request still waiting for blocks
+            return known.claim
+        if reuse and self.config.reuse:
+            self._captures.settle(agent, prompt_ids)  # the captures queued before it that it could read
         with self._lock:
             known = self._requests.get(request_id)
             if known is not None:
@@ -163,9 +168,9 @@ class KVCommBroker:
                 could not read it, e.g. the request was aborted before its prefill; nothing kept).
             background: keep it on the broker's capture thread and return at once (``kv_at``
                 must stay readable until then: a copy, not the runtime's live cache); a later
-                :meth:`plan` that could read it (same agent, same first ids, or quoting its
-                reply: :mod:`.capture_queue`) waits for it. A failure there is logged and costs
-                later reuse only.
+                :meth:`plan` that could read it (same agent, same first ids, or holding its
+                reply or shared texts: :mod:`.capture_queue`) waits for it. A failure there is
+                logged and costs later reuse only.
         """
         with self._lock:
             request = self._requests.pop(request_id, None)
@@ -175,7 +180,8 @@ class KVCommBroker:
         if kv_at is not None and self.config.reuse:
             generated = [int(t) for t in output_ids][:-1]
             if background:
-                touch = CaptureTouch.of(request.agent, request.plan.prompt_ids, generated)
+                touch = CaptureTouch.of(request.agent, request.plan.prompt_ids, generated,
+                                        [d.span for d in request.plan.decisions])
                 self._captures.submit(touch, lambda: self._keep(request, generated, kv_at))
             else:
                 self._keep(request, generated, kv_at)

@@ -8,10 +8,15 @@ run; the heavy parts are tensor ops, which release the GIL).
 
 A request planned later waits for the queued captures it could read (:meth:`CaptureQueue.settle`):
 those of the same agent (its own-text KV and anchors), those whose prompt starts as its prompt
-does (an exact prefix), and those whose reply it quotes. So a graph's next agent sees its
-predecessor's reply exactly as if the capture had run inline, while another graph's request is
-planned at once; what it could still have reused from a capture it did not wait for costs it
-speed, never correctness.
+does (an exact prefix), and those whose reply or shared texts it holds (the reply's segment, the
+versions recorded of those texts; probed as 8-id windows, one a token into the text, so that a
+reply re-tokenized at its first word is still found). So a graph's next agent sees its
+predecessor's reply as if the capture had run inline; what a request could have reused from a
+capture it did not wait for costs it speed, never correctness.
+
+The capture holds the broker's lock while it runs (the store, anchors and versions are updated
+as one step), so a plan that arrives meanwhile waits for the rest of it: what leaves the
+scheduler's path is the capture's overlap with the runtime's forwards, not with its plans.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ __all__ = ["CaptureQueue", "CaptureTouch"]
 
 logger = logging.getLogger("kvcomm_agents.capture")
 
-#: ids compared to decide whether a later prompt starts as a captured one, or quotes its reply
-PROBE_IDS = 16
+#: ids compared to decide whether a later prompt starts as a captured one
+PREFIX_IDS = 16
+#: ids of each window probed for a captured text inside a later prompt (``min_match_tokens``)
+WINDOW_IDS = 8
 
 
 def _packed(ids: Sequence[int] | torch.Tensor) -> bytes:
@@ -40,21 +47,35 @@ def _packed(ids: Sequence[int] | torch.Tensor) -> bytes:
 @dataclass(frozen=True)
 class CaptureTouch:
     """What a later request must share with a captured one to wait for it: its agent, its
-    prompt's first :data:`PROBE_IDS` ids, or its reply's first ones."""
+    prompt's first :data:`PREFIX_IDS` ids, or one of its texts' windows (the reply and the
+    shared texts its plan found)."""
 
     agent: str
     prompt_head: bytes
-    reply_head: bytes
+    windows: tuple[bytes, ...]
 
     @classmethod
-    def of(cls, agent: str, prompt_ids: Sequence[int] | torch.Tensor, reply_ids: Sequence[int]) -> "CaptureTouch":
-        return cls(agent, _packed(prompt_ids[:PROBE_IDS]), _packed(reply_ids[:PROBE_IDS]))
+    def of(cls, agent: str, prompt_ids: Sequence[int] | torch.Tensor, reply_ids: Sequence[int],
+           shared_spans: Sequence[tuple[int, int]] = ()) -> "CaptureTouch":
+        """``shared_spans``: ``[start, end)`` prompt spans of the shared texts the request read."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.int64)
+        texts = [torch.as_tensor(list(reply_ids), dtype=torch.int64)] + [prompt[a:b] for a, b in shared_spans]
+        windows = {_packed(text[k:k + WINDOW_IDS]) for text in texts for k in _window_starts(text.numel())}
+        return cls(agent, _packed(prompt[:PREFIX_IDS]), tuple(sorted(windows)))
 
     def reads(self, agent: str, packed_prompt: bytes) -> bool:
         """Whether a request of ``agent`` with this prompt (:func:`_packed`) could reuse what the
-        capture keeps. A match inside an id's bytes only makes it wait for nothing."""
+        capture keeps. A match across ids' byte boundaries only makes it wait for nothing."""
         return (agent == self.agent or packed_prompt.startswith(self.prompt_head)
-                or (bool(self.reply_head) and self.reply_head in packed_prompt))
+                or any(window in packed_prompt for window in self.windows))
+
+
+def _window_starts(length: int) -> list[int]:
+    """Where the windows of a text of ``length`` ids start: its first id, the next (a quote
+    re-tokenized at its first word), its middle; the whole text when shorter than a window."""
+    if length <= WINDOW_IDS:
+        return [0] if length else []
+    return sorted({0, 1, min(length // 2, length - WINDOW_IDS)})
 
 
 class CaptureQueue:
@@ -108,9 +129,10 @@ class CaptureQueue:
                 self._running, job = self._jobs.popleft()
             try:
                 job()
-            except Exception:  # noqa: BLE001 - a capture failure costs later reuse, never a request
+            except BaseException:  # noqa: BLE001 - a capture failure costs later reuse, never a request
                 logger.exception("KVCOMM capture failed; later requests compute what it would have kept")
             finally:
+                job = None  # its request's KV copy goes now, not when the next capture arrives
                 with self._changed:
                     self._running = None
                     self._changed.notify_all()
