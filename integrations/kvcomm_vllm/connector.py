@@ -18,8 +18,9 @@ it). Per request, on token ids alone:
   and anchor observations for later requests, inline; with ``background_capture=True``
   (:func:`kvcomm_vllm.kv_transfer_config`) the blocks are copied out and the rest runs on the
   broker's capture thread, off the scheduler's path (a request planned later that could read it
-  waits for it; at most :data:`MAX_PENDING_CAPTURES` copies wait at once, past that inline). The request's report (tokens reused, each shared segment's decision and reason)
-  goes back in the output's ``kv_transfer_params["kvcomm"]``.
+  waits for it; at most :data:`MAX_PENDING_CAPTURES` copies wait at once, past that inline).
+  The request's report (tokens reused, each shared segment's decision and reason) goes back in
+  the output's ``kv_transfer_params["kvcomm"]``.
 
 Safety: vLLM's own prefix cache is refused at start (it would hash approximate KV as exact
 blocks and serve it to later requests); this connector's exact-prefix reuse replaces it.
