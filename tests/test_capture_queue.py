@@ -60,3 +60,22 @@ def test_a_failed_capture_is_logged_and_the_next_one_runs(caplog):
     queue.submit(CaptureTouch.of("a", PROMPT, REPLY), lambda: ran.append(1))
     queue.settle()
     assert ran == [1] and "capture failed" in caplog.text
+
+
+def test_a_process_exiting_lets_the_capture_under_way_finish(tmp_path):
+    """A daemon thread stopped inside a tensor op at exit aborts the process; the queue waits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import time, torch\n"
+        "from kvcomm_agents.paged.capture_queue import CaptureQueue, CaptureTouch\n"
+        "queue = CaptureQueue()\n"
+        "def job():\n"
+        "    time.sleep(0.5)\n"
+        "    torch.ones(64, 64) @ torch.ones(64, 64)\n"
+        "    print('kept', flush=True)\n"
+        "queue.submit(CaptureTouch.of('a', [1, 2, 3], [4, 5]), job)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "kept" in done.stdout, done.stderr

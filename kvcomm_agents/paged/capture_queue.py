@@ -21,6 +21,7 @@ scheduler's path is the capture's overlap with the runtime's forwards, not with 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections import deque
@@ -37,6 +38,8 @@ logger = logging.getLogger("kvcomm_agents.capture")
 PREFIX_IDS = 16
 #: ids of each window probed for a captured text inside a later prompt (``min_match_tokens``)
 WINDOW_IDS = 8
+#: seconds the process waits at exit for captures under way
+EXIT_WAIT_S = 10.0
 
 
 def _packed(ids: Sequence[int] | torch.Tensor) -> bytes:
@@ -96,6 +99,8 @@ class CaptureQueue:
         """Queue ``job`` behind every capture submitted before it."""
         with self._changed:
             if self._thread is None or not self._thread.is_alive():
+                if self._thread is None:
+                    atexit.register(self._finish_at_exit)
                 self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
                 self._thread.start()
             self._jobs.append((touch, job))
@@ -115,6 +120,12 @@ class CaptureQueue:
 
         with self._changed:
             self._changed.wait_for(lambda: not waiting())
+
+    def _finish_at_exit(self, timeout_s: float = EXIT_WAIT_S) -> None:
+        """At interpreter exit, let the captures under way finish (a daemon thread stopped inside
+        a tensor op aborts the process) for at most ``timeout_s``; what is left is lost."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._jobs and self._running is None, timeout=timeout_s)
 
     @property
     def pending(self) -> int:
