@@ -38,6 +38,9 @@ another. Speed is reported as ratios to plain vLLM measured in the same invocati
 - ``fidelity``: per receiver call, each connector strategy's first-token distribution against vLLM
   dense on the same ids (full vocabulary).
 
+``--time-hooks``: the ``ttft`` phase also times the connector's hooks per graph (planning,
+loading, capture; :data:`HOOKS`), the graph's record holding the milliseconds of each.
+
 Writes ``<out>/vllm_serving.json`` and prints the tables. The first ``--warmup`` graphs of every
 strategy are excluded from the figures (anchors, own-text KV and prefixes fill there).
 """
@@ -79,6 +82,40 @@ def _report(output) -> dict:
     return (output.kv_transfer_params or {}).get("kvcomm", {})
 
 
+#: the connector's hooks ``--time-hooks`` times: planning, loading, capture
+HOOKS = ("get_num_new_matched_tokens", "start_load_kv", "request_finished")
+
+
+def timed_hooks() -> dict[str, float]:
+    """Wrap the connector's :data:`HOOKS` with a timer, in this process (before the engine
+    starts); returns the seconds spent in each so far, updated as they run."""
+    from kvcomm_vllm.connector import KVCommConnector
+
+    totals = dict.fromkeys(HOOKS, 0.0)
+    for name in HOOKS:
+        def timed(self, *args, _hook=getattr(KVCommConnector, name), _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _hook(self, *args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - started
+
+        setattr(KVCommConnector, name, timed)
+    return totals
+
+
+def with_hook_times(graph, totals: dict[str, float]):
+    """``graph`` (a runner) whose wall-time record also holds the milliseconds each hook took."""
+
+    def run(engine, request, index: int, reply_tokens: int) -> list[dict]:
+        before = dict(totals)
+        records = graph(engine, request, index, reply_tokens)
+        records[-1]["hooks_ms"] = {name: (totals[name] - before[name]) * 1000 for name in HOOKS}
+        return records
+
+    return run
+
+
 def ttft_graph(engine, request, index: int, reply_tokens: int) -> list[dict]:
     """One graph through a vLLM ``engine`` (:class:`~benchmarks.vllm_driver.VLLMDriver`): a
     record per agent call, then the graph's wall time."""
@@ -108,8 +145,9 @@ def hf_graph(engine, request, index: int, reply_tokens: int) -> list[dict]:
     return records
 
 
-def _engine(strategy: str):
-    """``(engine, one graph's runner)`` for ``strategy``: vLLM in this process, or the HF engine."""
+def _engine(strategy: str, time_hooks: bool = False):
+    """``(engine, one graph's runner)`` for ``strategy``: vLLM in this process, or the HF engine;
+    ``time_hooks``: the connector's hooks timed per graph (:func:`timed_hooks`)."""
     if strategy == "hf":
         import torch
 
@@ -121,6 +159,9 @@ def _engine(strategy: str):
 
     from benchmarks.vllm_driver import VLLMDriver
 
+    if time_hooks and strategy.startswith("connector"):
+        totals = timed_hooks()
+        return VLLMDriver(strategy, str(embedded_model_dir())), with_hook_times(ttft_graph, totals)
     return VLLMDriver(strategy, str(embedded_model_dir())), ttft_graph
 
 
@@ -128,7 +169,7 @@ def serve(strategy: str, args) -> None:
     """A child of the interleaved ``ttft`` phase: load ``strategy``'s engine, say ``READY``, then
     run the graph whose index each stdin line names and print its records (``RESULT``), until
     stdin closes. It waits on stdin while the other strategies run: they never share the CPU."""
-    engine, graph = _engine(strategy)
+    engine, graph = _engine(strategy, args.time_hooks)
     requests = _workload(args.requests, args.offset, args.workload)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -183,7 +224,7 @@ def stream_graphs(driver, requests, reply_tokens: int) -> dict:
 
 
 def run_vllm(strategy: str, phase: str, args) -> dict:
-    engine, graph = _engine(strategy)
+    engine, graph = _engine(strategy, args.time_hooks)
     requests = _workload(args.requests, args.offset, args.workload)
     records = []
     if phase == "ttft":
@@ -267,6 +308,9 @@ def summarize(results: list[dict], warmup: int) -> dict:
                 "graph_wall_s": _median(graphs),
                 "token_share": sum(r["reused_tokens"] for r in calls) / max(sum(r["prompt_tokens"] for r in calls), 1),
             }
+            timed = [r["hooks_ms"] for r in records if "hooks_ms" in r and r["graph"] >= warmup]
+            if timed:
+                table["ttft"][strategy]["hooks_ms"] = {name: _median(t[name] for t in timed) for name in HOOKS}
         elif phase == "batch":
             measured = [r for r in records if r.get("group") == 1]
             table["batch"][strategy] = {"graphs": measured[0]["graphs"], "wall_s": measured[0]["wall_s"]}
@@ -311,6 +355,11 @@ def print_tables(table: dict, workload: str = "b") -> None:
         wall, wall_speed = row["graph_wall_s"], row.get("graph_speedup_vs_vllm")
         share = f"{row['token_share']:.0%}"
         print(f"{strategy:<11} " + " ".join(cells) + f" {wall:7.2f} s {wall_speed or 0:5.2f}x {share:>10}")
+    for strategy, row in table["ttft"].items():
+        if "hooks_ms" in row:
+            print(f"{strategy}: median ms per graph in the connector's hooks: "
+                  + ", ".join(f"{name} {ms:.0f}" for name, ms in row["hooks_ms"].items())
+                  + f" (graph {row['graph_wall_s'] * 1000:.0f})")
     if table["batch"]:
         print("\n8 graphs at once: wall time and throughput against the HF engine (one stream at a time)")
         for strategy, row in table["batch"].items():
@@ -345,6 +394,8 @@ def main(argv=None) -> None:
                         help="b: the GSM8K debate; c: the RAG hand-off (ttft and fidelity phases)")
     parser.add_argument("--hf-python", default=".venv/bin/python", help="interpreter for the HF engine (needs accelerate)")
     parser.add_argument("--summarize", default=None, help="print the tables of an earlier run's JSON")
+    parser.add_argument("--time-hooks", action="store_true",
+                        help="time the connector's hooks (planning, loading, capture) per graph in the ttft phase")
     parser.add_argument("--sequential", action="store_true",
                         help="ttft phase: each strategy's graphs in a process of its own, one strategy after another "
                              "(by default the strategies take turns graph by graph)")

@@ -17,7 +17,8 @@ def child_command(strategy: str, args, requests: int, mode: list[str]) -> list[s
     """The command line of a child process running ``strategy``."""
     python = args.hf_python if strategy == "hf" else sys.executable
     return [python, "-m", "benchmarks.vllm_serving", *mode, "--requests", str(requests), "--offset", str(args.offset),
-            "--batch", str(args.batch), "--reply-tokens", str(args.reply_tokens), "--workload", args.workload]
+            "--batch", str(args.batch), "--reply-tokens", str(args.reply_tokens), "--workload", args.workload,
+            *(["--time-hooks"] if getattr(args, "time_hooks", False) else [])]
 
 
 def child_env() -> dict:
