@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.vllm_graphs import HOOKS, STAGGER, hf_graph, report_of, stream_graphs, timed_hooks, ttft_graph, with_hook_times
 from benchmarks.vllm_turns import child_command, child_env, interleaved_ttft
 
 AGENTS = 4
@@ -76,73 +77,6 @@ def _workload(requests: int, offset: int, name: str = "b"):
     if name == "c":
         return rag_handoff(requests=requests, offset=offset).requests
     return gsm8k_debate(requests=requests, offset=offset, agents=AGENTS).requests
-
-
-def _report(output) -> dict:
-    return (output.kv_transfer_params or {}).get("kvcomm", {})
-
-
-#: the connector's hooks ``--time-hooks`` times: planning, loading, capture
-HOOKS = ("get_num_new_matched_tokens", "start_load_kv", "request_finished")
-
-
-def timed_hooks() -> dict[str, float]:
-    """Wrap the connector's :data:`HOOKS` with a timer, in this process (before the engine
-    starts); returns the seconds spent in each so far, updated as they run."""
-    from kvcomm_vllm.connector import KVCommConnector
-
-    totals = dict.fromkeys(HOOKS, 0.0)
-    for name in HOOKS:
-        def timed(self, *args, _hook=getattr(KVCommConnector, name), _name=name, **kwargs):
-            started = time.perf_counter()
-            try:
-                return _hook(self, *args, **kwargs)
-            finally:
-                totals[_name] += time.perf_counter() - started
-
-        setattr(KVCommConnector, name, timed)
-    return totals
-
-
-def with_hook_times(graph, totals: dict[str, float]):
-    """``graph`` (a runner) whose wall-time record also holds the milliseconds each hook took."""
-
-    def run(engine, request, index: int, reply_tokens: int) -> list[dict]:
-        before = dict(totals)
-        records = graph(engine, request, index, reply_tokens)
-        records[-1]["hooks_ms"] = {name: (totals[name] - before[name]) * 1000 for name in HOOKS}
-        return records
-
-    return run
-
-
-def ttft_graph(engine, request, index: int, reply_tokens: int) -> list[dict]:
-    """One graph through a vLLM ``engine`` (:class:`~benchmarks.vllm_driver.VLLMDriver`): a
-    record per agent call, then the graph's wall time."""
-    records, replies, started = [], [], time.perf_counter()
-    for k, agent in enumerate(request.agents):
-        ids = engine.ids(request.messages(k, replies))
-        out = engine.generate([ids], [agent], reply_tokens)[0]
-        replies.append(out.outputs[0].text)
-        records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": len(ids),
-                        "reused_tokens": _report(out).get("reused_tokens", out.num_cached_tokens or 0),
-                        "ttft_s": out.metrics.first_token_latency})
-    records.append({"graph": index, "wall_s": time.perf_counter() - started})
-    return records
-
-
-def hf_graph(engine, request, index: int, reply_tokens: int) -> list[dict]:
-    """One graph through the HF ``engine`` (:class:`~kvcomm_agents.KVCommEngine`), recorded as
-    :func:`ttft_graph` records it (plus each call's audit KL, where one ran)."""
-    records, replies, started = [], [], time.perf_counter()
-    for k, agent in enumerate(request.agents):
-        result = engine.chat(request.messages(k, replies), agent=agent, max_new_tokens=reply_tokens, temperature=0.0)
-        replies.append(result.text)
-        s = result.stats
-        records.append({"graph": index, "agent_index": k + 1, "prompt_tokens": s.prompt_tokens,
-                        "reused_tokens": s.reused_tokens, "ttft_s": s.ttft_s, "kl": s.audit_kl})
-    records.append({"graph": index, "wall_s": time.perf_counter() - started})
-    return records
 
 
 def _engine(strategy: str, time_hooks: bool = False):
@@ -177,52 +111,6 @@ def serve(strategy: str, args) -> None:
         print("RESULT " + json.dumps(graph(engine, requests[index], index, args.reply_tokens)), flush=True)
 
 
-#: engine steps between the starts of two graphs in the ``stream`` phase
-STAGGER = 4
-
-
-def stream_graphs(driver, requests, reply_tokens: int) -> dict:
-    """``requests``' graphs served at once on ``driver``'s engine as independent users send them:
-    a graph's next agent is submitted as soon as its predecessor's reply is out, graph ``g``'s
-    first agent ``g * STAGGER`` steps after the first graph's. Returns the set's wall time and
-    each graph's."""
-    from vllm import SamplingParams
-
-    engine = driver.llm.llm_engine
-    replies = [[] for _ in requests]
-    live, begun, ended = {}, {}, {}
-
-    def submit(g: int) -> None:
-        k, request = len(replies[g]), requests[g]
-        ids = driver.ids(request.messages(k, replies[g]))
-        params = SamplingParams(max_tokens=reply_tokens, temperature=0,
-                                extra_args={"kv_transfer_params": {"agent": request.agents[k]}})
-        key = f"stream-{g}-{k}"
-        given = engine.add_request(key, {"prompt_token_ids": ids}, params)
-        live[key] = g
-        if given is not None and given != key:  # vLLM may suffix the id; outputs carry one or the other
-            live[given] = g
-
-    started, step, next_graph = time.perf_counter(), 0, 0
-    while len(ended) < len(requests):
-        if next_graph < len(requests) and step >= next_graph * STAGGER:
-            begun[next_graph] = time.perf_counter()
-            submit(next_graph)
-            next_graph += 1
-        for out in engine.step():
-            if not out.finished or out.request_id not in live:
-                continue
-            g = live.pop(out.request_id)
-            replies[g].append(out.outputs[0].text)
-            if len(replies[g]) < len(requests[g].agents):
-                submit(g)
-            else:
-                ended[g] = time.perf_counter()
-        step += 1
-    return {"graphs": len(requests), "wall_s": time.perf_counter() - started,
-            "graph_s": [ended[g] - begun[g] for g in range(len(requests))]}
-
-
 def run_vllm(strategy: str, phase: str, args) -> dict:
     engine, graph = _engine(strategy, args.time_hooks)
     requests = _workload(args.requests, args.offset, args.workload)
@@ -253,7 +141,7 @@ def run_vllm(strategy: str, phase: str, args) -> dict:
             row = torch.full((len(engine.tokenizer),), float("-inf"), dtype=torch.float64)
             for token, entry in out.outputs[0].logprobs[0].items():
                 row[token] = entry.logprob
-            return row, _report(out)
+            return row, report_of(out)
 
         for index, request in enumerate(requests):
             replies = []

@@ -87,3 +87,11 @@ def test_the_server_command_carries_the_capture_switch():
 
     assert transfer()["background_capture"] is False
     assert transfer(background_capture=True)["background_capture"] is True
+
+
+def test_a_capture_switch_that_is_not_a_boolean_is_refused():
+    from kvcomm_vllm.connector import _background_capture
+
+    assert _background_capture({}) is False and _background_capture({"background_capture": True}) is True
+    with pytest.raises(ValueError, match="true or false"):
+        _background_capture({"background_capture": "yes"})

@@ -95,7 +95,7 @@ class _Runtime:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.config = KVCommConfig(**extra.get("kvcomm", {}))
         self.fingerprint = _fingerprint(vllm_config, self.tokenizer)
-        self.background_capture = extra.get("background_capture", False) is True
+        self.background_capture = _background_capture(extra)
         self.broker = KVCommBroker(self.tokenizer, rotator_from_config(hf_config), self.fingerprint, self.config,
                                    device=vllm_config.device_config.device, shared=_shared_tier(extra))
         self.paged: Optional[PagedKV] = None
@@ -109,6 +109,15 @@ def _shared_tier(extra: dict):
     from kvcomm_agents.paged import RedisSegments
 
     return RedisSegments(url, namespace=extra.get("shared_namespace", "kvcomm"))
+
+
+def _background_capture(extra: dict) -> bool:
+    """The connector's extra config's ``background_capture`` (default False); anything but a
+    boolean is refused at start rather than read as off."""
+    value = extra.get("background_capture", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config's background_capture must be true or false (got {value!r})")
+    return value
 
 
 _RUNTIMES: dict[str, _Runtime] = {}
