@@ -146,6 +146,7 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
                 wall, call_s, tokens = costs[strategy.name]
                 records.append({
                     **_record(phase, workload, r, request.key, not measured, k, agent, strategy, out, dense),
+                    "format": request.meta.get("format"),
                     "wall_s": wall, "call_s": call_s, "model_tokens": tokens, "decoded_tokens": max(0, len(out.token_ids) - 1),
                     "forwarded": None if out.stats is None else out.stats.forwarded.model_dump(),
                     "kl": None if out.logits is None else first_token_kl(dense.logits, out.logits),

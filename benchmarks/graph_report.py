@@ -9,7 +9,8 @@ from typing import Optional
 
 from .report import _order, summarize_calls
 
-__all__ = ["summarize_graphs", "summarize_decisions", "format_graphs", "fastest_and_closest", "GRAPH_LEGEND"]
+__all__ = ["summarize_graphs", "summarize_decisions", "summarize_by_format", "format_graphs", "format_table",
+           "fastest_and_closest", "GRAPH_LEGEND"]
 
 
 def _graphs(records: list[dict]) -> dict[int, dict]:
@@ -223,6 +224,26 @@ def front_table(summary: dict) -> str:
     return "\n".join(out)
 
 
+def summarize_by_format(records: list[dict]) -> dict[str, list[dict]]:
+    """:func:`summarize_graphs` per prompt format measured, for workloads whose requests name
+    one (``record["format"]``, as (j)'s do); empty for the others."""
+    formats = sorted({r["format"] for r in records if r.get("format") and not r["warmup"]})
+    return {name: summarize_graphs([r for r in records if r.get("format") == name]) for name in formats}
+
+
+def format_table(by_format: dict[str, list[dict]]) -> str:
+    """Markdown: one row per prompt format, per strategy but dense its graph × dense, readers'
+    TTFT × dense and readers' KL."""
+    names = [r["strategy"] for r in next(iter(by_format.values()), []) if r["strategy"] != "dense"]
+    out = ["| format | requests | " + " | ".join(_label(n) for n in names) + " |", "|---" * (len(names) + 2) + "|"]
+    for name, rows in by_format.items():
+        row = {r["strategy"]: r for r in rows}
+        out.append(f"| {name} | {row['dense']['requests']} | " + " | ".join(
+            f"{_f(row[n]['speedup_vs_dense'], 'x')}, {_f(row[n]['reader_ttft_speedup'], 'x')}, "
+            f"{_f(row[n]['reader_kl_mean'], 'kl')}" if n in row else "-" for n in names) + " |")
+    return "\n".join(out)
+
+
 def workload_tables(summary: dict) -> str:
     """Every workload's whole-graph rows, every strategy, and the decisions where the last agent decides."""
     out = []
@@ -245,6 +266,9 @@ def workload_tables(summary: dict) -> str:
                 f"{_label(name)} {_f(row['reader_ttft_speedup'], 'x')}, {_f(row['from_cache'], 'pct')}, "
                 f"{_f(row.get('kl'), 'kl')}"
                 for name, row in info["first_request"].items()) + ".")
+        if info.get("by_format"):
+            out.append("\nPer prompt format (graph × dense, readers' TTFT × dense, readers' KL):\n")
+            out.append(format_table(info["by_format"]))
         if info.get("decisions"):
             out.append("\n| decider under | picks as under dense | decider's first-token KL | accuracy | requests |\n"
                        "|---|---|---|---|---|")

@@ -87,7 +87,9 @@ class Request:
     """One run of a graph. ``messages(k, replies)``: agent ``k``'s prompt given the earlier agents'
     replies (texts). ``gold``: the task's answer, if it has one. ``reads[k]``: the indices of the
     earlier agents whose replies agent ``k``'s prompt contains (None: every earlier agent).
-    ``shared``: texts other than replies that the prompts of several agents embed verbatim."""
+    ``shared``: texts other than replies that the prompts of several agents embed verbatim.
+    ``quote(reply)``: what of a reply the readers' prompts hold verbatim, None for nothing (a
+    format that changes replies on the way); without ``quote``, the whole reply."""
 
     key: str
     agents: tuple[str, ...]
@@ -97,6 +99,7 @@ class Request:
     task: Optional[str] = None  # the task's text, which every agent's prompt embeds (shared text)
     reads: Optional[tuple[tuple[int, ...], ...]] = None
     shared: tuple[str, ...] = ()
+    quote: Optional[Callable[[str], Optional[str]]] = None
 
     def shared_texts(self, k: int, replies: list[str]) -> list[str]:
         """The texts in agent ``k``'s prompt that an earlier agent of this request already read or
@@ -104,7 +107,8 @@ class Request:
         if k == 0:
             return []
         read = range(k) if self.reads is None else self.reads[k]
-        return list(self.shared) + [replies[j] for j in read]
+        quoted = [replies[j] if self.quote is None else self.quote(replies[j]) for j in read]
+        return list(self.shared) + [text for text in quoted if text is not None]
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Each phase is one workload run under the whole-graph protocol (:mod:`benchmarks.graph`): per
 request and strategy, the graph's wall time, the tokens forwarded through the model and each
 reader's time to first token, fidelity against dense on the same ids, on the workload's report
-range (:mod:`benchmarks.workloads`). Phases ``a``-``i`` are the workloads of that name; ``b-e2e``
+range (:mod:`benchmarks.workloads`). Phases ``a``-``j`` are the workloads of that name; ``b-e2e``
 runs (b) end to end (each strategy feeding itself, the dense pipeline run too): final answers.
 
 A finished phase is reloaded only when its signature (commit, library versions, settings and
@@ -29,13 +29,14 @@ import torch
 
 from . import measure, report
 from .graph import ModelMeter, run_graph
-from .graph_report import GRAPH_LEGEND, fastest_and_closest, format_graphs, summarize_decisions, summarize_graphs
+from .graph_report import (GRAPH_LEGEND, fastest_and_closest, format_graphs, format_table, summarize_by_format,
+                           summarize_decisions, summarize_graphs)
 from .models import TINY, load
 from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor
 from .workloads import (Workload, changing_graph, coding_pipeline, fan_out, gsm8k_debate, gsm8k_one_message,
-                        long_document, paper_shape, rag_handoff, shared_history)
+                        long_document, paper_shape, prompt_formats, rag_handoff, shared_history)
 
-GRAPH_PHASES = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
+GRAPH_PHASES = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j")
 DECIDING_PHASES = ("b", "i")  # the last agent decides: judge consistency
 DECISION_STRATEGIES = ("dense", "rerotate", "kvcomm-mean")
 PHASES = GRAPH_PHASES + ("b-e2e",)
@@ -74,7 +75,7 @@ class Profile:
 PROFILES = {
     "default": Profile("default", reply_tokens=32, a_shape=(5, 256, 512, 32),
                        sizes={"a": (2, 2), "b": (2, 4), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 2),
-                              "g": (2, 4), "h": (1, 3), "i": (2, 3)},
+                              "g": (2, 4), "h": (1, 3), "i": (2, 3), "j": (2, 6)},
                        noise_floor=("b", "i"), decision_requests=17, e2e_reply_tokens=32),
     "quick": Profile("quick", reply_tokens=16, h_reply_tokens=16, a_shape=(4, 128, 256, 16),
                      sizes={p: (1, 1) for p in GRAPH_PHASES}, e2e_requests=3, e2e_reply_tokens=16),
@@ -159,6 +160,7 @@ def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
         "g": lambda: changing_graph(requests=n, reply_tokens=tokens, split=split),
         "h": lambda: long_document(requests=n, reply_tokens=p.h_reply_tokens, split=split, tokenizer=tok),
         "i": lambda: fan_out(requests=n, reply_tokens=tokens, split=split),
+        "j": lambda: prompt_formats(requests=n, reply_tokens=tokens, split=split),
     }
     if phase not in builders:
         raise ValueError(f"unknown phase '{phase}'; known: {', '.join(PHASES)}")
@@ -288,7 +290,8 @@ def main(argv=None) -> dict:
             "graphs": summarize_graphs(saved["records"]), "decisions": summarize_decisions(saved["answers"])
             if phase != "b-e2e" else [], "answers": report.summarize_answers(saved["answers"])
             if phase == "b-e2e" else [], "warmup_cost": report.warmup_cost(saved["records"]),
-            "first_request": report.first_request(saved["records"]), "concurrent": saved.get("concurrent", False)}
+            "first_request": report.first_request(saved["records"]), "concurrent": saved.get("concurrent", False),
+            "by_format": summarize_by_format(saved["records"])}
         if phase == "b-e2e" and not saved.get("concurrent"):
             results["phases"][phase]["pipeline_wall"] = measure.pipeline_wall_times(saved["records"])
         results["phases"][phase]["verdict"] = fastest_and_closest(results["phases"][phase]["graphs"]).get(phase)
@@ -342,6 +345,9 @@ def _print_phase(phase: str, result: dict) -> None:
         accuracy = "-" if answer["accuracy"] is None else f"{100 * answer['accuracy']:.0f}%"
         print(f"  end to end {answer['strategy']:<14} final answer = dense pipeline's "
               f"{100 * answer['final_equal_to_dense']:.0f}%  accuracy {accuracy}  ({answer['requests']} requests)")
+    if result.get("by_format"):
+        print("  per prompt format (graph x dense, readers' TTFT x dense, readers' KL):")
+        print("\n".join("  " + line for line in format_table(result["by_format"]).split("\n")))
     first = result.get("first_request") or {}
     if first:
         print("  first request (nothing learned yet), readers' TTFT x dense, from cache, KL: "

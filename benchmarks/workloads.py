@@ -34,6 +34,8 @@ split's range; a range too short for the requests asked is a ValueError. Without
 - ``changing_graph``, ``long_document``, ``fan_out``: (g)-(i), in :mod:`benchmarks.graphs`: a
   routed graph that changes per request, four agents over one long document, a fan-out of
   workers with an aggregator.
+- ``prompt_formats``: (j), in :mod:`benchmarks.formats`: a coding team whose prompt format is
+  drawn per request from formats of the split's own (the report split's formats are held out).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .graphs import (  # noqa: F401  (re-exported: the graph types, the splits, 
     check_split, fan_out, gsm8k_rows, humaneval_rows, last_reply_number, long_document, seeded, shuffled,
     split_entries,
 )
+from .formats import prompt_formats  # noqa: F401  (re-exported: (j))
 
 
 # ---- the benchmark's pipelines --------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The benchmark's workloads: the dev and report ranges, the texts each agent shares with earlier
-ones, and the graphs beyond a fixed pipeline ((b) with a judge, (g), (h), (i)).
+ones, and the graphs beyond a fixed pipeline ((b) with a judge, (g), (h), (i), (j)).
 
 Dev split only (the report range is kept for the figures); no model weights.
 """
@@ -9,7 +9,7 @@ import pytest
 from benchmarks.workloads import (
     DEFAULT_GSM8K, DEFAULT_HUMANEVAL, GSM8K_RANGES, HUMANEVAL_RANGES, LONG_DOCUMENTS, RAG_SPLITS, SPLITS,
     changing_graph, coding_pipeline, fan_out, gsm8k_debate, gsm8k_one_message, long_document, paper_shape,
-    rag_handoff, shared_history,
+    prompt_formats, rag_handoff, shared_history,
 )
 from kvcomm_agents.prompt import render_prompt
 
@@ -84,8 +84,8 @@ def test_without_the_data_files_both_splits_take_the_built_in_rows(monkeypatch, 
     lambda split: rag_handoff(requests=1, split=split), lambda split: coding_pipeline(requests=1, split=split),
     lambda split: gsm8k_one_message(requests=1, split=split), lambda split: shared_history(requests=1, split=split),
     lambda split: changing_graph(requests=1, split=split), lambda split: long_document(requests=1, split=split),
-    lambda split: fan_out(requests=1, split=split),
-], ids="abcdefghi")
+    lambda split: fan_out(requests=1, split=split), lambda split: prompt_formats(requests=1, split=split),
+], ids="abcdefghij")
 def test_an_unknown_split_is_refused(build):
     with pytest.raises(ValueError, match="'dev', 'report'"):
         build("test")
@@ -197,3 +197,44 @@ def test_fan_out_workers_read_the_plan_and_the_aggregator_reads_the_workers(toke
     assert all(3 <= n <= 8 for n in counts) and len(set(counts)) >= 2
     assert sum(order != tuple(sorted(order)) for order in orders) >= len(orders) // 2
     assert workload.final_answer(["plan", "1", "2", "3", "I pick candidate 2: 2"]) == "2"
+
+
+def test_prompt_formats_hold_the_report_splits_formats_and_pages_out():
+    from benchmarks.formats import FORMATS, REFERENCE_PAGES
+
+    assert len(FORMATS["dev"]) == len(FORMATS["report"]) == 6 and not set(FORMATS["dev"]) & set(FORMATS["report"])
+    assert not set(REFERENCE_PAGES["dev"]) & set(REFERENCE_PAGES["report"])
+    for split in SPLITS:  # building the report split's requests runs no model
+        drawn = [r.meta["format"] for r in prompt_formats(requests=8, split=split, offset=2).requests]
+        assert set(drawn[:6]) == set(FORMATS[split]) and drawn[6:] == drawn[:2], (split, drawn)
+        assert [r.meta["format"] for r in prompt_formats(requests=6, split=split).requests][2:] == drawn[:4]
+
+
+def test_prompt_formats_share_only_what_a_prompt_holds_verbatim(tokenizer):
+    from benchmarks.formats import FORMATS
+
+    replies_of = lambda request: [f"Plan of the {name}:\nstep {k} first\nthen step {k + 1}"  # noqa: E731
+                                  for k, name in enumerate(request.agents)]
+    seen = set()
+    for split in SPLITS:
+        for request in prompt_formats(requests=12, split=split).requests:
+            name = request.meta["format"]
+            seen.add(name)
+            replies = replies_of(request)
+            assert 3 <= len(request.agents) <= 4 and len(set(request.agents)) == len(request.agents)
+            for k in range(1, len(request.agents)):
+                text = prompt_text(tokenizer, request, k, replies)
+                shared = request.shared_texts(k, replies[:k])
+                assert all(s.strip() in text for s in shared), (name, k)
+                if name in ("blockquotes", "json-state"):  # replies changed on the way: not shared
+                    assert not set(replies) & set(shared) and not any(reply in text for reply in replies)
+                elif name == "first-lines":  # a reply's first line, not the rest
+                    assert [s for s in shared if s not in request.shared] == [r.split("\n")[0] for r in replies[:k]]
+                    assert not any(reply in text for reply in replies)
+                else:
+                    assert all(reply in text for reply in replies[:k]) and replies[k] not in text
+            if name == "json-state":  # the task and the page escaped: nothing shared
+                assert request.shared == ()
+            else:
+                assert len(request.shared) == 2 and request.shared[0] in text
+    assert seen == set(FORMATS["dev"]) | set(FORMATS["report"])
