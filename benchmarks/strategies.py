@@ -136,7 +136,7 @@ class PipelinedPrefill(EngineStrategy):
 
 #: the paper's KVCOMM: no head recompute, no recorded versions or copies, its similarity-weighted
 #: estimate, no KL budget or audits
-PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recompute_short_runs": 0, "recorded_versions": False, "reply_copies": False,
+PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0, "recorded_versions": False, "reply_copies": False,
          "text_copies": False, "experimental": ExperimentalSettings(estimator="weighted")}
 
 
@@ -145,7 +145,7 @@ COPIES = {"reply_copies": True, "text_copies": True}
 
 #: the suffixes an engine strategy's name may take: ``-head-N`` recomputes the first N tokens of
 #: each reused run, ``-short-N`` computes whole every approximate run of at most N tokens
-_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?")
+_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?(?:-tail-(?P<tail>\d+))?")
 
 
 def _split(name: str) -> tuple[str, dict]:
@@ -154,6 +154,8 @@ def _split(name: str) -> tuple[str, dict]:
     update = {} if match["head"] is None else {"recompute_head": int(match["head"])}
     if match["short"] is not None:
         update["recompute_short_runs"] = int(match["short"])
+    if match["tail"] is not None:
+        update["recompute_tail"] = int(match["tail"])
     return match["base"], update
 
 
@@ -171,12 +173,12 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "prefix": {"method": "exact_prefix", "audit_every": 0},
         "pipelined": {"method": "exact_prefix", "audit_every": 0},
         "rerotate": {"method": "rerotate", "audit_every": 0},
-        "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_short_runs": 0},
+        "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0},
         "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, **PAPER},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
-        "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_short_runs": 0,
+        "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,
                               "shared_runs": "messages"},
         "kvcomm-messages": {"method": "kvcomm", "gamma": gamma, "shared_runs": "messages"},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},

@@ -49,7 +49,7 @@ class ExperimentalSettings(BaseModel):
     """The paper's variants and the anchor pools' details. Defaults are the measured best; change
     them to reproduce the paper (``estimator="weighted"``, with ``KVCommConfig(kl_budget=None,
     recorded_versions=False, reply_copies=False, text_copies=False, recompute_head=0,
-    recompute_short_runs=0)``) or to
+    recompute_tail=0, recompute_short_runs=0)``) or to
     experiment, not to tune a deployment."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -260,6 +260,22 @@ class KVCommConfig(BaseModel):
             "this reader's framing) fits the text before the run's first token: there the context "
             "did not change. "
             "0: off."
+        ),
+    )
+    recompute_tail: int = Field(
+        default=8, ge=0,
+        description=(
+            "Compute the last N tokens of a reused run in context too where the run ends at most "
+            "64 ids before the prompt's end (planner.TAIL_REACH), as recompute_head does its "
+            "first (not where a version computed after the same text fits, nor with own-text "
+            "reuse, whose pieces continue the run): the reader's own "
+            "instruction and its first token attend most to the text right before them, and a "
+            "re-rotated text that follows text its sender never saw deviates there. On the "
+            "development range's held-out prompt formats (j), a task pasted after the team's notes "
+            "and right before the reader's instruction: readers' first-token KL 0.0140 / 0.0335 / "
+            "0.0278 -> 0.0022 / 0.0038 / 0.0072 with 8 (4 and 16 alike), the workload's mean "
+            "0.0068 -> 0.0026 at 16, for 0-5% more tokens per graph on (a)-(j) and no KL change "
+            "on (a)-(i) (benchmarks/LAB.md, 'The end of a run before the reader's text'). 0: off."
         ),
     )
     recompute_short_runs: int = Field(

@@ -107,6 +107,7 @@ class ReusedRun:
     verdict: Optional["GateVerdict"] = None  # the anchor gate's verdict (offsets are estimated from it)
     offsets_on: bool = True  # apply key_offsets/value_offsets (False: kept only for an audit's flipped pass)
     head: int = 0  # segment tokens right before the run computed in context (KVCommConfig.recompute_head)
+    tail: int = 0  # segment tokens right after the run computed in context (KVCommConfig.recompute_tail)
     skipped: int = 0  # prompt ids before those, computed as part of the run: leading whitespace a version leaves out (planner._at_home)
 
     @property
@@ -288,10 +289,11 @@ class CallPlan:
 
     def as_observed(self) -> "CallPlan":
         """The same prompt as if computed densely: every reused shared run becomes an observation
-        and every own-text piece an observed, computed one (what an audit's dense pass saw)."""
+        (its computed tail too, so a slot recorded from it spans the segment to its end) and
+        every own-text piece an observed, computed one (what an audit's dense pass saw)."""
         return CallPlan(
             self.prompt_ids,
-            observations=tuple(Observation(r.segment, r.prompt_start, r.segment_start, r.length)
+            observations=tuple(Observation(r.segment, r.prompt_start, r.segment_start, r.length + r.tail)
                                for r in self.runs if not r.own_text),
             pieces=tuple(replace(p, reused=False, observed=True) for p in self.pieces),
         )

@@ -38,6 +38,12 @@ from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, Re
 from .prompt import PromptLayout
 
 
+#: A reused run ending at most this many ids before the prompt's end gives up its last
+#: ``KVCommConfig.recompute_tail`` ids: the text right before the reader's own is what its first
+#: token attends to most.
+TAIL_REACH = 64
+
+
 def computed_head(head: int, length: int, whole_up_to: int = 0) -> int:
     """Tokens at the start of a reused run of ``length`` tokens computed in context: the whole
     run where it is at most ``whole_up_to`` tokens (``KVCommConfig.recompute_short_runs``) or
@@ -182,7 +188,7 @@ class _RunDecider:
                           p < prefix_len) for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict, gate = None, None
-        head, short = self.config.recompute_head, self.config.recompute_short_runs
+        head, short, tail = self.config.recompute_head, self.config.recompute_short_runs, self.config.recompute_tail
         if beyond_prefix and self.config.method == "exact_prefix":
             return "prefilled", "exact_only", in_prefix, None  # the rest is computed
         if beyond_prefix and self.anchors is not None:
@@ -193,7 +199,7 @@ class _RunDecider:
             p0, s0, length0, continues0 = beyond_prefix[0]
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
-                head = short = 0  # a version computed after the same text: no change of context to repair
+                head = short = tail = 0  # a version computed after the same text: no change of context to repair
             taken = self._taken(0, length0, continues0, head, short)
             first_p, first_s = p0 + taken, s0 + taken
             tokens = (first_s, end_s) if contiguous else None
@@ -215,7 +221,7 @@ class _RunDecider:
                         reason = "over_kl_budget" if verdict.over_budget else "new_anchor"
             if reason is not None:
                 # a partial token run judged new costs only itself; so does a segment computed whole
-                if not isinstance(occ, TokenMatch) and not self._computed_whole(beyond_prefix, head, short):
+                if not isinstance(occ, TokenMatch) and not self._computed_whole(beyond_prefix, head, short, tail):
                     self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
                 for p, s, length, _ in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
@@ -225,14 +231,16 @@ class _RunDecider:
             length = min(length, n - 1 - p)
             taken = self._taken(index, length, continues_prefix, head, short)
             p, s, length = p + taken, s + taken, length - taken
+            length -= (tailed := self._tail(index, p, length, tail))
             if length > 0:
-                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, skipped=skipped))
+                self.runs.append(ReusedRun(occ.segment, p, s, length, verdict=verdict, head=taken, tail=tailed,
+                                           skipped=skipped))
                 reused += length
                 self._approximate |= verdict is None or not verdict.from_version
             skipped = 0
         reused += in_prefix
         if not reused:
-            whole = bool(beyond_prefix) and self._computed_whole(beyond_prefix, head, short)
+            whole = bool(beyond_prefix) and self._computed_whole(beyond_prefix, head, short, tail)
             return "prefilled", "short_run" if whole else "too_short", 0, gate
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
@@ -248,13 +256,24 @@ class _RunDecider:
             head, short = self.config.recompute_head, self.config.recompute_short_runs
         return computed_head(head, length, short)
 
-    def _computed_whole(self, runs: list[tuple[int, int, int, bool]], head: int, short: int) -> bool:
+    def _tail(self, index: int, start: int, length: int, tail: int) -> int:
+        """Tokens at the end of run ``index`` (``length`` left after its head, from ``start``)
+        computed in context where it ends at most :data:`TAIL_REACH` ids before the prompt's end:
+        the first run's ``tail`` (zero where a version fits it), a later run's the config's. None
+        with own-text reuse: its pieces, with offsets of their own, continue a run to its end."""
+        if self.n - (start + length) > TAIL_REACH or self.config.experimental.own_text == "reuse":
+            return 0
+        return max(0, min(self.config.recompute_tail if index else tail, length))
+
+    def _computed_whole(self, runs: list[tuple[int, int, int, bool]], head: int, short: int, tail: int) -> bool:
         """Whether every one of ``runs`` (prompt start, segment start, length, whether it
-        continues the exact prefix) is computed whole (:meth:`_taken`). The gate's refusal of
-        such a segment computes it and records it as an anchor, but not everything after it
-        (``dense_from``): that would cost the later segments' reuse for text computed anyway."""
+        continues the exact prefix) is computed whole (:meth:`_taken`, :meth:`_tail`). The gate's
+        refusal of such a segment computes it and records it as an anchor, but not everything
+        after it (``dense_from``): that would cost the later segments' reuse for text computed anyway."""
         lengths = [min(length, self.n - 1 - p) for p, _, length, _ in runs]
-        return all(self._taken(i, lengths[i], run[3], head, short) >= lengths[i] for i, run in enumerate(runs))
+        taken = [self._taken(i, lengths[i], run[3], head, short) for i, run in enumerate(runs)]
+        return all(t + self._tail(i, run[0] + t, lengths[i] - t, tail) >= lengths[i]
+                   for i, (t, run) in enumerate(zip(taken, runs)))
 
     def _recorded(self, segment: KVSegment, tokens: Optional[tuple[int, int]], context, held: int = 0):
         """The verdict of a recorded version of ``segment`` fitting ``context`` (whose last

@@ -1,6 +1,6 @@
-"""What of a reused run is computed in context: its first ``recompute_head`` ids, a run of at
-most ``recompute_short_runs`` ids whole, and what a gate refusal of such a run costs (the engine on
-tiny real models)."""
+"""What of a reused run is computed in context: its first ``recompute_head`` ids, its last
+``recompute_tail`` ids, a run of at most ``recompute_short_runs`` ids whole, and what a gate
+refusal of such a run costs (the engine on tiny real models)."""
 
 import pytest
 import torch
@@ -28,6 +28,42 @@ def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, toke
     assert len(heads) == 4 * len(runs) and covered(headed.result.stats) <= covered(plain.result.stats)
     whole, _ = second_call(10_000)
     assert whole.result.stats.reused_tokens == 0
+    dense = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages, agent="s2")
+    torch.testing.assert_close(whole.first_token_logits, dense, atol=1e-4, rtol=0)
+
+
+def test_recompute_tail_computes_the_last_tokens_of_each_reused_run(llama, tokenizer, make_engine):
+    """``recompute_tail=3``: a reused run ending at most ``TAIL_REACH`` ids before the prompt's end
+    gives up its last 3 tokens (beside its head) to the prefill, the positions right before the
+    reader's own text; one further from the end keeps them. Head and tail as long as the runs
+    leave nothing reused, reason ``short_run``, and the call equals dense."""
+    from kvcomm_agents.planner import TAIL_REACH
+
+    def second_call(tail: int, head: int = 4, after: str = ""):
+        engine = make_engine(llama, prefix_cache=False, recompute_head=head, recompute_tail=tail,
+                             dense_when_cheaper=False)
+        first = replayed(engine, solver_messages("You are solver one."), "s1")
+        messages = solver_messages("You are solver two.", first.text)
+        if after:
+            messages.append({"role": "user", "content": after})
+        return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]), messages
+
+    plain, messages = second_call(0)
+    tailed, _ = second_call(3)
+    spans, n = plain.result.stats.reused_spans, plain.result.stats.prompt_tokens
+    assert spans and tailed.result.stats.reused_spans == [(a, b - 3) if n - b <= TAIL_REACH else (a, b)
+                                                          for a, b in spans]
+    assert any(n - b <= TAIL_REACH for _, b in spans)
+    far = "Think it over carefully before you answer, and check every step twice. " * 8
+    far_plain, _ = second_call(0, after=far)
+    far_tailed, _ = second_call(3, after=far)
+    far_spans, far_n = far_plain.result.stats.reused_spans, far_plain.result.stats.prompt_tokens
+    assert far_spans and all(far_n - b > TAIL_REACH for _, b in far_spans)
+    assert far_tailed.result.stats.reused_spans == far_spans
+    longest = max(b - a for a, b in spans) + 4
+    whole, _ = second_call(longest - 4)
+    assert whole.result.stats.reused_tokens == 0
+    assert {d.reason for d in whole.result.stats.shared_decisions} == {"short_run"}
     dense = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages, agent="s2")
     torch.testing.assert_close(whole.first_token_logits, dense, atol=1e-4, rtol=0)
 

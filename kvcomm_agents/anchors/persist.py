@@ -24,9 +24,12 @@ from .pool import AnchorPool, OffsetStack, RecordedContext
 __all__ = ["FORMAT", "MEASURED_WITH", "save_pools", "load_pools", "measured_alike"]
 
 FORMAT = "kvcomm-anchors/2"  # /1: dense [slots, L-1, H, tokens, D] stacks
-#: the settings that shape what an audit or a re-rotation check measures (the recomputed head,
-#: the short runs computed, the estimator): a file's measurements serve only an engine that has the same
-MEASURED_WITH = ("recompute_head", "recompute_short_runs", "experimental")
+#: the settings that shape what an audit or a re-rotation check measures (the recomputed head
+#: and tail, the short runs computed, the estimator): a file's measurements serve only an engine
+#: that has the same
+MEASURED_WITH = ("recompute_head", "recompute_tail", "recompute_short_runs", "experimental")
+#: what a file that does not name one of them was measured with (the setting did not exist: off)
+WITHOUT = {"recompute_tail": 0}
 
 
 def measured_alike(header: dict, settings: dict) -> bool:
@@ -35,6 +38,7 @@ def measured_alike(header: dict, settings: dict) -> bool:
     saved = header.get("settings")
     if not isinstance(saved, dict):
         return False
+    saved = {**WITHOUT, **saved}
     return all(name in settings and saved.get(name) == settings[name] for name in MEASURED_WITH)
 
 

@@ -87,13 +87,13 @@ def own_text_pieces(
     prompt token. A piece is reused from the agent's own-text KV when there is one
     (``own_texts`` given). Returns the runs (own-text runs added) and the pieces."""
     n = int(ids.numel())
-    ends = [(run.found_start, run.prompt_end, run, None) for run in runs]
+    ends = [(run.found_start, run.prompt_end + run.tail, run, None) for run in runs]
     ends += [(seen.prompt_start, seen.prompt_start + seen.length, None, seen) for seen in observations]
     ends.sort(key=lambda item: item[0])
     pieces, new_runs = [], []
     for i, (_, end, run, seen) in enumerate(ends):
         segment = run.segment if run is not None else seen.segment
-        if run is not None and run.segment_start + run.length != segment.num_tokens:
+        if run is not None and run.segment_start + run.length + run.tail != segment.num_tokens:
             continue
         if seen is not None and not seen.reaches_end:
             continue

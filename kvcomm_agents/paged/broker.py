@@ -49,7 +49,7 @@ __all__ = ["KVCommBroker", "BrokeredRequest", "for_runtime"]
 
 
 def for_runtime(config: KVCommConfig) -> KVCommConfig:
-    """``config`` adapted to a runtime without holes: no recomputed run heads (each would end the
+    """``config`` adapted to a runtime without holes: no recomputed run heads or tails (each would end the
     claim), the receiver's own text reused from its own-text KV (otherwise the template glue after
     the first segment ends it), no audits (the runtime does not run the dense shadow pass yet),
     no framed copies of replies or shared text (they ride on the HF engine's own decode steps).
@@ -58,7 +58,7 @@ def for_runtime(config: KVCommConfig) -> KVCommConfig:
     fidelity before its audits have measured the estimates)."""
     data = config.model_dump()
     data["audit_every"] = 0
-    data.update(recompute_head=0, recompute_short_runs=0, reply_copies=False, text_copies=False)
+    data.update(recompute_head=0, recompute_tail=0, recompute_short_runs=0, reply_copies=False, text_copies=False)
     data["experimental"] = {**data["experimental"], "own_text": "reuse"}
     return KVCommConfig(**data)
 

@@ -236,3 +236,11 @@ def test_measurements_keep_a_kind_without_detail_and_drop_what_cannot_be_saved()
             OffsetTracker.parse_measurements(bad)
     assert not measured_alike({"settings": "recompute_head=16"}, {"recompute_head": 16, "experimental": {}})
     assert not measured_alike({}, {"recompute_head": 16, "experimental": {}})
+
+
+def test_a_file_saved_before_the_tail_setting_counts_as_measured_without_one():
+    settings = {"recompute_head": 16, "recompute_tail": 0, "recompute_short_runs": 64, "experimental": {}}
+    old = {"settings": {"recompute_head": 16, "recompute_short_runs": 64, "experimental": {}}}
+    assert measured_alike(old, settings)
+    assert not measured_alike(old, {**settings, "recompute_tail": 16})
+    assert measured_alike({"settings": {**old["settings"], "recompute_tail": 16}}, {**settings, "recompute_tail": 16})
