@@ -187,7 +187,8 @@ GRAPH_LEGEND = (
 # ---- Markdown: the front table of docs/benchmarks.md, generated from a run's summary JSON ----
 LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined exact prefill",
           "rerotate": "re-rotation only", "cacheblend": "CacheBlend-style 15%", "kvcomm-paper": "KVCOMM as in the paper",
-          "kvcomm-mean": "**default**", "lower-bound": "limit (no shared prefill)"}
+          "kvcomm-mean": "**default**", "lower-bound": "limit (no shared prefill)",
+          "kvcomm-mean-tail-0": "default without the run tail (`recompute_tail=0`)"}
 DEFAULT = "kvcomm-mean"
 
 

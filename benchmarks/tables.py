@@ -24,7 +24,8 @@ __all__ = ["render", "generated_blocks", "rewrite", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"<!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?P<front> --front)?"
-                    r"(?: --phases (?P<phases>\S+))? -->\n(?P<body>.*?)\n<!-- end generated -->", re.S)
+                    r"(?: --phases (?P<phases>\S+))? -->\n(?P<body>(?:(?!<!-- generated:).)*?)\n<!-- end generated -->",
+                    re.S)  # a body never runs into the next block
 
 
 def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) -> str:

@@ -37,3 +37,16 @@ def test_rewrite_regenerates_a_stale_block_in_place(tmp_path):
     page.write_text(text.replace(body, "a stale table", 1))
     assert rewrite(page) == 1 and page.read_text() == text
     assert rewrite(page) == 0
+
+
+def test_a_block_written_empty_never_takes_the_next_block_with_it(tmp_path):
+    from benchmarks.tables import rewrite
+
+    text = (ROOT / "docs/benchmarks.md").read_text()
+    path, front, phases, body = generated_blocks(text)[0]
+    marker = f"<!-- generated: python -m benchmarks.tables {path}{' --front' if front else ''}" \
+             f"{' --phases ' + ','.join(phases) if phases else ''} -->"
+    page = tmp_path / "page.md"
+    page.write_text(f"Intro.\n\n{marker}\n<!-- end generated -->\n\nProse between.\n\n{text}")
+    rewrite(page)
+    assert "Prose between." in page.read_text() and page.read_text().endswith(text)
