@@ -96,16 +96,20 @@ def known_prompts(tokenizer, request: Request, k: int, replies: list[str]) -> li
 
 def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, phase: str, tokenizer, eos_ids,
               meter: ModelMeter, progress: Callable[[int], None] = lambda n: None,
-              checkpoint: Callable[[list[dict]], None] = lambda records: None) -> tuple[list[dict], list[dict]]:
+              checkpoint: Callable[[list[dict]], None] = lambda records: None,
+              renew: Optional[Callable[[], list[Strategy]]] = None) -> tuple[list[dict], list[dict]]:
     """The protocol over every request (the first ``warmup`` marked warm-up: they fill stores
     and anchor pools and are left out of summaries; non-dense strategies replay them in one
-    forward per reply, which fills the same state faster). Returns per-call records and, for a
-    workload whose last agent decides, per-request answers."""
+    forward per reply, which fills the same state faster). ``renew``: fresh strategies (nothing
+    stored, nothing learned) for every request, so that each is a graph's first. Returns per-call
+    records and, for a workload whose last agent decides, per-request answers."""
     names = [s.name for s in strategies]
     if not names or names[0] != "dense":
         raise ValueError("the graph protocol needs the dense strategy first (it writes the replies)")
     records, answers = [], []
     for r, request in enumerate(workload.requests):
+        if renew is not None and r:
+            strategies = renew()
         replies: list[str] = []
         reply_ids: list[list[int]] = []
         picks: dict[str, Optional[str]] = {}

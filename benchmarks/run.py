@@ -145,8 +145,10 @@ def _progress(total: int, desc: str, unit: str = "call"):
 def _workload(ctx: Context, phase: str) -> tuple[Workload, int]:
     p, tok, split = ctx.profile, ctx.loaded.tokenizer, ctx.args.split
     warm, measured = p.sizes.get(phase, (0, 1)) if phase != "b-e2e" else (0, p.e2e_requests)
-    if phase in DECIDING_PHASES:
+    if phase in DECIDING_PHASES and not ctx.args.cold:
         measured += p.decision_requests
+    if ctx.args.cold:  # every request a graph's first: nothing to warm
+        warm, measured = 0, warm + measured
     n, tokens = warm + measured, p.reply_tokens
     builders = {
         "a": lambda: paper_shape(tok, requests=n, agents=p.a_shape[0], lead_tokens=p.a_shape[1],
@@ -176,7 +178,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
     signature = {"phase": phase, "model": ctx.loaded.spec, "dtype": ctx.args.dtype, "versions": versions(
                  torch.device(ctx.device)), "profile": asdict(ctx.profile), "split": ctx.args.split,
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share,
-                 "prompts": prompts_digest(workload), "e2e_timed": phase == "b-e2e" and ctx.args.e2e_timed}
+                 "prompts": prompts_digest(workload), "e2e_timed": phase == "b-e2e" and ctx.args.e2e_timed,
+                 "cold": ctx.args.cold}
     signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
     path = ctx.out / f"phase_{phase}.json"
     if path.is_file() and not ctx.args.fresh:
@@ -195,12 +198,12 @@ def run_phase(ctx: Context, phase: str) -> dict:
                                                   progress=bar.update)
     else:
         strategies = _strategies(ctx, names)
-        if phase in DECIDING_PHASES and ctx.profile.decision_requests:
+        if phase in DECIDING_PHASES and ctx.profile.decision_requests and not ctx.args.cold:
             everyone = range(len(workload.requests) - ctx.profile.decision_requests)
             for strategy in strategies:  # an ablation named is compared on the decisions too
                 if strategy.name not in DECISION_STRATEGIES and strategy.name in DEFAULT_NAMES:
                     strategy.requests = everyone
-        if phase in DECIDING_PHASES and phase in ctx.profile.noise_floor:  # the drift that is not reuse's, same run
+        if phase in DECIDING_PHASES and phase in ctx.profile.noise_floor and not ctx.args.cold:  # the drift that is not reuse's, same run
             floor = noise_floor(ctx.loaded.model, ctx.loaded.tokenizer, requests=range(warmup, len(workload.requests)))
             ctx.meter.watch(floor.engine.model)
             strategies.append(floor)
@@ -209,7 +212,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
         records, answers = run_graph(
             workload, strategies, warmup=warmup, phase=phase, tokenizer=ctx.loaded.tokenizer, eos_ids=ctx.eos_ids,
             meter=ctx.meter, progress=bar.update,
-            checkpoint=lambda so_far: measure.write_json({"signature": signature, "records": so_far}, partial))
+            checkpoint=lambda so_far: measure.write_json({"signature": signature, "records": so_far}, partial),
+            renew=(lambda: _strategies(ctx, names)) if ctx.args.cold else None)
         partial.unlink(missing_ok=True)
     bar.close()
     saved = {"signature": signature, "title": workload.title, "elapsed_s": time.perf_counter() - started,
@@ -240,6 +244,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--e2e-timed", action="store_true",
                         help="end to end: run the pipelines in turns (not side by side), so their wall times compare")
     parser.add_argument("--fresh", action="store_true", help="rerun finished phases")
+    parser.add_argument("--cold", action="store_true",
+                        help="every request on fresh strategies (nothing stored or learned): each one a graph's "
+                             "first request, all measured; (b) and (i) without their decision-only requests")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--summary", type=Path, default=None,
                         help="also write the run's summary (no per-call records) to this JSON file")
@@ -270,7 +277,7 @@ def main(argv=None) -> dict:
     print(profile.describe() + f"; data range: {args.split}", flush=True)
     torch.manual_seed(0)
     loaded = load(args.model, device=str(device), dtype=getattr(torch, args.dtype))
-    out = args.out / loaded.tag / profile.name / args.split
+    out = args.out / loaded.tag / profile.name / (args.split + ("-cold" if args.cold else ""))
     out.mkdir(parents=True, exist_ok=True)
     from kvcomm_agents.support import inspect_model
 
@@ -279,7 +286,7 @@ def main(argv=None) -> dict:
     print(f"model {args.model} ({loaded.tag}), {args.dtype}, strategies: {', '.join(args.strategies)}; output {out}",
           flush=True)
     results = {"versions": info, "profile": asdict(profile), "model": args.model, "dtype": args.dtype,
-               "split": args.split, "phases": {}}
+               "split": args.split, "cold": args.cold, "phases": {}}
     all_records, rows = [], []
     for phase in args.phases:
         saved = run_phase(ctx, phase)
@@ -320,7 +327,7 @@ def summary(results: dict) -> dict:
     decisions and the verdict (no per-call records)."""
     keep = ("title", "requests", "elapsed_s", "graphs", "decisions", "answers", "warmup_cost", "first_request",
             "verdict", "pipeline_wall")
-    return {k: results[k] for k in ("versions", "profile", "model", "dtype", "split")} | {
+    return {k: results[k] for k in ("versions", "profile", "model", "dtype", "split", "cold") if k in results} | {
         "phases": {p: {k: v for k, v in phase.items() if k in keep} for p, phase in results["phases"].items()}}
 
 

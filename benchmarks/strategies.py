@@ -30,7 +30,9 @@ copies on under the cost rule; ``kvcomm-no-rerotation-copies-always``, with copi
 ``kvcomm-copies`` (reply and text copies on, fed while they cost at most the prefill they spare),
 ``kvcomm-replies-framed`` (reply copies only, the same rule), ``kvcomm-copies-always`` (copies fed whatever
 they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
-served on other receivers' samples audited, ``experimental.audit_new_readers``); any engine strategy + ``-head-N`` (the first N
+served on other receivers' samples audited, ``experimental.audit_new_readers``), ``kvcomm-trust-clear`` /
+``kvcomm-trust-audited`` (re-rotation trusted on two samples within the KL budget or one within
+a quarter of it, or before any with the first calls so served audited: ``experimental.rerotation_trust``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
 """
 
@@ -60,7 +62,7 @@ BUDGETS_GIB = {"cpu": (1, 1), "cuda": (6, 12)}
 NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean", "kvcomm-weighted", "kvcomm-own-text",
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
-         "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new",
+         "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
          "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
@@ -194,6 +196,10 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                                                **COPIES, "copies_when_cheaper": False},
         "kvcomm-audit-new": {"method": "kvcomm", "gamma": gamma,
                              "experimental": ExperimentalSettings(audit_new_readers=True)},
+        "kvcomm-trust-clear": {"method": "kvcomm", "gamma": gamma,
+                               "experimental": ExperimentalSettings(rerotation_trust="clear_sample")},
+        "kvcomm-trust-audited": {"method": "kvcomm", "gamma": gamma,
+                                 "experimental": ExperimentalSettings(rerotation_trust="audited")},
     }
     base, update = _split(name)
     if update and base in table:  # any engine strategy with its suffixes' settings

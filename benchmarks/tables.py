@@ -36,7 +36,8 @@ def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) ->
     versions = summary["versions"]
     head = (f"Run: commit `{versions['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, "
             f"{versions['device']} ({versions['threads']} threads), profile `{summary['profile']['name']}`, "
-            f"{summary['split']} range.\n\n")
+            f"{summary['split']} range"
+            + (", every request on fresh engines (each a graph's first)" if summary.get("cold") else "") + ".\n\n")
     return head + (front_table(summary) if front else workload_tables(summary))
 
 

@@ -88,6 +88,9 @@ class CallAuditor:
         rerotated = kvcomm and not kinds and any(getattr(run.verdict, "rerotated", False) for run in plan.runs)
         new_reader = (rerotated and self.config.experimental.audit_new_readers and not self.anchors.frozen
                       and not tracker.rerotation_samples(agent))  # served on the others' samples alone
+        confirming = (rerotated and self.config.experimental.rerotation_trust == "audited"
+                      and not self.anchors.frozen and tracker.rerotation_unconfirmed())
+        new_reader = new_reader or confirming
         if not (self._period_due or warmup or new_reader):
             return None
         kind = tracker.kind_to_flip(agent, kinds)

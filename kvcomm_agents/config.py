@@ -99,14 +99,21 @@ class ExperimentalSettings(BaseModel):
     min_prefix_tokens: int = Field(
         default=4, ge=1, description="Shortest exact prefix worth keeping in the store after a call."
     )
+    rerotation_trust: Literal["clear_sample", "one_sample", "audited"] = Field(
+        default="one_sample",
+        description=(
+            "The re-rotation samples (measured_rerotation) on which a segment the gate would "
+            "compute is served re-rotated: 'one_sample' within the KL budget; 'clear_sample' two, "
+            "or one within a quarter of it; 'audited' none, the first calls so served audited "
+            "(benchmarks/LAB.md, 'Re-rotation trusted on one sample')."
+        ),
+    )
     audit_new_readers: bool = Field(
         default=False,
         description=(
             "Audit a receiver's first call served re-rotated on other receivers' samples alone "
-            "(measured_rerotation), so that one reading unlike the others (an aggregator over many "
-            "short replies) gets a sample of its own after one call rather than after the "
-            "periodic audit finds it: one dense prefill per new receiver. Not measured on whole "
-            "graphs yet (benchmarks/LAB.md, 'A reader unlike the pool')."
+            "(an aggregator unlike the pool gets a sample after one call): one dense prefill per "
+            "new receiver; lost graph time at equal KL on (g) and (j) (benchmarks/LAB.md)."
         ),
     )
 

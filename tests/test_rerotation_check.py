@@ -105,15 +105,20 @@ def test_a_receiver_within_the_budget_is_served_re_rotated_and_its_text_copies_s
 
 
 def test_one_check_far_under_the_budget_is_enough(model, tokenizer):
-    """One check at a quarter of the budget or less (``clear_margin``) trusts re-rotation at
-    once: the reviewer's next call is served re-rotated. One merely within the budget waits for
-    a second sample, and the next call computes the task again."""
+    """``rerotation_trust="clear_sample"``: one check at a quarter of the budget or less
+    (``clear_margin``) trusts re-rotation at once: the reviewer's next call is served
+    re-rotated. One merely within the budget waits for a second sample, and the next call
+    computes the task again."""
+    from kvcomm_agents import ExperimentalSettings
+
+    clear = ExperimentalSettings(rerotation_trust="clear_sample")
     probe = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=50.0, reply_copies=False))
     _hand_off(probe, tokenizer, 0)
     (kl,) = probe.anchors.tracker.rerotation_samples("reviewer")
     assert kl > 0
     for budget, trusted in ((5 * kl, True), (2 * kl, False)):
-        engine = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=budget, reply_copies=False))
+        engine = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=budget, reply_copies=False,
+                                                                 experimental=clear))
         _hand_off(engine, tokenizer, 0)
         read = _hand_off(engine, tokenizer, 1).result
         task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
@@ -142,3 +147,39 @@ def test_a_new_reader_served_on_the_pools_samples_is_audited_on_its_first_call(m
             assert own == [read.stats.audit_kl]
         else:
             assert read.stats.audit_kl is None and own == []
+
+
+def test_re_rotation_trusted_before_its_samples_is_audited_until_they_are_enough(model, tokenizer):
+    """``experimental.rerotation_trust``: "audited" serves the reviewer's first call re-rotated
+    with no sample at all and audits it (a dense prefill charged to the call, its KL the first
+    sample), and computes the text again once audits put it over the budget; "one_sample" (the
+    default) serves the second call re-rotated on the first call's check, even where the check
+    is not clear of a quarter of the budget."""
+    from kvcomm_agents import ExperimentalSettings
+
+    def engine(trust: str, budget: float):
+        return KVCommEngine(model, tokenizer, config=mechanics(
+            kl_budget=budget, reply_copies=False, experimental=ExperimentalSettings(rerotation_trust=trust)))
+
+    def task_offsets(read):
+        task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
+        assert task, read.stats.decisions
+        return {d.gate.offsets for d in task}
+
+    audited = engine("audited", 50.0)
+    first = _hand_off(audited, tokenizer, 0).result
+    assert task_offsets(first) == {"rerotated"} and first.stats.audit_kl is not None
+    assert first.stats.forwarded.audit >= first.stats.prompt_tokens
+    assert audited.anchors.tracker.rerotation_samples("reviewer") == [first.stats.audit_kl]
+    assert audited.anchors.tracker.rerotation_unconfirmed()  # one sample: the next such call is audited too
+
+    probe = KVCommEngine(model, tokenizer, config=mechanics(kl_budget=50.0, reply_copies=False))
+    _hand_off(probe, tokenizer, 0)
+    (kl,) = probe.anchors.tracker.rerotation_samples("reviewer")
+    one = engine("one_sample", 2 * kl)  # within the budget, not within a quarter of it
+    assert "rerotated" not in task_offsets(_hand_off(one, tokenizer, 0).result)  # nothing measured yet: computed
+    read = _hand_off(one, tokenizer, 1).result
+    assert task_offsets(read) == {"rerotated"} and read.stats.audit_kl is None
+    strict = engine("audited", kl / 2)  # the audit finds the first call over the budget: the next computes
+    assert task_offsets(_hand_off(strict, tokenizer, 0).result) == {"rerotated"}
+    assert "rerotated" not in task_offsets(_hand_off(strict, tokenizer, 1).result)

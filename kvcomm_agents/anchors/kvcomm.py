@@ -103,6 +103,9 @@ class KVCommAnchors:
         )
         if not can_audit:
             anchors.tracker.probe_every = 0
+        else:
+            anchors.tracker.clear_margin = 0.25 if x.rerotation_trust == "clear_sample" else 1.0
+            anchors.tracker.trust_unmeasured = x.rerotation_trust == "audited"
         return anchors
 
     # ---- inspection -----------------------------------------------------------------------

@@ -88,17 +88,19 @@ class OffsetTracker:
             gets early (``wants_audit``) before audits fall back to their period.
         clear_margin: fewer than ``min_samples`` re-rotation samples are enough for
             :meth:`rerotation_within_budget` where every one is at most this share of the budget.
+        trust_unmeasured: :meth:`rerotation_within_budget` holds before any receiver has a
+            sample (the first call served re-rotated is then audited: :meth:`rerotation_unconfirmed`).
         warmup_gap: those early audits come at most once every ``warmup_gap`` reused calls of
             a receiver (the first on its ``warmup_gap``-th).
     """
 
     def __init__(self, window: int = 8, min_samples: int = 2, warmup_gap: int = 4, probe_every: int = 4,
-                 clear_margin: float = 0.25) -> None:
+                 clear_margin: float = 0.25, trust_unmeasured: bool = False) -> None:
         if window < 1 or min_samples < 1 or warmup_gap < 1 or probe_every < 0 or not 0 <= clear_margin <= 1:
             raise ValueError("window, min_samples and warmup_gap must be >= 1, probe_every >= 0, "
                              "clear_margin in [0, 1]")
         self.window, self.min_samples, self.warmup_gap = window, min_samples, warmup_gap
-        self.clear_margin = clear_margin
+        self.clear_margin, self.trust_unmeasured = clear_margin, trust_unmeasured
         self.probe_every = probe_every
         self._held_back: dict[tuple[str, Kind], int] = {}
         self._samples: dict[tuple[str, Kind], deque[PairedSample]] = {}
@@ -239,8 +241,16 @@ class OffsetTracker:
         with self._lock:
             own = list(self._rerotated.get(receiver, ()))
             pooled = [kl for samples in self._rerotated.values() for kl in samples]
-        enough = len(pooled) >= self.min_samples or (pooled and max(pooled) <= self.clear_margin * budget)
+        if not pooled:
+            return self.trust_unmeasured
+        enough = len(pooled) >= self.min_samples or max(pooled) <= self.clear_margin * budget
         return bool((not own or sum(own) / len(own) <= budget) and enough and sum(pooled) / len(pooled) <= budget)
+
+    def rerotation_unconfirmed(self) -> bool:
+        """True while every receiver's re-rotation samples together are fewer than
+        ``min_samples``."""
+        with self._lock:
+            return sum(len(samples) for samples in self._rerotated.values()) < self.min_samples
 
     def records(self) -> list[KindRecord]:
         """One :class:`KindRecord` per ``(receiver, kind)`` sampled so far."""
