@@ -137,3 +137,25 @@ def test_decision_only_requests_feed_replies_at_once_and_the_noise_floor_runs_th
     expected = sum(r["kl"] for r in records if r["strategy"] == "rerotate" and not r["warmup"]
                    and r["agent_index"] == agents[r["request"]]) / 2
     assert rows["rerotate"]["decider_kl_mean"] == pytest.approx(expected)
+
+
+def test_a_cold_run_gives_every_request_fresh_strategies(llama, tokenizer):
+    """``renew`` (``python -m benchmarks --cold``): each request runs on strategies built anew,
+    so its first agent finds nothing stored; without it, a later request's first agent reuses the
+    system prompt the earlier request left behind."""
+    workload = gsm8k_debate(requests=3, agents=2, reply_tokens=4, split="dev")
+
+    def fresh():
+        return [build("dense", llama, tokenizer), build("prefix", llama, tokenizer)]
+
+    firsts = {}
+    for cold in (True, False):
+        meter = ModelMeter(llama)
+        try:
+            records, _ = run_graph(workload, fresh(), warmup=0, phase="t", tokenizer=tokenizer,
+                                   eos_ids={tokenizer.eos_token_id}, meter=meter, renew=fresh if cold else None)
+        finally:
+            meter.close()
+        firsts[cold] = [r["reused_tokens"] for r in records if r["strategy"] == "prefix" and r["agent_index"] == 1]
+    assert len(firsts[True]) == 3 and not any(firsts[True])
+    assert firsts[False][0] == 0 and all(n > 0 for n in firsts[False][1:])

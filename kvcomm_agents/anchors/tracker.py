@@ -27,7 +27,8 @@ Re-rotation alone is measured per receiver too (:meth:`OffsetTracker.record_rero
 first-token KL of a call served with every shared segment re-rotated only, against the same
 call computed without estimates (a re-rotation check, :mod:`kvcomm_agents.rerotation_check`, or
 an audit of a call served that way). Once every receiver's samples together (``min_samples``
-at least, or one far under the budget) and the receiver's own, where it has any, are within the
+at least, or fewer within ``clear_margin`` of the budget: the engine's default margin is the
+whole budget, ``ExperimentalSettings.rerotation_trust``) and the receiver's own, where it has any, are within the
 KL budget, a segment the gate would compute (new anchor, over the budget) is served re-rotated
 instead (gate record ``offsets="rerotated"``) and its readers get no text copies
 (:mod:`kvcomm_agents.framing.texts`): measured faithful enough, and on one device the copies
@@ -234,8 +235,10 @@ class OffsetTracker:
         graph's first request the second reader would otherwise compute the shared text again
         only to confirm a measure a quarter of the budget or less (with the 16-token head,
         re-rotation measured 0.0000-0.0051 per workload at 16-token replies, 0.0084-0.0326 at
-        32: the rule serves the first kind of graph sooner and waits for two samples on the
-        second)."""
+        32). With ``clear_margin=1`` (the engine's default) one sample within the budget does:
+        a graph whose first sample lands between a quarter of the budget and the budget, as the
+        held-out prompt formats' do, is served re-rotated from its second reader, and later
+        audits keep measuring."""
         if budget is None:
             return False
         with self._lock:
