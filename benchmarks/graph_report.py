@@ -188,7 +188,8 @@ GRAPH_LEGEND = (
 LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined exact prefill",
           "rerotate": "re-rotation only", "cacheblend": "CacheBlend-style 15%", "kvcomm-paper": "KVCOMM as in the paper",
           "kvcomm-mean": "**default**", "lower-bound": "limit (no shared prefill)",
-          "kvcomm-mean-tail-0": "default without the run tail (`recompute_tail=0`)"}
+          "kvcomm-mean-tail-0": "default without the run tail (`recompute_tail=0`)",
+          "kvcomm-trust-clear": "default trusting re-rotation on a clear sample (`rerotation_trust=\"clear_sample\"`)"}
 DEFAULT = "kvcomm-mean"
 
 

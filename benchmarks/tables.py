@@ -58,7 +58,8 @@ def rewrite(page: Path) -> int:
         summary = json.loads((ROOT / match["path"]).read_text())
         body = render(summary, front=bool(match["front"]), phases=match["phases"].split(",") if match["phases"] else None)
         changed += body != match["body"]
-        return match.group(0).replace(match["body"], body)
+        whole, start, end = match.group(0), match.start("body") - match.start(), match.end("body") - match.start()
+        return whole[:start] + body + whole[end:]  # only the body: its text may occur in the markers too
 
     page.write_text(_BLOCK.sub(fresh, text))
     return changed

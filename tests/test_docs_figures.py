@@ -39,14 +39,31 @@ def test_rewrite_regenerates_a_stale_block_in_place(tmp_path):
     assert rewrite(page) == 0
 
 
-def test_a_block_written_empty_never_takes_the_next_block_with_it(tmp_path):
-    from benchmarks.tables import rewrite
-
+def _first_block() -> tuple[str, str, str]:
+    """docs/benchmarks.md's text, its first generated block's opening marker, and that block's body."""
     text = (ROOT / "docs/benchmarks.md").read_text()
     path, front, phases, body = generated_blocks(text)[0]
     marker = f"<!-- generated: python -m benchmarks.tables {path}{' --front' if front else ''}" \
              f"{' --phases ' + ','.join(phases) if phases else ''} -->"
+    return text, marker, body
+
+
+def test_a_block_written_empty_never_takes_the_next_block_with_it(tmp_path):
+    from benchmarks.tables import rewrite
+
+    text, marker, body = _first_block()
     page = tmp_path / "page.md"
     page.write_text(f"Intro.\n\n{marker}\n<!-- end generated -->\n\nProse between.\n\n{text}")
     rewrite(page)
     assert "Prose between." in page.read_text() and page.read_text().endswith(text)
+
+
+def test_a_placeholder_body_is_replaced_and_the_markers_kept(tmp_path):
+    """A block's body may be text its markers contain ("-"): only the body is replaced."""
+    from benchmarks.tables import rewrite
+
+    text, marker, body = _first_block()
+    page = tmp_path / "page.md"
+    page.write_text(f"{marker}\n-\n<!-- end generated -->\n")
+    rewrite(page)
+    assert page.read_text() == f"{marker}\n{body}\n<!-- end generated -->\n"
