@@ -23,9 +23,9 @@ from .graph_report import front_table, workload_tables
 __all__ = ["render", "generated_blocks", "rewrite", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-_BLOCK = re.compile(r"<!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?P<front> --front)?"
-                    r"(?: --phases (?P<phases>\S+))? -->\n(?P<body>(?:(?!<!-- generated:).)*?)\n<!-- end generated -->",
-                    re.S)  # a body never runs into the next block
+_BLOCK = re.compile(r"(?P<opening><!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?P<front> --front)?"
+                    r"(?: --phases (?P<phases>\S+))? -->)\n(?P<body>(?:(?!<!-- generated:).)*?)\n?<!-- end generated -->",
+                    re.S)  # a body never runs into the next block; an empty one is a block too
 
 
 def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) -> str:
@@ -58,8 +58,7 @@ def rewrite(page: Path) -> int:
         summary = json.loads((ROOT / match["path"]).read_text())
         body = render(summary, front=bool(match["front"]), phases=match["phases"].split(",") if match["phases"] else None)
         changed += body != match["body"]
-        whole, start, end = match.group(0), match.start("body") - match.start(), match.end("body") - match.start()
-        return whole[:start] + body + whole[end:]  # only the body: its text may occur in the markers too
+        return f"{match['opening']}\n{body}\n<!-- end generated -->"
 
     page.write_text(_BLOCK.sub(fresh, text))
     return changed

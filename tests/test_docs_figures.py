@@ -56,6 +56,7 @@ def test_a_block_written_empty_never_takes_the_next_block_with_it(tmp_path):
     page.write_text(f"Intro.\n\n{marker}\n<!-- end generated -->\n\nProse between.\n\n{text}")
     rewrite(page)
     assert "Prose between." in page.read_text() and page.read_text().endswith(text)
+    assert page.read_text().startswith(f"Intro.\n\n{marker}\n{body}\n<!-- end generated -->\n")  # filled
 
 
 def test_a_placeholder_body_is_replaced_and_the_markers_kept(tmp_path):
