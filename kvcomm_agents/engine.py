@@ -222,7 +222,7 @@ class KVCommEngine:
         """Replace the anchor pools with a file written by :meth:`save_anchors` for this model,
         and what was measured with them (audits, re-rotation checks: the KL budget's evidence)
         where the file's settings measure as this engine's (the same ``recompute_head``,
-        ``recompute_short_runs`` and experimental settings): a warm-started engine serves
+        ``recompute_short_runs``, ``recompute_tail`` and experimental settings): a warm-started engine serves
         re-rotation and estimates that were measured within the budget from its first call,
         instead of sampling them again.
 

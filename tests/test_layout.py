@@ -101,7 +101,7 @@ def test_the_adapters_use_the_cores_public_names_and_the_core_no_framework():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvcomm_agents"):
                 assert node.module in PUBLIC, f"{path.relative_to(ROOT)} imports {node.module}"
-    frameworks = ("langchain", "langgraph", "vllm", "ray")
+    frameworks = ("langchain", "langgraph", "vllm", "ray", "kvcomm_vllm", "kvcomm_langgraph", "integrations")
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
