@@ -50,6 +50,7 @@ def trim_at_eos(ids: Sequence[int], eos_ids) -> list[int]:
 
 def greedy_prefix(logits: torch.Tensor, ids: Sequence[int], vocab_size: Optional[int] = None) -> int:
     """How many leading ``ids`` greedy decoding would also produce (``logits[i]`` predicts ``ids[i]``;
-    as in generation, no id at or past ``vocab_size`` is picked)."""
+    as in generation, no id at or past ``vocab_size`` is picked). ``logits``: ``[k, vocab]``, one
+    row per id of ``ids`` (``k = len(ids)``)."""
     agree = (logits[:, :vocab_size].argmax(dim=-1).cpu() == torch.tensor(list(ids))).long()
     return int(agree.cumprod(0).sum())

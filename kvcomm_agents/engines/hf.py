@@ -355,5 +355,5 @@ def keep_slots(cache: DynamicCache, slots: torch.Tensor) -> None:
 
 def kv_reader(cache: DynamicCache, slot_positions: torch.Tensor):
     """``positions -> KVBlock`` (:func:`kv_at_positions`) over a filled cache whose slot ``i``
-    holds position ``slot_positions[i]``."""
+    holds position ``slot_positions[i]`` (``[C]`` int64); the reader takes ``[n]`` int64 positions."""
     return lambda positions: kv_at_positions(cache, slot_positions, positions)

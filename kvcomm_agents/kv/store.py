@@ -210,8 +210,8 @@ class SegmentStore:
         return self._insert(entry.id, entry)  # outside the lock: publishing to a shared tier waits on it
 
     def longest_prefix(self, token_ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
-        """The prefix entry sharing the longest common prefix with ``token_ids`` and its length
-        (a longer one of the shared tier is fetched)."""
+        """The prefix entry sharing the longest common prefix with ``token_ids`` (``[T]`` int64)
+        and its length (a longer one of the shared tier is fetched)."""
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
             best = self._longest_local_prefix(ids, fingerprint)
