@@ -88,7 +88,7 @@ class OffsetStack:
         return self.starts.get(slot, 0) + part[0].shape[2] if part is not None else 0
 
     def width(self, slots: torch.Tensor) -> int:
-        """The longest ``end`` among ``slots``."""
+        """The longest ``end`` among ``slots`` (``[n]`` int64 anchor slots)."""
         return max((self.end(int(s)) for s in slots), default=0)
 
     def dense(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +165,8 @@ class RecordedContext:
 
 
 def top_p_members(weights: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Indices of the smallest set of largest weights whose sum reaches ``top_p``."""
+    """``[m]`` int64 indices of the smallest set of largest ``weights`` (``[N]``, summing to 1)
+    whose sum reaches ``top_p``."""
     order = torch.argsort(weights, descending=True)
     cumulative = torch.cumsum(weights[order], dim=0)
     count = int((cumulative < top_p).sum()) + 1
@@ -315,7 +316,8 @@ class AnchorPool:
         return torch.stack([x.to(norms[0].device) for x in norms]).cpu() * torch.tensor(scales)
 
     def credit(self, slots: torch.Tensor, weights: torch.Tensor, top_p: float) -> None:
-        """Raise the activation count of the anchors among the nearest (top-p of ``weights``)."""
+        """Raise the activation count of the anchors among the nearest (top-p of ``weights``,
+        ``[N]``, one per slot of ``slots``, ``[N]`` int64)."""
         self.activations[slots[top_p_members(weights, top_p)]] += 1
 
     def compact(self) -> None:

@@ -356,7 +356,7 @@ class FramedDecode:
         return self.reply_start(index) + self.fed + len(self.unfed)
 
     def context_ids(self, prompt_ids: torch.Tensor, index: int) -> tuple[int, ...]:
-        """The last ids before the reply in framing ``index``."""
+        """The last ids before the reply in framing ``index`` (``prompt_ids``: ``[N]`` int64)."""
         keep, rule = self.keep[index], self.rules[index]
         ids = tuple(prompt_ids[max(0, keep - CONTEXT_TOKENS):keep].tolist()) + tuple(rule.lead_in)
         return ids[-CONTEXT_TOKENS:]

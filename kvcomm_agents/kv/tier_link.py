@@ -128,8 +128,8 @@ class TierLink:
             return self.entries.get(item.key)
 
     def longer_prefixes(self, ids: torch.Tensor, fingerprint: str, beat: int) -> list[CatalogItem]:
-        """The tier's prefixes (not held here) sharing more than ``beat`` leading ids with ``ids``,
-        longest common prefix first. Call under the store's lock."""
+        """The tier's prefixes (not held here) sharing more than ``beat`` leading ids with ``ids``
+        (``[T]`` int64), longest common prefix first. Call under the store's lock."""
         prompt = ids.tolist()
         scored = []
         for key, item in self.remote.items():
