@@ -90,13 +90,13 @@ class CallAuditor:
                       and not tracker.rerotation_samples(agent))  # served on the others' samples alone
         confirming = (rerotated and self.config.experimental.rerotation_trust == "audited"
                       and not self.anchors.frozen and tracker.rerotation_unconfirmed())
-        new_reader = new_reader or confirming
-        if not (self._period_due or warmup or new_reader):
+        unmeasured = new_reader or confirming  # re-rotation served on samples that are not this reader's, or none
+        if not (self._period_due or warmup or unmeasured):
             return None
         kind = tracker.kind_to_flip(agent, kinds)
         flipped = plan.with_offsets_flipped(kind) if kind is not None else None
         cost = plan.num_prompt + (int(flipped.computed_positions().numel()) if flipped is not None else 0)
-        if not (warmup or new_reader or self.paid_for(cost)):
+        if not (warmup or unmeasured or self.paid_for(cost)):
             return None  # the every-N-th audit waits for reuse to pay for it
         self._period_due = False
         self.audit_ids += cost

@@ -101,10 +101,10 @@ class KVCommAnchors:
             activation_top_p=x.activation_top_p, freeze=freeze,
             kl_budget=c.kl_budget if c.audit_every or not can_audit else None,
         )
+        anchors.tracker.clear_margin = 0.25 if x.rerotation_trust == "clear_sample" else 1.0
         if not can_audit:
             anchors.tracker.probe_every = 0
-        else:
-            anchors.tracker.clear_margin = 0.25 if x.rerotation_trust == "clear_sample" else 1.0
+        else:  # trusted before any sample only where the first calls so served can be audited
             anchors.tracker.trust_unmeasured = x.rerotation_trust == "audited"
         return anchors
 
