@@ -189,7 +189,8 @@ LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined ex
           "rerotate": "re-rotation only", "cacheblend": "CacheBlend-style 15%", "kvcomm-paper": "KVCOMM as in the paper",
           "kvcomm-mean": "**default**", "lower-bound": "limit (no shared prefill)",
           "kvcomm-mean-tail-0": "default without the run tail (`recompute_tail=0`)",
-          "kvcomm-trust-clear": "default trusting re-rotation on a clear sample (`rerotation_trust=\"clear_sample\"`)"}
+          "kvcomm-trust-clear": "default trusting re-rotation on a clear sample (`rerotation_trust=\"clear_sample\"`)",
+          "kvcomm-remembered": "default, measurements remembered from earlier engines (`remember_measurements`)"}
 DEFAULT = "kvcomm-mean"
 
 

@@ -132,8 +132,9 @@ def prompts_digest(workload: Workload) -> str:
 
 def _strategies(ctx: Context, names) -> list[Strategy]:
     m = ctx.loaded
-    return [build(n, m.model, m.tokenizer, gamma=ctx.args.gamma, recompute_share=ctx.args.recompute_share)
-            for n in names]
+    remembered = None if ctx.args.remembered is None else str(ctx.args.remembered)
+    return [build(n, m.model, m.tokenizer, gamma=ctx.args.gamma, recompute_share=ctx.args.recompute_share,
+                  remembered=remembered) for n in names]
 
 
 def _progress(total: int, desc: str, unit: str = "call"):
@@ -179,7 +180,7 @@ def run_phase(ctx: Context, phase: str) -> dict:
                  torch.device(ctx.device)), "profile": asdict(ctx.profile), "split": ctx.args.split,
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share,
                  "prompts": prompts_digest(workload), "e2e_timed": phase == "b-e2e" and ctx.args.e2e_timed,
-                 "cold": ctx.args.cold}
+                 "cold": ctx.args.cold, "remembered": None if ctx.args.remembered is None else str(ctx.args.remembered)}
     signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
     path = ctx.out / f"phase_{phase}.json"
     if path.is_file() and not ctx.args.fresh:
@@ -247,6 +248,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cold", action="store_true",
                         help="every request on fresh strategies (nothing stored or learned): each one a graph's "
                              "first request, all measured; (b) and (i) without their decision-only requests")
+    parser.add_argument("--remembered", type=Path, default=None,
+                        help="the folder kvcomm-remembered engines start from and write their re-rotation "
+                             "measurements to (KVCommConfig.remember_measurements); every other strategy remembers "
+                             "nothing: its run does not depend on what ran before it")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--summary", type=Path, default=None,
                         help="also write the run's summary (no per-call records) to this JSON file")
@@ -256,6 +261,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.strategies:
         if not known(name):
             parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N' / '-short-N'")
+    if any(s.startswith("kvcomm-remembered") for s in args.strategies) and args.remembered is None:
+        parser.error("kvcomm-remembered needs --remembered FOLDER (the measurements it starts from)")
     if "dense" not in args.strategies:
         parser.error("the dense strategy is the reference and must be included")
     args.strategies = ["dense"] + [s for s in args.strategies if s != "dense"]
@@ -286,7 +293,8 @@ def main(argv=None) -> dict:
     print(f"model {args.model} ({loaded.tag}), {args.dtype}, strategies: {', '.join(args.strategies)}; output {out}",
           flush=True)
     results = {"versions": info, "profile": asdict(profile), "model": args.model, "dtype": args.dtype,
-               "split": args.split, "cold": args.cold, "phases": {}}
+               "split": args.split, "cold": args.cold,
+               "remembered": None if args.remembered is None else str(args.remembered), "phases": {}}
     all_records, rows = [], []
     for phase in args.phases:
         saved = run_phase(ctx, phase)
@@ -327,7 +335,8 @@ def summary(results: dict) -> dict:
     decisions and the verdict (no per-call records)."""
     keep = ("title", "requests", "elapsed_s", "graphs", "decisions", "answers", "warmup_cost", "first_request",
             "verdict", "pipeline_wall")
-    return {k: results[k] for k in ("versions", "profile", "model", "dtype", "split", "cold") if k in results} | {
+    return {k: results[k] for k in ("versions", "profile", "model", "dtype", "split", "cold", "remembered")
+                                 if k in results} | {
         "phases": {p: {k: v for k, v in phase.items() if k in keep} for p, phase in results["phases"].items()}}
 
 

@@ -32,7 +32,9 @@ copies on under the cost rule; ``kvcomm-no-rerotation-copies-always``, with copi
 they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's first call
 served on other receivers' samples audited, ``experimental.audit_new_readers``), ``kvcomm-trust-clear`` /
 ``kvcomm-trust-audited`` (re-rotation trusted on two samples within the KL budget or one within
-a quarter of it, or before any with the first calls so served audited: ``experimental.rerotation_trust``); any engine strategy + ``-head-N`` (the first N
+a quarter of it, or before any with the first calls so served audited: ``experimental.rerotation_trust``),
+``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
+``--remembered FOLDER``, writing its own there: ``remember_measurements``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
 """
 
@@ -63,20 +65,23 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
-         "kvcomm-paper", "lower-bound")
+         "kvcomm-remembered", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
                  "lower-bound")
 
 class EngineStrategy(Strategy):
-    """A :class:`KVCommEngine` with the given settings (its own store and anchors)."""
+    """A :class:`KVCommEngine` with the given settings (its own store and anchors; nothing
+    remembered from earlier engines unless ``settings`` say so: a run does not depend on what
+    ran on the machine before it)."""
 
     def __init__(self, name: str, model, tokenizer, settings: dict, plan_hook=None):
         self.name = name
         self.device = model.get_input_embeddings().weight.device
         store_gib, anchor_gib = BUDGETS_GIB.get(self.device.type, BUDGETS_GIB["cpu"])
-        self.settings = {"store_max_bytes": store_gib * 1024**3, "anchor_max_bytes": anchor_gib * 1024**3, **settings}
+        self.settings = {"store_max_bytes": store_gib * 1024**3, "anchor_max_bytes": anchor_gib * 1024**3,
+                         "remember_measurements": False, **settings}
         self.engine = KVCommEngine(model, tokenizer, config=KVCommConfig(**self.settings), plan_hook=plan_hook)
 
     def call(self, messages, agent, forced_ids=None, max_new_tokens=128, *, stepwise=True,
@@ -200,6 +205,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                                "experimental": ExperimentalSettings(rerotation_trust="clear_sample")},
         "kvcomm-trust-audited": {"method": "kvcomm", "gamma": gamma,
                                  "experimental": ExperimentalSettings(rerotation_trust="audited")},
+        # the default remembering what earlier engines measured (the folder: ``build(remembered=...)``)
+        "kvcomm-remembered": {"method": "kvcomm", "gamma": gamma},
     }
     base, update = _split(name)
     if update and base in table:  # any engine strategy with its suffixes' settings
@@ -210,13 +217,21 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     return table[name]
 
 
-def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: float = 0.15) -> Strategy:
-    """A fresh strategy (fresh store and anchors) by name."""
+def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: float = 0.15,
+          remembered: Optional[str] = None) -> Strategy:
+    """A fresh strategy (fresh store and anchors) by name; ``remembered``: the folder whose
+    measurements ``kvcomm-remembered`` engines start from and write to
+    (``KVCommConfig.remember_measurements``; every other strategy remembers nothing)."""
     if name == "lower-bound":
         return LowerBound(model, tokenizer)
     hook = CacheBlend(recompute_share) if name == "cacheblend" else None
     kind = PipelinedPrefill if name == "pipelined" else EngineStrategy
-    return kind(name, model, tokenizer, settings_of(name, gamma=gamma), hook)
+    settings = settings_of(name, gamma=gamma)
+    if _split(name)[0] == "kvcomm-remembered":
+        if remembered is None:
+            raise ValueError("kvcomm-remembered needs the folder it remembers in (--remembered FOLDER)")
+        settings = {**settings, "remember_measurements": remembered}
+    return kind(name, model, tokenizer, settings, hook)
 
 
 def _copy_without_hooks(model):

@@ -90,6 +90,7 @@ class EngineParts:
     refresh_weights: Callable[[], None]
     prefill_cost: Optional[PrefillCost] = None  # None: reuse is never weighed against a whole prefill
     rerotation_check: Optional[RerotationCheck] = None  # None: re-rotation is measured by audits only
+    remember: Callable[[], None] = lambda: None  # after each call: new re-rotation samples remembered
 
 
 class CallSteps:
@@ -243,6 +244,7 @@ class CallSteps:
                     done, seconds = self.framer.after_audit(self.model, call.plan, agent, self.info.fingerprint,
                                                             dense, reply, text.ids[:-1], tail)
                     call.framed = (call.framed[0] + done, call.framed[1] + seconds)
+            self.parts.remember()
             return segment, audit_kl
 
     def capture_call(self, call: PreparedCall, messages: Messages, agent: str, ids: list[int],

@@ -1,44 +1,21 @@
 """``KVCommConfig``: the settings a user of the engine sets, validated, each saying why it exists.
 
 What reproduces the paper's variants (its similarity-weighted estimate, its prefix offsets) and
-the anchor pools' details live in :class:`ExperimentalSettings`. Ideas whose measured results
-lost were removed; their figures stay in ``benchmarks/LAB.md`` (the error gate, CacheBlend-style
-recompute, which the benchmark keeps as a baseline, recomputing the tokens whose anchors disagree
-most, other anchor lengths, a new segment computed alone).
+the anchor pools' details live in :class:`ExperimentalSettings`. Ideas that lost are not settings:
+their figures are in ``benchmarks/LAB.md``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import os
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .config_names import MOVED, RENAMED, refuse_old_names
+
 __all__ = ["KVCommConfig", "ExperimentalSettings", "Method"]
 
-#: Settings that left ``ExperimentalSettings``, and what a user writes instead (a clear error
-#: rather than pydantic's "extra inputs are not permitted").
-MOVED = {
-    "recompute_head": "KVCommConfig(recompute_head=...)",
-    "recorded_versions": "KVCommConfig(recorded_versions=...)",
-    "shared_runs": "KVCommConfig(shared_runs=...)",
-    "framed_replies": "KVCommConfig(reply_copies=...)",
-    "framed_texts": "KVCommConfig(text_copies=...)",
-    "anchor_lengths": "nothing: removed (anchors at least as long as the segment are consulted, the paper's rule)",
-    "new_segment": "nothing: removed (a new segment and everything after it are computed)",
-    "recompute_spread": "nothing: removed (measured and lost, benchmarks/LAB.md)",
-}
-
-#: Settings of ``KVCommConfig`` that were renamed, and their names now.
-RENAMED = {"text_copies_when_cheaper": "copies_when_cheaper"}
-
-def _refuse_old_names(data, old: dict[str, str], message: str):
-    """``data`` (a model's raw input), or a clear error for a setting it names in ``old``
-    (``message`` formatted with the setting's ``name`` and what to write instead, ``new``)."""
-    if isinstance(data, dict):
-        for name in data:
-            if name in old:
-                raise ValueError(message.format(name=name, new=old[name]))
-    return data
 
 
 #: How shared text is reused (``KVCommConfig.method``).
@@ -57,7 +34,7 @@ class ExperimentalSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data):
-        return _refuse_old_names(data, MOVED, "experimental.{name} is no longer an experimental setting: use {new}")
+        return refuse_old_names(data, MOVED, "experimental.{name} is no longer an experimental setting: use {new}")
 
     estimator: Literal["mean", "weighted"] = Field(
         default="mean",
@@ -130,7 +107,7 @@ class KVCommConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):
-        return _refuse_old_names(data, RENAMED, "{name} was renamed: use KVCommConfig({new}=...)")
+        return refuse_old_names(data, RENAMED, "{name} was renamed: use KVCommConfig({new}=...)")
 
     method: Method = Field(
         default="kvcomm",
@@ -320,6 +297,16 @@ class KVCommConfig(BaseModel):
             "compute (gate offsets 'rerotated'), with no text copy for that reader "
             "(method='kvcomm' with a KL budget and audits on). False: what the gate refuses is "
             "computed."
+        ),
+    )
+    remember_measurements: Union[bool, str] = Field(
+        default_factory=lambda: os.environ.get("KVCOMM_REMEMBER_MEASUREMENTS", "1").lower() not in ("0", "false"),
+        description=(
+            "Carry measured_rerotation's samples from one engine to the next on the same model and "
+            "measuring settings (kvcomm_agents.anchors.remembered): a restarted process serves its "
+            "first graph re-rotated where an earlier one measured that within kl_budget. True: in "
+            "$KVCOMM_CACHE_DIR/measurements (else the user cache); a folder: there; False: off "
+            "(the default under KVCOMM_REMEMBER_MEASUREMENTS=0)."
         ),
     )
     reply_copies: bool = Field(

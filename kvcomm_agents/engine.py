@@ -20,6 +20,7 @@ from .audit import CallAuditor
 from .call import CallSteps, EngineParts
 from .budgets import default_budgets
 from .anchors import KVCommAnchors
+from .anchors.remembered import remembered
 from .capture import CallCapture
 from .checks import check_agent, check_length, check_max_new_tokens, check_reply_ids
 from .config import KVCommConfig
@@ -95,6 +96,7 @@ class KVCommEngine:
         self._capture = CallCapture(self._store, tokenizer, self.info.rotator, self.info.fingerprint, c, self._own_texts)
         self._auditor = CallAuditor(model, self.info.rotator, c, self._anchors, self._capture)
         self._framer = Framer(self.config, self._anchors, self._versions, self.info, self._store)
+        self._remembered = remembered(c, self.info.fingerprint, self._anchors.tracker)
         cost = prefill_cost(model, hf.input_device(model)) if c.dense_when_cheaper else None
         self._calls = CallSteps(EngineParts(
             model, c, self.info, self._lock, self._weights, self._calibrating, self._store, self._anchors,
@@ -103,7 +105,8 @@ class KVCommEngine:
             refresh_weights=self._refresh_changed_weights,
             prefill_cost=cost,
             rerotation_check=RerotationCheck(model, self.info.rotator, c, self._store, self.info.fingerprint,
-                                             self._anchors, cost)))
+                                             self._anchors, cost),
+            remember=lambda: self._remembered is not None and self._remembered.sync()))
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -127,10 +130,7 @@ class KVCommEngine:
         model: Optional[Union[str, os.PathLike]] = None,
         *,
         config: Optional[KVCommConfig] = None,
-        dtype=None,
-        device: Optional[str] = None,
-        device_map=None,
-        attn_implementation: Optional[str] = None,
+        dtype=None, device: Optional[str] = None, device_map=None, attn_implementation: Optional[str] = None,
         cache_dir: Optional[Union[str, os.PathLike]] = None,
     ) -> "KVCommEngine":
         """Load a model and wrap it. ``model=None`` loads the embedded SmolLM2-135M-Instruct
@@ -194,6 +194,7 @@ class KVCommEngine:
                 self._versions.clear()
                 self._own_texts.clear()
                 self._framer.clear()
+                self._remembered = remembered(self.config, fingerprint, self._anchors.tracker)
             return fingerprint
 
     @contextmanager
@@ -221,10 +222,9 @@ class KVCommEngine:
     def load_anchors(self, path: Union[str, os.PathLike]) -> int:
         """Replace the anchor pools with a file written by :meth:`save_anchors` for this model,
         and what was measured with them (audits, re-rotation checks: the KL budget's evidence)
-        where the file's settings measure as this engine's (the same ``recompute_head``,
-        ``recompute_short_runs``, ``recompute_tail`` and experimental settings): a warm-started engine serves
-        re-rotation and estimates that were measured within the budget from its first call,
-        instead of sampling them again.
+        where the file's settings measure as this engine's (:data:`.anchors.persist.MEASURED_WITH`):
+        a warm-started engine serves re-rotation and estimates measured within the budget from
+        its first call, instead of sampling them again.
 
         Raises:
             AnchorFileError: the file is missing, unreadable, corrupted or of another model

@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+os.environ["KVCOMM_REMEMBER_MEASUREMENTS"] = "0"  # no engine starts from what an earlier test measured
+
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.alignment import assemble
 from kvcomm_agents.engines import hf

@@ -15,7 +15,7 @@ from .conftest import mechanics
 
 
 def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget():
-    tracker = OffsetTracker(min_samples=2, window=3)
+    tracker = OffsetTracker(min_samples=2, window=3, clear_margin=0.25)  # rerotation_trust="clear_sample"
     assert tracker.wants_rerotation_sample("r") and tracker.rerotated_kl("r") is None
     tracker.record_rerotated("r", 0.01)
     assert not tracker.rerotation_within_budget("r", 0.02)  # one sample is not enough within the budget,
@@ -33,7 +33,7 @@ def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget
 
 
 def test_re_rotation_is_trusted_on_every_receivers_samples_unless_the_receivers_own_disagree():
-    tracker = OffsetTracker(min_samples=2)
+    tracker = OffsetTracker(min_samples=2, clear_margin=0.25)
     tracker.record_rerotated("a", 0.02)
     assert not tracker.rerotation_within_budget("a", 0.05)  # one sample in all, not far under the budget
     tracker.record_rerotated("b", 0.02)
@@ -183,3 +183,24 @@ def test_re_rotation_trusted_before_its_samples_is_audited_until_they_are_enough
     strict = engine("audited", kl / 2)  # the audit finds the first call over the budget: the next computes
     assert task_offsets(_hand_off(strict, tokenizer, 0).result) == {"rerotated"}
     assert "rerotated" not in task_offsets(_hand_off(strict, tokenizer, 1).result)
+
+
+def test_a_restarted_engine_serves_re_rotated_from_its_first_call_on_what_an_earlier_one_measured(
+        model, tokenizer, tmp_path):
+    """``remember_measurements``: the first engine's check lands in the folder; a second engine
+    on the same model and settings serves the reviewer's first call re-rotated (no second
+    computation of the task to measure it again), and writes its own samples after audits. An
+    engine remembering nothing computes the task on its first call."""
+    config = mechanics(kl_budget=50.0, reply_copies=False, remember_measurements=str(tmp_path))
+    first = KVCommEngine(model, tokenizer, config=config)
+    _hand_off(first, tokenizer, 0)
+    (kl,) = first.anchors.tracker.rerotation_samples("reviewer")
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
+    restarted = KVCommEngine(model, tokenizer, config=config)
+    assert restarted.anchors.tracker.pooled_rerotation_samples() == [kl]
+    read = _hand_off(restarted, tokenizer, 1).result
+    task = [d for d in read.stats.shared_decisions if d.segment.kind == ("user", None) and d.gate]
+    assert task and all(d.status == "reused" and d.gate.offsets == "rerotated" for d in task), read.stats.decisions
+    forgetful = KVCommEngine(model, tokenizer, config=config.model_copy(update={"remember_measurements": False}))
+    read = _hand_off(forgetful, tokenizer, 1).result
+    assert all(d.gate is None or d.gate.offsets != "rerotated" for d in read.stats.decisions)

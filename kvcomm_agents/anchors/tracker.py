@@ -88,7 +88,9 @@ class OffsetTracker:
         min_samples: samples needed before offsets may be turned off; also the audits a kind
             gets early (``wants_audit``) before audits fall back to their period.
         clear_margin: fewer than ``min_samples`` re-rotation samples are enough for
-            :meth:`rerotation_within_budget` where every one is at most this share of the budget.
+            :meth:`rerotation_within_budget` where every one is at most this share of the budget
+            (1: one sample within the budget, ``rerotation_trust="one_sample"``; 0.25:
+            ``"clear_sample"``).
         trust_unmeasured: :meth:`rerotation_within_budget` holds before any receiver has a
             sample (the first call served re-rotated is then audited: :meth:`rerotation_unconfirmed`).
         warmup_gap: those early audits come at most once every ``warmup_gap`` reused calls of
@@ -96,7 +98,7 @@ class OffsetTracker:
     """
 
     def __init__(self, window: int = 8, min_samples: int = 2, warmup_gap: int = 4, probe_every: int = 4,
-                 clear_margin: float = 0.25, trust_unmeasured: bool = False) -> None:
+                 clear_margin: float = 1.0, trust_unmeasured: bool = False) -> None:
         if window < 1 or min_samples < 1 or warmup_gap < 1 or probe_every < 0 or not 0 <= clear_margin <= 1:
             raise ValueError("window, min_samples and warmup_gap must be >= 1, probe_every >= 0, "
                              "clear_margin in [0, 1]")
@@ -107,6 +109,8 @@ class OffsetTracker:
         self._samples: dict[tuple[str, Kind], deque[PairedSample]] = {}
         self._since_audit: dict[str, int] = {}
         self._rerotated: dict[str, deque[float]] = {}
+        self._remembered: deque[float] = deque(maxlen=window)
+        self.rerotation_recorded = 0  # samples recorded by this tracker: a remembered file is behind when it grows
         self._lock = threading.Lock()
 
     def warmup_audit_due(self, receiver: str, kinds: Iterable[Kind]) -> bool:
@@ -200,6 +204,20 @@ class OffsetTracker:
         only (the oldest beyond ``window`` is dropped)."""
         with self._lock:
             self._rerotated.setdefault(receiver, deque(maxlen=self.window)).append(float(kl))
+            self.rerotation_recorded += 1
+
+    def remember(self, samples: Iterable[float]) -> None:
+        """Replace the re-rotation samples remembered from earlier engines on this model
+        (:mod:`.remembered`; the last ``window`` kept): pooled with every receiver's samples in
+        :meth:`rerotation_within_budget`, never a receiver's own."""
+        with self._lock:
+            self._remembered = deque((float(kl) for kl in samples), maxlen=self.window)
+
+    def pooled_rerotation_samples(self) -> list[float]:
+        """The remembered samples, then every receiver's (KL in nats): what the pooled trust
+        averages, and what an engine remembers for the next (:mod:`.remembered`)."""
+        with self._lock:
+            return list(self._remembered) + [kl for samples in self._rerotated.values() for kl in samples]
 
     def rerotation_samples(self, receiver: str) -> list[float]:
         """``receiver``'s re-rotation samples (KL in nats), oldest first."""
@@ -243,17 +261,16 @@ class OffsetTracker:
             return False
         with self._lock:
             own = list(self._rerotated.get(receiver, ()))
-            pooled = [kl for samples in self._rerotated.values() for kl in samples]
+        pooled = self.pooled_rerotation_samples()
         if not pooled:
             return self.trust_unmeasured
         enough = len(pooled) >= self.min_samples or max(pooled) <= self.clear_margin * budget
         return bool((not own or sum(own) / len(own) <= budget) and enough and sum(pooled) / len(pooled) <= budget)
 
     def rerotation_unconfirmed(self) -> bool:
-        """True while every receiver's re-rotation samples together are fewer than
-        ``min_samples``."""
-        with self._lock:
-            return sum(len(samples) for samples in self._rerotated.values()) < self.min_samples
+        """True while every receiver's re-rotation samples together (the remembered ones
+        included) are fewer than ``min_samples``."""
+        return len(self.pooled_rerotation_samples()) < self.min_samples
 
     def records(self) -> list[KindRecord]:
         """One :class:`KindRecord` per ``(receiver, kind)`` sampled so far."""
@@ -310,8 +327,8 @@ class OffsetTracker:
         return Measurements(paired, rerotated)
 
     def restore(self, measured: "Measurements") -> None:
-        """Replace every sample with ``measured`` (:meth:`parse_measurements`; the last
-        ``window`` of each kept); the audit counters start again."""
+        """Replace every receiver's sample with ``measured`` (:meth:`parse_measurements`; the
+        last ``window`` of each kept; the remembered ones stay); the audit counters start again."""
         with self._lock:
             self._samples = {key: deque(samples, maxlen=self.window) for key, samples in measured.paired.items()}
             self._rerotated = {receiver: deque(samples, maxlen=self.window)
@@ -325,3 +342,4 @@ class OffsetTracker:
             self._since_audit.clear()
             self._held_back.clear()
             self._rerotated.clear()
+            self._remembered.clear()
