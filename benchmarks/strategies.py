@@ -16,7 +16,9 @@ and the timing points. The competitors every run compares (``DEFAULT_NAMES``):
   (``benchmarks.cacheblend``, through the engine's plan hook).
 - ``kvcomm-paper``: KVCOMM as the paper sets it: the similarity-weighted estimate, the entropy
   gate, ``kl_budget=None``, no audits, versions, copies, head or short runs computed.
-- ``kvcomm-mean``: the library default (``KVCommConfig()`` with the run's gamma).
+- ``kvcomm-mean``: the library default (``KVCommConfig()`` with the run's gamma), remembering
+  nothing from earlier engines (``remember_measurements=False``, as every strategy here but
+  ``kvcomm-remembered``).
 - ``lower-bound``: the workload's limit (:class:`~benchmarks.competitors.LowerBound`).
 
 The baselines without anchors run with ``audit_every=0`` (an audit there only measures). The

@@ -37,7 +37,9 @@ def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) ->
     head = (f"Run: commit `{versions['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, "
             f"{versions['device']} ({versions['threads']} threads), profile `{summary['profile']['name']}`, "
             f"{summary['split']} range"
-            + (", every request on fresh engines (each a graph's first)" if summary.get("cold") else "") + ".\n\n")
+            + (", every request on fresh engines (each a graph's first)" if summary.get("cold") else "")
+            + (", `kvcomm-remembered` starting from the measurements earlier engines left (`--remembered`)"
+               if summary.get("remembered") else "") + ".\n\n")
     return head + (front_table(summary) if front else workload_tables(summary))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .config_names import MOVED, RENAMED, refuse_old_names
 
@@ -108,6 +108,18 @@ class KVCommConfig(BaseModel):
     @classmethod
     def _renamed(cls, data):
         return refuse_old_names(data, RENAMED, "{name} was renamed: use KVCommConfig({new}=...)")
+
+    @field_validator("remember_measurements", mode="before")
+    @classmethod
+    def _folder_or_switch(cls, value):
+        """A path as its string; "true" / "false" / "1" / "0" as the switch, not a folder."""
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if isinstance(value, str):
+            switch = {"true": True, "1": True, "false": False, "0": False}.get(value.strip().lower())
+            if switch is not None or value.strip():
+                return value if switch is None else switch
+            raise ValueError("remember_measurements: True, False or a folder, not an empty string")
+        return value
 
     method: Method = Field(
         default="kvcomm",

@@ -106,7 +106,7 @@ class KVCommEngine:
             prefill_cost=cost,
             rerotation_check=RerotationCheck(model, self.info.rotator, c, self._store, self.info.fingerprint,
                                              self._anchors, cost),
-            remember=lambda: self._remembered is not None and self._remembered.sync()))
+            remember=lambda: self._remembered is not None and self._remembered.sync(self._anchors.frozen)))
 
     # ---- an engine is a shared resource ---------------------------------------------------
     def __copy__(self) -> "KVCommEngine":
@@ -129,9 +129,8 @@ class KVCommEngine:
         cls,
         model: Optional[Union[str, os.PathLike]] = None,
         *,
-        config: Optional[KVCommConfig] = None,
-        dtype=None, device: Optional[str] = None, device_map=None, attn_implementation: Optional[str] = None,
-        cache_dir: Optional[Union[str, os.PathLike]] = None,
+        config: Optional[KVCommConfig] = None, dtype=None, device: Optional[str] = None, device_map=None,
+        attn_implementation: Optional[str] = None, cache_dir: Optional[Union[str, os.PathLike]] = None,
     ) -> "KVCommEngine":
         """Load a model and wrap it. ``model=None`` loads the embedded SmolLM2-135M-Instruct
         offline; otherwise a local folder or a hub id. ``dtype=None`` means float32 on CPU and
@@ -194,6 +193,7 @@ class KVCommEngine:
                 self._versions.clear()
                 self._own_texts.clear()
                 self._framer.clear()
+                self._calls.parts.rerotation_check.fingerprint = fingerprint
                 self._remembered = remembered(self.config, fingerprint, self._anchors.tracker)
             return fingerprint
 

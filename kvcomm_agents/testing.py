@@ -182,5 +182,7 @@ class PrefixOnlyRuntime:
         return logits, out, report, claim, pre
 
     def dense_logits(self, ids: list[int]) -> torch.Tensor:
+        """``[vocab]`` first-token logits of ``ids`` prefilled densely (no reuse, nothing kept):
+        the reference a reused request's logits are compared with."""
         with torch.inference_mode():
             return hf.prefill(self.model, torch.tensor(ids), torch.arange(len(ids))).logits

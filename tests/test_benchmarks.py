@@ -26,7 +26,7 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     summary = out / "summary.json"
     results = run.main(SMOKE + ["--out", str(out), "--phases", ",".join(run.PHASES), "--strategies", ",".join(NAMES),
-                                "--summary", str(summary)])
+                                "--summary", str(summary), "--remembered", str(out / "remembered")])
     folder = out / "random-tiny" / "smoke" / "dev"
     saved = {phase: json.loads((folder / f"phase_{phase}.json").read_text()) for phase in run.PHASES}
     records = [r for phase in saved.values() for r in phase["records"]]
@@ -120,11 +120,26 @@ def test_the_task_and_replies_share_is_measured_per_call(smoke):
 def test_a_finished_phase_is_loaded_only_when_its_signature_is_unchanged(smoke, capsys):
     _, _, folder, out, _ = smoke
     before = (folder / "phase_b.json").stat().st_mtime_ns
-    run.main(SMOKE + ["--out", str(out), "--phases", "b", "--strategies", ",".join(NAMES), "--no-plots"])
+    run.main(SMOKE + ["--out", str(out), "--phases", "b", "--strategies", ",".join(NAMES), "--no-plots",
+                      "--remembered", str(out / "remembered")])
     assert "phase b: finished earlier" in capsys.readouterr().out
     assert (folder / "phase_b.json").stat().st_mtime_ns == before
     run.main(SMOKE + ["--out", str(out), "--phases", "b", "--strategies", "dense,rerotate", "--no-plots"])
     assert "phase b: finished earlier" not in capsys.readouterr().out  # other strategies: another signature
+
+
+def test_only_the_remembering_strategy_remembers_and_it_needs_its_folder(llama, tokenizer, tmp_path):
+    """A benchmark run does not depend on what ran before it: every engine strategy but
+    ``kvcomm-remembered`` passes ``remember_measurements=False``; that one needs ``--remembered``."""
+    from benchmarks.strategies import build
+
+    with pytest.raises(SystemExit):
+        run.parse_args(["--strategies", "dense,kvcomm-remembered"])
+    with pytest.raises(ValueError, match="--remembered"):
+        build("kvcomm-remembered", llama, tokenizer)
+    assert build("kvcomm-mean", llama, tokenizer, remembered=str(tmp_path)).engine.config.remember_measurements is False
+    remembering = build("kvcomm-remembered", llama, tokenizer, remembered=str(tmp_path))
+    assert remembering.engine.config.remember_measurements == str(tmp_path)
 
 
 def test_workloads_have_the_declared_shape():

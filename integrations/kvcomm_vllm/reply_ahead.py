@@ -41,8 +41,9 @@ __all__ = ["CopyRule", "ReplyAhead", "learn_copy_rule", "copy_prompt", "CHUNK", 
 
 #: New reply ids between two copies for one reader (each copy is one more request, a small
 #: prefill batched with the sender's decode steps; the reader computes at most this many reply
-#: ids itself). On vLLM's CPU build (workload (b), one run each): 16 gave readers 2.7-5.1x plain
-#: vLLM and the whole graph 0.85x; 32 gave 3.0-4.5x and 1.03x (``docs/scale-out.md``).
+#: ids itself). On vLLM's CPU build (workload (b), one run each): 16 gave readers 2.72-5.13x
+#: plain vLLM and the whole graph 0.85x; 32 gave 2.80-4.68x and 0.99-1.03x
+#: (``benchmarks/LAB.md``, "Replies ahead").
 CHUNK = 32
 #: Last ids of the partial reply left out of a copy: a token at the end of a stream may merge
 #: with the text after it once the reader's prompt is tokenized whole.

@@ -17,7 +17,10 @@ measures (:data:`.persist.MEASURED_WITH`); a missing, unreadable or foreign file
 samples, never an error: it is a cache.
 
 File: JSON ``{"format": FORMAT, "fingerprint", "library", "settings": {name: value for
-MEASURED_WITH}, "rerotated": [kl, ...]}``, oldest first, written atomically.
+MEASURED_WITH}, "rerotated": [kl, ...]}``: the remembered samples still held, then this
+engine's receiver by receiver (finite ones only), written atomically. Engines writing one file
+at once each write their own view (the last one stays); nothing is written inside
+``freeze_anchors`` (reproducible runs).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -96,14 +100,14 @@ class RememberedMeasurements:
         self.tracker.remember(samples["remembered"])
         return len(samples["remembered"])
 
-    def sync(self) -> bool:
+    def sync(self, frozen: bool = False) -> bool:
         """Write the tracker's pooled samples where it recorded any since the last write;
-        returns whether it wrote."""
+        returns whether it wrote. ``frozen``: the anchors are frozen (nothing written)."""
         with self._lock:
             recorded = self.tracker.rerotation_recorded
-            if recorded == self._written or self._broken:
+            if recorded == self._written or self._broken or frozen:
                 return False
-            samples = self.tracker.pooled_rerotation_samples()[-self.tracker.window:]
+            samples = [kl for kl in self.tracker.pooled_rerotation_samples() if math.isfinite(kl)][-self.tracker.window:]
             from .. import __version__
 
             data = {"format": FORMAT, "fingerprint": self.fingerprint, "library": __version__,
@@ -111,7 +115,7 @@ class RememberedMeasurements:
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(json.dumps(data))
+                tmp.write_text(json.dumps(data, allow_nan=False))
                 os.replace(tmp, self.path)
             except OSError as error:
                 self._broken = True

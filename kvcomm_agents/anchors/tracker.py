@@ -201,15 +201,19 @@ class OffsetTracker:
 
     def record_rerotated(self, receiver: str, kl: float) -> None:
         """Add the first-token KL of one of ``receiver``'s calls with its shared text re-rotated
-        only (the oldest beyond ``window`` is dropped)."""
+        only (the oldest beyond ``window`` is dropped); it takes the place of the oldest
+        remembered sample, if any (this engine's measures supersede earlier engines')."""
         with self._lock:
             self._rerotated.setdefault(receiver, deque(maxlen=self.window)).append(float(kl))
+            if self._remembered:
+                self._remembered.popleft()
             self.rerotation_recorded += 1
 
     def remember(self, samples: Iterable[float]) -> None:
         """Replace the re-rotation samples remembered from earlier engines on this model
         (:mod:`.remembered`; the last ``window`` kept): pooled with every receiver's samples in
-        :meth:`rerotation_within_budget`, never a receiver's own."""
+        :meth:`rerotation_within_budget`, never a receiver's own, each giving way to one sample
+        this engine records."""
         with self._lock:
             self._remembered = deque((float(kl) for kl in samples), maxlen=self.window)
 
@@ -268,9 +272,11 @@ class OffsetTracker:
         return bool((not own or sum(own) / len(own) <= budget) and enough and sum(pooled) / len(pooled) <= budget)
 
     def rerotation_unconfirmed(self) -> bool:
-        """True while every receiver's re-rotation samples together (the remembered ones
-        included) are fewer than ``min_samples``."""
-        return len(self.pooled_rerotation_samples()) < self.min_samples
+        """True while every receiver's re-rotation samples together are fewer than
+        ``min_samples`` (remembered ones do not count: under ``rerotation_trust="audited"`` a
+        restarted engine still audits its first calls served re-rotated)."""
+        with self._lock:
+            return sum(len(samples) for samples in self._rerotated.values()) < self.min_samples
 
     def records(self) -> list[KindRecord]:
         """One :class:`KindRecord` per ``(receiver, kind)`` sampled so far."""
@@ -327,14 +333,16 @@ class OffsetTracker:
         return Measurements(paired, rerotated)
 
     def restore(self, measured: "Measurements") -> None:
-        """Replace every receiver's sample with ``measured`` (:meth:`parse_measurements`; the
-        last ``window`` of each kept; the remembered ones stay); the audit counters start again."""
+        """Replace every sample with ``measured`` (:meth:`parse_measurements`; the last
+        ``window`` of each kept; the remembered ones go: an anchor file's measurements are
+        likely the same an earlier engine remembered); the audit counters start again."""
         with self._lock:
             self._samples = {key: deque(samples, maxlen=self.window) for key, samples in measured.paired.items()}
             self._rerotated = {receiver: deque(samples, maxlen=self.window)
                                for receiver, samples in measured.rerotated.items()}
             self._held_back.clear()
             self._since_audit.clear()
+            self._remembered.clear()
 
     def clear(self) -> None:
         with self._lock:

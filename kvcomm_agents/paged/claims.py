@@ -21,7 +21,7 @@ __all__ = ["Claim", "contiguous_claim", "DENSE_TAIL"]
 #: (an exact prefix may still reach into them): the first reply token reads the prompt's last
 #: tokens most, and there estimated or re-rotated KV (a reply's tail found as a token run, the
 #: generation header from the receiver's own-text KV) moved the first-token distribution most
-#: on vLLM (``docs/scale-out.md``, "Replies ahead"). A named heuristic, measured, not tuned.
+#: on vLLM (``docs/scale-out.md``, "The client's copies"). A named heuristic, measured, not tuned.
 DENSE_TAIL = 32
 
 

@@ -97,3 +97,36 @@ def test_the_setting_picks_the_folder(tmp_path, monkeypatch):
     assert KVCommConfig().remember_measurements is False
     monkeypatch.setenv("KVCOMM_REMEMBER_MEASUREMENTS", "1")
     assert KVCommConfig().remember_measurements is True
+
+
+def test_the_setting_reads_paths_and_switches_and_refuses_an_empty_folder(tmp_path):
+    from pydantic import ValidationError
+
+    assert KVCommConfig(remember_measurements=tmp_path).remember_measurements == str(tmp_path)
+    assert KVCommConfig(remember_measurements="false").remember_measurements is False
+    assert KVCommConfig(remember_measurements="1").remember_measurements is True
+    with pytest.raises(ValidationError, match="empty"):
+        KVCommConfig(remember_measurements=" ")
+
+
+def test_new_samples_replace_remembered_ones_and_an_anchor_files_measurements_replace_them_all(tmp_path):
+    tracker = OffsetTracker(min_samples=2, window=8)
+    tracker.remember([0.5, 0.5])  # an earlier engine measured re-rotation over the budget
+    assert tracker.rerotation_unconfirmed()  # remembered samples confirm nothing of this engine's
+    tracker.record_rerotated("a", 0.001)
+    tracker.record_rerotated("b", 0.001)
+    assert tracker.pooled_rerotation_samples() == [0.001, 0.001]  # this engine's measures supersede
+    assert tracker.rerotation_within_budget("c", 0.015) and not tracker.rerotation_unconfirmed()
+    tracker.remember([0.002])
+    tracker.restore(OffsetTracker.parse_measurements({"rerotated": {"a": [0.003]}}))
+    assert tracker.pooled_rerotation_samples() == [0.003]  # never counted twice
+
+
+def test_non_finite_samples_are_not_written_and_nothing_is_written_while_frozen(tmp_path):
+    tracker = OffsetTracker()
+    memory = _memory(tmp_path, tracker)
+    tracker.record_rerotated("reader", float("nan"))
+    tracker.record_rerotated("reader", 0.004)
+    assert not memory.sync(frozen=True) and not memory.path.exists()
+    assert memory.sync()
+    assert json.loads(memory.path.read_text())["rerotated"] == [0.004]
