@@ -35,7 +35,8 @@ they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's fi
 served on other receivers' samples audited, ``experimental.audit_new_readers``), ``kvcomm-trust-clear`` /
 ``kvcomm-trust-audited`` (re-rotation trusted on two samples within the KL budget or one within
 a quarter of it, or before any with the first calls so served audited: ``experimental.rerotation_trust``),
-``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
+``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
+reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
 ``--remembered FOLDER``, writing its own there: ``remember_measurements``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
 """
@@ -67,7 +68,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
-         "kvcomm-remembered", "kvcomm-paper", "lower-bound")
+         "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -209,6 +210,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                                  "experimental": ExperimentalSettings(rerotation_trust="audited")},
         # the default remembering what earlier engines measured (the folder: ``build(remembered=...)``)
         "kvcomm-remembered": {"method": "kvcomm", "gamma": gamma},
+        # the default, then CacheBlend-style recompute of the reused tokens that deviate most
+        "kvcomm-blend": {"method": "kvcomm", "gamma": gamma},
     }
     base, update = _split(name)
     if update and base in table:  # any engine strategy with its suffixes' settings
@@ -226,7 +229,7 @@ def build(name: str, model, tokenizer, *, gamma: float = 0.3, recompute_share: f
     (``KVCommConfig.remember_measurements``; every other strategy remembers nothing)."""
     if name == "lower-bound":
         return LowerBound(model, tokenizer)
-    hook = CacheBlend(recompute_share) if name == "cacheblend" else None
+    hook = CacheBlend(recompute_share) if _split(name)[0] in ("cacheblend", "kvcomm-blend") else None
     kind = PipelinedPrefill if name == "pipelined" else EngineStrategy
     settings = settings_of(name, gamma=gamma)
     if _split(name)[0] == "kvcomm-remembered":
