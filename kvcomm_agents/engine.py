@@ -20,7 +20,7 @@ from .audit import CallAuditor
 from .call import CallSteps, EngineParts
 from .budgets import default_budgets
 from .anchors import KVCommAnchors
-from .anchors.remembered import remembered
+from .anchors.remembered import remembered, under_cache_dir
 from .capture import CallCapture
 from .checks import check_agent, check_length, check_max_new_tokens, check_reply_ids
 from .config import KVCommConfig
@@ -134,12 +134,12 @@ class KVCommEngine:
     ) -> "KVCommEngine":
         """Load a model and wrap it. ``model=None`` loads the embedded SmolLM2-135M-Instruct
         offline; otherwise a local folder or a hub id. ``dtype=None`` means float32 on CPU and
-        the checkpoint's dtype on CUDA."""
+        the checkpoint's dtype on CUDA. ``cache_dir`` also holds remembered measurements."""
         loaded, tokenizer = load_model(
             model, dtype=dtype, device=device, device_map=device_map,
             attn_implementation=attn_implementation, cache_dir=cache_dir,
         )
-        return cls(loaded, tokenizer, config=config)
+        return cls(loaded, tokenizer, config=under_cache_dir(config, cache_dir))
 
     @property
     def store(self) -> SegmentStore:

@@ -38,17 +38,29 @@ from typing import Optional
 from .persist import MEASURED_WITH, measured_alike
 from .tracker import OffsetTracker
 
-__all__ = ["FORMAT", "RememberedMeasurements", "default_folder", "remembered"]
+__all__ = ["FORMAT", "RememberedMeasurements", "default_folder", "remembered", "under_cache_dir"]
 
 FORMAT = "kvcomm-measurements/1"
 logger = logging.getLogger("kvcomm_agents")
 
 
-def default_folder() -> Path:
-    """``measurements/`` under the cache directory (``$KVCOMM_CACHE_DIR``, else the user cache)."""
+def default_folder(cache_dir: Optional[os.PathLike | str] = None) -> Path:
+    """``measurements/`` under ``cache_dir``, else the cache directory (``$KVCOMM_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/kvcomm-agents`` or ``~/.cache/kvcomm-agents``)."""
     from ..embedded import default_cache_root
 
-    return default_cache_root() / "measurements"
+    return default_cache_root(cache_dir) / "measurements"
+
+
+def under_cache_dir(config, cache_dir: Optional[os.PathLike | str]):
+    """``config`` (a ``KVCommConfig`` or None) remembering under ``cache_dir`` where it
+    remembers in the default folder and a ``cache_dir`` is given (``from_pretrained``)."""
+    from ..config import KVCommConfig
+
+    config = config or KVCommConfig()
+    if cache_dir is None or config.remember_measurements is not True:
+        return config
+    return config.model_copy(update={"remember_measurements": str(default_folder(cache_dir))})
 
 
 class RememberedMeasurements:

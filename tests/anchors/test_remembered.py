@@ -130,3 +130,15 @@ def test_non_finite_samples_are_not_written_and_nothing_is_written_while_frozen(
     assert not memory.sync(frozen=True) and not memory.path.exists()
     assert memory.sync()
     assert json.loads(memory.path.read_text())["rerotated"] == [0.004]
+
+
+def test_a_cache_dir_given_to_from_pretrained_holds_the_measurements_too(tmp_path):
+    from kvcomm_agents.anchors.remembered import under_cache_dir
+
+    remembering = KVCommConfig(remember_measurements=True)
+    assert under_cache_dir(remembering, tmp_path).remember_measurements == str(tmp_path / "measurements")
+    assert under_cache_dir(None, tmp_path).remember_measurements is False  # the suite's default: off
+    assert under_cache_dir(KVCommConfig(remember_measurements=True), None).remember_measurements is True
+    assert under_cache_dir(KVCommConfig(remember_measurements=False), tmp_path).remember_measurements is False
+    elsewhere = str(tmp_path / "elsewhere")
+    assert under_cache_dir(KVCommConfig(remember_measurements=elsewhere), tmp_path).remember_measurements == elsewhere
