@@ -67,6 +67,8 @@ def test_refresh_drops_anchors_learned_from_other_weights(llama, tokenizer):
     assert not engine._weights.changed()
     engine.refresh_fingerprint()
     assert engine.anchors.nbytes() == 0
+    check = engine._calls.parts.rerotation_check  # its plans must find only KV of the new weights
+    assert check.fingerprint == engine.fingerprint
 
 
 def test_digest_covers_every_tensor_and_the_active_adapters(llama):
