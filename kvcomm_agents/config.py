@@ -17,7 +17,6 @@ from .config_names import MOVED, RENAMED, refuse_old_names
 __all__ = ["KVCommConfig", "ExperimentalSettings", "Method"]
 
 
-
 #: How shared text is reused (``KVCommConfig.method``).
 Method = Literal["kvcomm", "rerotate", "exact_prefix", "dense"]
 
@@ -390,3 +389,9 @@ class KVCommConfig(BaseModel):
     def reuse(self) -> bool:
         """Whether the engine keeps and reuses KV at all (``method != "dense"``)."""
         return self.method != "dense"
+
+    @property
+    def measures_rerotation(self) -> bool:
+        """Whether re-rotation is measured and trusted on samples: KVCOMM with a KL budget,
+        audits on and ``measured_rerotation`` (``kvcomm_agents.rerotation_check``)."""
+        return self.method == "kvcomm" and self.measured_rerotation and self.kl_budget is not None and self.audit_every > 0

@@ -59,7 +59,7 @@ class RerotationCheck:
         anchors learning, shared text found, no estimate in its prompt KV, and ``agent`` still
         short of samples."""
         c = self.config
-        return (c.method == "kvcomm" and c.measured_rerotation and c.kl_budget is not None and c.audit_every > 0 and self.rotator is not None
+        return (c.measures_rerotation and self.rotator is not None
                 and not self.anchors.frozen and plan.dense_reason != "reuse_off"
                 and any(d.segment is not None for d in plan.decisions)
                 and plan.first_estimated() >= plan.num_prompt

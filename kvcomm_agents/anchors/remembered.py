@@ -145,8 +145,7 @@ def remembered(config, fingerprint: str, tracker: OffsetTracker) -> Optional[Rem
     None where it is False or nothing trusts re-rotation on samples (another method, no KL
     budget, no audits, ``measured_rerotation=False``)."""
     c = config
-    if (c.remember_measurements is False or c.method != "kvcomm" or c.kl_budget is None or not c.audit_every
-            or not c.measured_rerotation):
+    if c.remember_measurements is False or not c.measures_rerotation:
         return None
     folder = default_folder() if c.remember_measurements is True else Path(c.remember_measurements)
     memory = RememberedMeasurements(folder, fingerprint, c.model_dump(mode="json"), tracker)
