@@ -30,7 +30,11 @@ _BLOCK = re.compile(r"(?P<opening><!-- generated: python -m benchmarks\.tables (
 
 def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) -> str:
     """The front table (one row per workload) or every workload's table, with the run's sample;
-    only ``phases`` where given."""
+    only ``phases`` where given. A parallel-branches summary (:mod:`.parallel_branches`) is its one table."""
+    if summary.get("kind") == "parallel_branches":
+        from .parallel_branches import described
+
+        return described(summary)
     if phases:
         summary = {**summary, "phases": {p: v for p, v in summary["phases"].items() if p in phases}}
     versions = summary["versions"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -32,6 +32,7 @@ from .versions import Versions
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
 from .framing import FramedDecode, Framer
+from .in_flight import CallsInFlight
 from .kv.segments import SegmentRef
 from .plan import CallPlan
 from .planner import plan_call
@@ -103,30 +104,37 @@ class CallSteps:
         self.lock, self.weights, self.calibrating = parts.lock, parts.weights, parts.calibrating
         self.store, self.anchors, self.own_texts = parts.store, parts.anchors, parts.own_texts
         self.versions, self.framer, self.auditor, self.capture = parts.versions, parts.framer, parts.auditor, parts.capture
+        self.in_flight = CallsInFlight(parts.capture, min_gain=parts.config.min_match_tokens)
 
     @contextmanager
-    def prepared(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int,
-                 started: float) -> Iterator[PreparedCall]:
+    def prepared(self, layout: PromptLayout, messages: Messages, agent: str, reuse: Optional[bool],
+                 new_tokens: int, started: float) -> Iterator[PreparedCall]:
         """Plan, run the plan hook, align the reused KV and prefill: the call up to its first
-        token. The store entries the plan uses stay pinned until the block ends."""
+        token, in one hold of the engine lock (a sibling planned after it finds it in flight,
+        :mod:`.in_flight`). The store entries the plan uses stay pinned, and the call stays in
+        flight, until the block ends."""
         tally = ForwardTally()
-        with self.lock, torch.inference_mode(), charging(tally, "prompt"):  # anchor tensors are inference tensors
-            if self.weights.changed():
-                self.parts.refresh_weights()
-            plan = self.plan(layout, agent, reuse, new_tokens)
-            planned = time.perf_counter()
-            hooked = planned  # hook_s is 0.0 when no hook ran
-            hook = self.parts.plan_hook()
-            if hook is not None and plan.runs:
-                plan = hook(plan)
-                hooked = time.perf_counter()
-        with self.store.pinned(_pins(plan)):
-            with self.lock, torch.inference_mode(), charging(tally, "prompt"):
+        with ExitStack() as held:
+            with self.lock, torch.inference_mode(), charging(tally, "prompt"):  # anchor tensors are inference tensors
+                if self.weights.changed():
+                    self.parts.refresh_weights()
+                if self.config.reuse and reuse is not False:
+                    self.in_flight.share_with(layout.ids)
+                plan = self.plan(layout, agent, reuse, new_tokens)
+                planned = time.perf_counter()
+                hooked = planned  # hook_s is 0.0 when no hook ran
+                hook = self.parts.plan_hook()
+                if hook is not None and plan.runs:
+                    plan = hook(plan)
+                    hooked = time.perf_counter()
+                held.enter_context(self.store.pinned(_pins(plan)))
                 block = assemble(plan, self.info.rotator) if plan.reused_tokens else None
                 assembled = time.perf_counter()
                 pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), block,
                                  plan.reused_positions() if block is not None else None, masked=bool(plan.runs))
                 done = time.perf_counter()
+                if self.config.reuse and self.info.sliding_window is None:
+                    held.callback(self.in_flight.add(layout, plan, pre, message_roles(messages)))
             align_s = (assembled - hooked) + pre.align_s
             self.framer.copy_cost.record_prefill(plan.num_prompt - plan.reused_tokens, done - hooked - align_s)
             framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
@@ -259,9 +267,8 @@ class CallSteps:
         if hf.num_cached(cache) != slots.numel():  # a sliding window dropped early KV
             logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
             return None
-        roles = [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]
         return self.capture.keep_call(plan, agent, generated, reply, hf.kv_reader(cache, slots),
-                                      self.kvcomm_anchors(), call.layout, roles)
+                                      self.kvcomm_anchors(), call.layout, message_roles(messages))
 
     def kvcomm_anchors(self) -> Optional[KVCommAnchors]:
         """The anchors to feed observations to (``method="kvcomm"`` only)."""
@@ -320,3 +327,7 @@ def _pins(plan: CallPlan) -> list:
     """Store entries a call uses (kept from eviction while it runs)."""
     return [run.segment for run in plan.runs] + ([plan.prefix.entry] if plan.prefix else [])
 
+
+def message_roles(messages: Messages) -> list[tuple[Optional[str], Optional[str]]]:
+    """Per message, ``(role, tool or speaker name)``: what a kept message's segment kind is named by."""
+    return [(m.get("role"), m.get("name") or m.get("tool_call_id")) for m in normalize_messages(messages)]

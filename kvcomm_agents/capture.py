@@ -100,13 +100,19 @@ class CallCapture:
         """
         n = plan.num_prompt
         self.store_prefix(plan, generated, kv_at)
-        if self.config.method == "exact_prefix":
-            return None  # segments would never be read
+        if not self.keeps_segments:
+            return None
         self.observe(plan, agent, kv_at, anchors)
         if layout is not None and roles is not None:
             self.capture_messages(layout, roles, plan, kv_at)
         exact = plan.first_estimated() >= n  # no estimated KV before the reply: it may serve as a version
         return self.capture_reply(n, generated, reply, agent, kv_at, plan.prompt_ids if exact else None)
+
+    @property
+    def keeps_segments(self) -> bool:
+        """Whether calls keep segments (messages, replies): not under exact prefix only, which
+        would never read them."""
+        return self.config.method != "exact_prefix"
 
     def observe(self, plan: CallPlan, agent: str, kv_at: KVAt, anchors=None) -> None:
         """Own-text KV first seen, then (``anchors`` given) the anchors' observations of the pass."""

@@ -318,7 +318,7 @@ class KVCommEngine:
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         check_length(layout, self.info.max_positions, max_new_tokens, "max_new_tokens")
-        with self._calls.prepared(layout, agent, reuse, max_new_tokens, started) as call:
+        with self._calls.prepared(layout, messages, agent, reuse, max_new_tokens, started) as call:
             first = sampler(call.pre.logits)
             ttft = time.perf_counter() - started
             finish = yield from self._calls.decode(call, first, sampler, text, max_new_tokens)
@@ -343,7 +343,7 @@ class KVCommEngine:
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
         check_length(layout, self.info.max_positions, len(ids), "reply_ids")
-        with self._calls.prepared(layout, agent, reuse, len(ids), started) as call:
+        with self._calls.prepared(layout, messages, agent, reuse, len(ids), started) as call:
             int(torch.argmax(call.pre.logits))  # waits for the device: the first token's time
             ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
             logits = (self._calls.force_stepwise if stepwise else self._calls.force)(call, ids)

@@ -87,7 +87,7 @@ def test_a_prepared_call_charges_its_computed_prompt_tokens_and_runs_the_hook_on
     steps = steps_of(engine)
     layout = render_prompt(tokenizer, RECEIVER)
     n = layout.ids.numel()
-    with steps.prepared(layout, "s2", None, 1, time.perf_counter()) as call:
+    with steps.prepared(layout, RECEIVER, "s2", None, 1, time.perf_counter()) as call:
         reused = call.plan.reused_tokens
         assert call.plan.runs and 0 < reused < n
         assert call.tally.tokens == tokens(prompt=n - reused)  # the reused KV is not forwarded
@@ -100,11 +100,11 @@ def test_a_prepared_call_charges_its_computed_prompt_tokens_and_runs_the_hook_on
         return CallPlan(plan.prompt_ids, dense_reason="hooked")
 
     engine.plan_hook = dense_instead  # read per call
-    with steps.prepared(layout, "s2", None, 1, time.perf_counter()) as call:
+    with steps.prepared(layout, RECEIVER, "s2", None, 1, time.perf_counter()) as call:
         assert len(hooked) == 1 and hooked[0].runs
         assert call.plan.dense_reason == "hooked" and call.tally.tokens == tokens(prompt=n)  # the hook's plan ran
         assert call.hook_s > 0.0
-    with steps.prepared(layout, "s2", False, 1, time.perf_counter()) as call:  # nothing reused: no hook
+    with steps.prepared(layout, RECEIVER, "s2", False, 1, time.perf_counter()) as call:  # nothing reused: no hook
         assert len(hooked) == 1 and call.plan.dense_reason == "reuse_off"
 
 
@@ -119,7 +119,7 @@ def test_force_and_force_stepwise_give_the_teacher_forced_logits(llama, tokenize
         whole = torch.cat([layout.ids, torch.tensor(ids[:-1])])[None]
         expected = llama(whole).logits[0, n - 1:].float()
     for force, calls in ((steps.force, 1), (steps.force_stepwise, len(ids) - 1)):
-        with steps.prepared(layout, "s2", False, len(ids), time.perf_counter()) as call:
+        with steps.prepared(layout, RECEIVER, "s2", False, len(ids), time.perf_counter()) as call:
             before = forwards.calls
             logits = force(call, ids)
             assert forwards.calls - before == calls
@@ -141,16 +141,16 @@ def test_decode_feeds_every_token_but_the_last_and_says_why_it_stopped(llama, to
         logits[list(steps.info.eos_ids)] = float("-inf")
         return int(logits.argmax())
 
-    with steps.prepared(layout, "s2", None, 6, time.perf_counter()) as call:
+    with steps.prepared(layout, RECEIVER, "s2", None, 6, time.perf_counter()) as call:
         text = TextAccumulator(tokenizer)
         pieces, finish = drain(steps.decode(call, greedy_no_eos(call.pre.logits), greedy_no_eos, text, 6))
         assert finish == "length" and len(text.ids) == 6
         assert call.tally.tokens["decode"] == 5  # the last id is never fed
     assert "".join(pieces) + text.flush() == tokenizer.decode(text.ids)
-    with steps.prepared(layout, "s2", None, 6, time.perf_counter()) as call:  # each id fed at its position
+    with steps.prepared(layout, RECEIVER, "s2", None, 6, time.perf_counter()) as call:  # each id fed at its position
         torch.testing.assert_close(steps.force(call, text.ids), torch.stack(seen), atol=1e-4, rtol=1e-4)
     picks = iter([5, 6, eos, 7])
-    with steps.prepared(layout, "s2", None, 6, time.perf_counter()) as call:
+    with steps.prepared(layout, RECEIVER, "s2", None, 6, time.perf_counter()) as call:
         text = TextAccumulator(tokenizer)
         _, finish = drain(steps.decode(call, next(picks), lambda logits: next(picks), text, 6))
         assert (finish, text.ids, call.tally.tokens["decode"]) == ("stop", [5, 6, eos], 2)
@@ -169,7 +169,7 @@ def test_keep_stores_the_reply_charges_the_audit_and_the_result_reports_the_tall
     n, ids = layout.ids.numel(), forced(tokenizer)
     results = {}
     for reuse in (None, False):
-        with steps.prepared(layout, "s2", reuse, len(ids), time.perf_counter()) as call:
+        with steps.prepared(layout, RECEIVER, "s2", reuse, len(ids), time.perf_counter()) as call:
             steps.force(call, ids)
             text = TextAccumulator(tokenizer)
             for token in ids:
@@ -198,7 +198,7 @@ def test_capture_call_keeps_nothing_when_the_cache_lacks_the_reply_kv(llama, tok
     messages = solver_messages("You are solver one.")
     layout = render_prompt(tokenizer, messages)
     ids = forced(tokenizer)
-    with steps.prepared(layout, "s1", None, len(ids), time.perf_counter()) as call:
+    with steps.prepared(layout, messages, "s1", None, len(ids), time.perf_counter()) as call:
         assert steps.capture_call(call, messages, "s1", ids, REPLY) is None  # the reply was never fed
         assert engine.store.stats().segments == 0
         steps.force(call, ids)

@@ -88,6 +88,33 @@ def test_send_fan_out_equals_serial_with_reuse_on_and_off(llama, tokenizer):
         assert all(read > 0 for _, _, read in fanned) == reuse  # (serial reads more: exact prefixes)
 
 
+def test_parallel_branches_reading_one_document_compute_it_once_and_answer_as_dense(llama, tokenizer):
+    document = ("The library opens at nine and closes at five on weekdays. On Saturdays it opens at ten "
+                "and closes at two. It is closed on Sundays and on public holidays.")
+    questions = ["When does it open on Saturdays?", "When is it closed?", "When does it close on weekdays?"]
+
+    def run(engine):
+        model = ChatKVComm(engine=engine, max_tokens=8)
+
+        def branch(state: dict):
+            reply = model.invoke([SystemMessage("You answer from the document."),
+                                  HumanMessage(f"{document}\n\nQuestion: {state['question']}")])
+            return {"answers": [(state["question"], reply.content, kv(reply)["stats"]["prefix_tokens"])]}
+
+        graph = StateGraph(FanOut)
+        graph.add_node("branch", branch)
+        graph.add_conditional_edges(START, lambda s: [Send("branch", {"question": q}) for q in questions])
+        graph.add_edge("branch", END)
+        return sorted(graph.compile().invoke({"question": "", "answers": []})["answers"])
+
+    shared = run(KVCommEngine(llama, tokenizer, config=mechanics(method="rerotate")))
+    dense = run(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")))
+    assert [(q, text) for q, text, _ in shared] == [(q, text) for q, text, _ in dense]
+    # whichever branch plans first computes the document; the others read it as an exact prefix,
+    # from the store or from a branch still answering (LangGraph runs the branches in threads)
+    assert sorted(n > len(tokenizer(document)["input_ids"]) for _, _, n in shared) == [False, True, True]
+
+
 def _serial(model, system):
     reply = model.invoke([SystemMessage(system), HumanMessage(QUESTION)])
     return reply.content, reply.usage_metadata["input_token_details"]["cache_read"]

@@ -1,0 +1,217 @@
+"""Parallel branches: real LangGraph fan-outs whose branches run at once, the whole graph timed.
+
+LangGraph runs a ``Send`` fan-out's branches (and several edges out of one node) in threads, so
+sibling agents call the engine together, each planning while the others decode. The graph
+protocol (:mod:`.graph`) runs agents one at a time and cannot show what that costs; this runs the
+graph itself through ``ChatKVComm``, each strategy's engine in turn per request (same model, same
+inputs, greedy), and measures what a user waits for: the graph's wall time, the tokens forwarded
+(counted on the model, :class:`~.graph.ModelMeter`), and how many replies equal dense's.
+
+Two shapes, four branches then an aggregator, on a reference page of the split (pydoc text of a
+standard-library module, about 400-700 tokens):
+
+- ``map``: one instruction and the page to every branch, a different question each (a map over
+  questions); the aggregator reads the branches' answers;
+- ``roles``: a different role per branch (planner, reviewer, tester, simplifier), the same page
+  and coding task; the aggregator (the coder) reads their notes.
+
+Strategies: dense, exact prefix, re-rotation only, the default with siblings planned against the
+store alone (``kvcomm-mean-no-siblings``: what the engine did before :mod:`kvcomm_agents.in_flight`),
+and the default.
+
+    python -m benchmarks.parallel_branches [--split report] [--requests 4] [--warmup 1]
+                                           [--shapes map,roles] [--reply-tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Annotated, Callable, TypedDict
+
+import torch
+
+from examples.reporting import CallRecorder
+from examples.tasks import stdlib_doc
+
+from .formats import CODERS, REFERENCE_CHARS, REFERENCE_PAGES
+from .graph import ModelMeter
+from .graphs import humaneval_rows
+from .models import load
+from .strategies import build
+
+__all__ = ["SHAPES", "STRATEGIES", "run"]
+
+QUESTIONS = ("What does this module do, in one sentence?", "Name two functions it offers.",
+             "What is one mistake a user of it could make?", "Which function would you use first, and why?")
+ROLES = ("planner", "reviewer", "tester", "simplifier")
+STRATEGIES = ("dense", "prefix", "rerotate", "kvcomm-mean-no-siblings", "kvcomm-mean")
+
+
+class Fan(TypedDict):
+    page: str
+    task: str
+    notes: Annotated[list, operator.add]
+    final: str
+
+
+def _graph(model, shape: str):
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import Send
+
+    def branch(state: dict):
+        k = state["k"]
+        if shape == "map":
+            messages = [SystemMessage("You answer questions about a Python module from its documentation."),
+                        HumanMessage(f"Documentation:\n{state['page']}\n\nQuestion: {QUESTIONS[k]}")]
+        else:
+            messages = [SystemMessage(CODERS[ROLES[k]]),
+                        HumanMessage(f"Reference:\n{state['page']}\n\nTask:\n{state['task']}")]
+        return {"notes": [(k, model.invoke(messages).content)]}
+
+    def aggregator(state: Fan):
+        notes = "\n\n".join(f"Note {k + 1}: {text}" for k, text in sorted(state["notes"]))
+        system = ("You summarize your team's answers in two sentences." if shape == "map"
+                  else CODERS["coder"])
+        task = "" if shape == "map" else f"Task:\n{state['task']}\n\n"
+        reply = model.invoke([SystemMessage(system), HumanMessage(f"{task}Team notes:\n{notes}")])
+        return {"final": reply.content}
+
+    graph = StateGraph(Fan)
+    graph.add_node("branch", branch)
+    graph.add_node("aggregator", aggregator)
+    graph.add_conditional_edges(START, lambda s: [Send("branch", {**s, "k": k}) for k in range(4)], ["branch"])
+    graph.add_edge("branch", "aggregator")
+    graph.add_edge("aggregator", END)
+    return graph.compile()
+
+
+def inputs(split: str, requests: int) -> list[dict]:
+    """Per request: a reference page of ``split`` and a coding task of ``split``'s HumanEval range."""
+    pages = REFERENCE_PAGES[split]
+    tasks = [row["prompt"] for _, row in humaneval_rows(split, 0, requests)]
+    return [{"page": stdlib_doc(pages[r % len(pages)], max_chars=2 * REFERENCE_CHARS), "task": tasks[r], "notes": []}
+            for r in range(requests)]
+
+
+def _strategy(name: str, model, tokenizer):
+    if name == "kvcomm-mean-no-siblings":
+        strategy = build("kvcomm-mean", model, tokenizer)
+        strategy.engine._calls.in_flight.share_with = lambda ids: None  # siblings planned against the store alone
+        strategy.name = name
+        return strategy
+    return build(name, model, tokenizer)
+
+
+def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_tokens: int,
+        meter: ModelMeter, progress: Callable[[str], None] = print) -> list[dict]:
+    """Each request through every strategy's graph in turn; one record per (request, strategy)."""
+    from kvcomm_langgraph import ChatKVComm
+
+    graphs = {s.name: _graph(ChatKVComm(engine=s.engine, max_tokens=reply_tokens), shape) for s in strategies}
+    records = []
+    for r, state in enumerate(requests):
+        replies = {}
+        for s in strategies:
+            recorder = CallRecorder()
+            with meter.measuring() as tokens:
+                started = time.perf_counter()
+                out = graphs[s.name].invoke(dict(state, notes=[]), config={"callbacks": [recorder]})
+                wall = time.perf_counter() - started
+            texts = [text for _, text in sorted(out["notes"])] + [out["final"]]
+            replies[s.name] = texts
+            calls = recorder.calls
+            records.append({
+                "shape": shape, "request": r, "warmup": r < warmup, "strategy": s.name, "wall_s": wall,
+                "tokens": tokens[0], "equal_to_dense": sum(a == b for a, b in zip(texts, replies["dense"])),
+                "replies": len(texts), "prompt_tokens": sum(c.prompt_tokens for c in calls),
+                "reused_tokens": sum(c.reused_tokens for c in calls),
+                "branch_ttft_s": [c.ttft_s for c in calls if c.agent == "branch"],
+            })
+            progress(f"{shape} request {r} {s.name}: {wall:.2f} s, {tokens[0]} tokens")
+    return records
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per shape and strategy over the timed requests: wall and tokens as ratios to dense's on the
+    same requests (the median of per-request ratios), replies equal to dense's."""
+    out = []
+    timed = [r for r in records if not r["warmup"]]
+    for shape in dict.fromkeys(r["shape"] for r in timed):
+        dense = {r["request"]: r for r in timed if r["shape"] == shape and r["strategy"] == "dense"}
+        for name in dict.fromkeys(r["strategy"] for r in timed if r["shape"] == shape):
+            rows = [r for r in timed if r["shape"] == shape and r["strategy"] == name]
+            out.append({
+                "shape": shape, "strategy": name, "requests": len(rows),
+                "dense_wall_s": statistics.median(dense[r["request"]]["wall_s"] for r in rows),
+                "speedup_vs_dense": statistics.median(dense[r["request"]]["wall_s"] / r["wall_s"] for r in rows),
+                "tokens_vs_dense": sum(r["tokens"] for r in rows) / sum(dense[r["request"]]["tokens"] for r in rows),
+                "from_cache": sum(r["reused_tokens"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows)),
+                "equal_to_dense": f"{sum(r['equal_to_dense'] for r in rows)}/{sum(r['replies'] for r in rows)}",
+                "branch_ttft_median_s": statistics.median(t for r in rows for t in r["branch_ttft_s"]),
+            })
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    lines = ["| shape | strategy | graph × dense | tokens × dense | prompt from cache | replies equal to dense | branches' median TTFT s |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['shape']} | {s['strategy']} | {s['speedup_vs_dense']:.2f}x | {s['tokens_vs_dense']:.2f}x | "
+                     f"{s['from_cache']:.0%} | {s['equal_to_dense']} | {s['branch_ttft_median_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def described(summary: dict) -> str:
+    """The run's sample, then :func:`table` (what ``benchmarks.tables`` puts in the docs)."""
+    return (f"Run: commit `{(summary['commit'] or '?')[:12]}`, {summary['model']} model, float32, cpu "
+            f"({summary['threads']} threads), {summary['split']} range, {summary['requests']} timed requests per "
+            f"shape after {summary['warmup']}, replies of at most {summary['reply_tokens']} tokens.\n\n"
+            + table(summary["summary"]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--split", choices=["dev", "report"], default="report")
+    parser.add_argument("--requests", type=int, default=4, help="timed requests per shape")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--shapes", default="map,roles")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--reply-tokens", type=int, default=24)
+    parser.add_argument("--out", default="benchmarks/out/parallel_branches.json")
+    args = parser.parse_args(argv)
+    loaded = load(args.model, device="cpu", dtype=torch.float32)
+    meter = ModelMeter(loaded.model)
+    names = [n for n in args.strategies.split(",") if n]
+    if names[0] != "dense":
+        raise SystemExit("the first strategy must be dense (the others are compared with it)")
+    requests = inputs(args.split, args.warmup + args.requests)
+    records = []
+    for shape in args.shapes.split(","):
+        strategies = [_strategy(n, loaded.model, loaded.tokenizer) for n in names]  # fresh per shape
+        records += run(shape, strategies, requests, args.warmup, args.reply_tokens, meter)
+    summary = summarize(records)
+    print(table(summary))
+    try:
+        import subprocess
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"kind": "parallel_branches", "commit": commit, "model": loaded.tag, "split": args.split,
+                               "threads": torch.get_num_threads(), "python": platform.python_version(),
+                               "torch": torch.__version__, "requests": args.requests, "warmup": args.warmup,
+                               "reply_tokens": args.reply_tokens, "summary": summary, "records": records}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Parallel siblings: a call planned while another still answers reuses what that one computed
+(kvcomm_agents/in_flight.py). A paused stream stands for the sibling still decoding."""
+
+import pytest
+import torch
+
+from kvcomm_agents import ChatResult, KVCommConfig, KVCommEngine
+from kvcomm_agents.kv.store import PrefixEntry
+from kvcomm_agents.prompt import render_prompt
+
+from .conftest import first_logits, mechanics, tol
+
+DOCUMENT = ("The library opens at nine and closes at five on weekdays. On Saturdays it opens at ten and "
+            "closes at two. It is closed on Sundays and on public holidays. Members may borrow six books.")
+
+
+def sibling(system: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"Document:\n{DOCUMENT}\n\nQuestion: {question}"}]
+
+
+def finish(stream) -> ChatResult:
+    return [item for item in stream if isinstance(item, ChatResult)][0]
+
+
+def prefixes(engine) -> list[PrefixEntry]:
+    return [e for e in engine.store._entries.values() if isinstance(e, PrefixEntry)]
+
+
+def common_prefix(tokenizer, a: list[dict], b: list[dict]) -> int:
+    x, y = render_prompt(tokenizer, a).ids, render_prompt(tokenizer, b).ids
+    n = min(x.numel(), y.numel())
+    differ = (x[:n] != y[:n]).nonzero()
+    return int(differ[0, 0]) if differ.numel() else n
+
+
+@pytest.mark.parametrize("method", ["rerotate", "exact_prefix", "kvcomm"])
+def test_a_sibling_planned_while_another_decodes_reuses_its_prompt_beginning_exactly(llama, tokenizer, method):
+    engine = KVCommEngine(llama, tokenizer, config=mechanics(method=method))
+    dense = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    first = sibling("You are an analyst.", "When does it open on Saturdays?")
+    second = sibling("You are an analyst.", "How many books may members borrow?")
+    common = common_prefix(tokenizer, first, second)
+    assert common > len(tokenizer(DOCUMENT)["input_ids"])
+    stream = engine.stream(first, agent="analyst", max_new_tokens=6)
+    next(stream)  # the first sibling decodes: its KV is not kept yet
+    assert len(engine._calls.in_flight) == 1 and not prefixes(engine)
+    served = engine.replay(second, agent="analyst", reply_ids=[tokenizer.eos_token_id])
+    assert served.result.stats.prefix_tokens == common
+    torch.testing.assert_close(served.first_token_logits, first_logits(dense, second), atol=tol(2e-4), rtol=1e-4)
+    result = finish(stream)
+    assert result.stats.generated_tokens >= 1 and len(engine._calls.in_flight) == 0  # off at its end
+    # the first call's prompt-and-reply entry covers the prompt-only one shared while it decoded
+    assert sorted(e.token_ids.numel() for e in prefixes(engine)) == sorted(
+        [result.stats.prompt_tokens + result.stats.generated_tokens - 1, served.result.stats.prompt_tokens])
+
+
+def test_a_sibling_with_another_system_prompt_reads_the_document_a_decoding_call_saw_first(llama, tokenizer, make_engine):
+    engine = make_engine(llama)  # re-rotation only: reuses whatever it finds
+    stream = engine.stream(sibling("You are analyst one.", "When does it open?"), agent="one", max_new_tokens=6)
+    next(stream)
+    second = engine.replay(sibling("You are the second analyst, a careful reader.", "How many books?"),
+                           agent="two", reply_ids=[tokenizer.eos_token_id]).result
+    reused = [d for d in second.stats.decisions if d.status == "reused" and d.segment.kind == ("user", None)]
+    assert reused and second.stats.reused_tokens > len(tokenizer(DOCUMENT)["input_ids"]) // 2
+    finish(stream)
+
+
+def test_nothing_is_copied_for_calls_that_come_one_after_another(llama, tokenizer, make_engine):
+    engine = make_engine(llama)
+    kept = []
+    store_prefix = engine._capture.store_prefix
+    engine._capture.store_prefix = lambda plan, generated, kv_at: (kept.append(plan.num_prompt),
+                                                                   store_prefix(plan, generated, kv_at))
+    engine.chat(sibling("You are an analyst.", "When does it open on Saturdays?"), agent="a", max_new_tokens=3)
+    engine.chat(sibling("You are an analyst.", "How many books?"), agent="a", max_new_tokens=3)
+    assert len(kept) == 2  # each call's own keep; nothing when the second planned
+
+
+def test_a_dense_engine_shares_nothing(llama, tokenizer):
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    stream = engine.stream(sibling("You are an analyst.", "When?"), agent="a", max_new_tokens=4)
+    next(stream)
+    assert len(engine._calls.in_flight) == 0
+    finish(stream)
