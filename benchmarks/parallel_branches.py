@@ -5,7 +5,9 @@ sibling agents call the engine together, each planning while the others decode. 
 protocol (:mod:`.graph`) runs agents one at a time and cannot show what that costs; this runs the
 graph itself through ``ChatKVComm``, each strategy's engine in turn per request (same model, same
 inputs, greedy), and measures what a user waits for: the graph's wall time, the tokens forwarded
-(counted on the model, :class:`~.graph.ModelMeter`), and how many replies equal dense's.
+(counted on the model, :class:`~.graph.ModelMeter`), how many replies equal dense's, and the
+first-token KL against dense of every call whose prompt dense saw too (the branches always; the
+aggregator where every branch answered as under dense).
 
 Two shapes, four branches then an aggregator, on a reference page of the split (pydoc text of a
 standard-library module, about 400-700 tokens):
@@ -38,6 +40,7 @@ import torch
 
 from examples.reporting import CallRecorder
 from examples.tasks import stdlib_doc
+from kvcomm_agents.fidelity import first_token_kl
 
 from .formats import CODERS, REFERENCE_CHARS, REFERENCE_PAGES
 from .graph import ModelMeter
@@ -105,8 +108,29 @@ def _strategy(name: str, model, tokenizer):
         strategy = build("kvcomm-mean", model, tokenizer)
         strategy.engine._calls.in_flight.share_with = lambda ids: None  # siblings planned against the store alone
         strategy.name = name
-        return strategy
-    return build(name, model, tokenizer)
+    else:
+        strategy = build(name, model, tokenizer)
+    strategy.first_logits = _recording_first_logits(strategy.engine)
+    return strategy
+
+
+def _recording_first_logits(engine) -> dict:
+    """Wrap ``engine``'s token picker to keep each call's first-token logits, by prompt (the
+    branches' prompts are the same under every strategy: their KL against dense's is taken on
+    the same ids). Reads what the call computed anyway: nothing is forwarded for it."""
+    kept: dict = {}
+    generate = engine._generate
+
+    def recorded(messages, agent, max_new_tokens, sampler, *rest):
+        key = json.dumps(list(messages), sort_keys=True, default=str)
+
+        def pick(logits: torch.Tensor) -> int:
+            kept.setdefault(key, logits.detach().float().cpu())
+            return sampler(logits)
+        return generate(messages, agent, max_new_tokens, pick, *rest)
+
+    engine._generate = recorded
+    return kept
 
 
 def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_tokens: int,
@@ -120,6 +144,7 @@ def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_t
         replies = {}
         for s in strategies:
             recorder = CallRecorder()
+            s.first_logits.clear()
             with meter.measuring() as tokens:
                 started = time.perf_counter()
                 out = graphs[s.name].invoke(dict(state, notes=[]), config={"callbacks": [recorder]})
@@ -127,8 +152,11 @@ def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_t
             texts = [text for _, text in sorted(out["notes"])] + [out["final"]]
             replies[s.name] = texts
             calls = recorder.calls
+            dense_logits = strategies[0].first_logits  # this request's: dense runs first
+            kl = [first_token_kl(dense_logits[key], logits) for key, logits in s.first_logits.items() if key in dense_logits]
             records.append({
                 "shape": shape, "request": r, "warmup": r < warmup, "strategy": s.name, "wall_s": wall,
+                "branch_kl": kl,
                 "tokens": tokens[0], "equal_to_dense": sum(a == b for a, b in zip(texts, replies["dense"])),
                 "replies": len(texts), "prompt_tokens": sum(c.prompt_tokens for c in calls),
                 "reused_tokens": sum(c.reused_tokens for c in calls),
@@ -155,16 +183,19 @@ def summarize(records: list[dict]) -> list[dict]:
                 "from_cache": sum(r["reused_tokens"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows)),
                 "equal_to_dense": f"{sum(r['equal_to_dense'] for r in rows)}/{sum(r['replies'] for r in rows)}",
                 "branch_ttft_median_s": statistics.median(t for r in rows for t in r["branch_ttft_s"]),
+                "kl_mean": statistics.fmean(k for r in rows for k in r["branch_kl"]),
+                "kl_calls": sum(len(r["branch_kl"]) for r in rows),
             })
     return out
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| shape | strategy | graph × dense | tokens × dense | prompt from cache | replies equal to dense | branches' median TTFT s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | strategy | graph × dense | tokens × dense | prompt from cache | first-token KL (calls) | "
+             "replies equal to dense | branches' median TTFT s |", "|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['shape']} | {s['strategy']} | {s['speedup_vs_dense']:.2f}x | {s['tokens_vs_dense']:.2f}x | "
-                     f"{s['from_cache']:.0%} | {s['equal_to_dense']} | {s['branch_ttft_median_s']:.2f} |")
+                     f"{s['from_cache']:.0%} | {s['kl_mean']:.4f} ({s['kl_calls']}) | {s['equal_to_dense']} | "
+                     f"{s['branch_ttft_median_s']:.2f} |")
     return "\n".join(lines)
 
 

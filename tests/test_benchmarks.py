@@ -341,3 +341,24 @@ def test_vllm_strategies_take_turns_graph_by_graph_never_at_once(tmp_path):
         assert {r["strategy"] for r in result["records"] if "strategy" in r} == {result["strategy"]}
     table = summarize(results, warmup=1)
     assert set(table["ttft"]) == set(strategies) and table["ttft"]["vllm-apc"]["graph_speedup_vs_vllm"] == 1.0
+
+
+def test_parallel_branches_charge_every_forward_and_siblings_compute_the_document_once(llama, tokenizer):
+    from benchmarks import parallel_branches as pb
+    from benchmarks.graph import ModelMeter
+
+    meter = ModelMeter(llama)
+    try:
+        strategies = [pb._strategy(n, llama, tokenizer) for n in ("dense", "kvcomm-mean-no-siblings", "kvcomm-mean")]
+        records = pb.run("map", strategies, pb.inputs("dev", 1), warmup=0, reply_tokens=3, meter=meter,
+                         progress=lambda line: None)
+    finally:
+        meter.close()
+    by = {r["strategy"]: r for r in records}
+    assert by["dense"]["reused_tokens"] == 0 and by["kvcomm-mean-no-siblings"]["reused_tokens"] < by["kvcomm-mean"]["reused_tokens"]
+    # the branches' shared beginning is forwarded once under the default, four times otherwise
+    assert by["kvcomm-mean"]["tokens"] < 0.5 * by["kvcomm-mean-no-siblings"]["tokens"]
+    assert by["kvcomm-mean-no-siblings"]["tokens"] > 0.9 * by["dense"]["tokens"]
+    assert max(by["kvcomm-mean"]["branch_kl"]) < 1e-6 and len(by["kvcomm-mean"]["branch_kl"]) >= 4  # exact prefixes
+    summary = pb.summarize(records)
+    assert "| map | kvcomm-mean |" in pb.table(summary)
