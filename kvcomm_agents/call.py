@@ -64,6 +64,7 @@ class PreparedCall:
     steps: int = 0  # single decode steps that carried ``framing``
     steps_s: float = 0.0  # their seconds (what the reply copies riding on them are measured by)
     tally: ForwardTally = field(default_factory=ForwardTally)  # every token the call forwards, by purpose
+    rerotation_checked: bool = False  # its re-rotation check ran (at its keep, or before a sibling read it)
 
 
 @dataclass(frozen=True)
@@ -133,14 +134,16 @@ class CallSteps:
                 pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), block,
                                  plan.reused_positions() if block is not None else None, masked=bool(plan.runs))
                 done = time.perf_counter()
+                align_s = (assembled - hooked) + pre.align_s
+                self.framer.copy_cost.record_prefill(plan.num_prompt - plan.reused_tokens, done - hooked - align_s)
+                framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
+                                               new_tokens, self.device, calibrating=self.calibrating.active)
+                call = PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
+                                    done - hooked - align_s, framing, tally=tally)
                 if self.config.reuse and self.info.sliding_window is None:
-                    held.callback(self.in_flight.add(layout, plan, pre, message_roles(messages)))
-            align_s = (assembled - hooked) + pre.align_s
-            self.framer.copy_cost.record_prefill(plan.num_prompt - plan.reused_tokens, done - hooked - align_s)
-            framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
-                                           new_tokens, self.device, calibrating=self.calibrating.active)
-            yield PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
-                               done - hooked - align_s, framing, tally=tally)
+                    held.callback(self.in_flight.add(call, message_roles(messages),
+                                                     before_shared=lambda: self.check_rerotation(call, agent)))
+            yield call
 
     def plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         """The call's plan (:func:`~kvcomm_agents.planner.plan_call`), or dense with the reason
@@ -229,10 +232,7 @@ class CallSteps:
         the audit's dense prefill where the prompt KV held estimates). Returns the reply's
         reference and the audit's KL (None when not audited)."""
         with self.lock, torch.inference_mode():
-            check = self.parts.rerotation_check
-            if check is not None and check.due(call.plan, agent):  # before the call's KV is stored
-                with charging(call.tally, "audit"):
-                    check.check(call.layout, call.pre.logits, agent)
+            self.check_rerotation(call, agent)  # before the call's KV is stored
             segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             with charging(call.tally, "audit"):
                 audit = self.auditor.audit(call.plan, call.pre.logits, agent)
@@ -254,6 +254,18 @@ class CallSteps:
                     call.framed = (call.framed[0] + done, call.framed[1] + seconds)
             self.parts.remember()
             return segment, audit_kl
+
+    def check_rerotation(self, call: PreparedCall, agent: str) -> None:
+        """The call's re-rotation check (:mod:`.rerotation_check`), once, where due: at its keep,
+        or earlier when a sibling is about to read what it computed (:mod:`.in_flight`), so that
+        the check never finds the call's own KV in the store. Under the engine lock."""
+        check = self.parts.rerotation_check
+        if call.rerotation_checked or check is None:
+            return
+        call.rerotation_checked = True
+        if check.due(call.plan, agent):
+            with charging(call.tally, "audit"):
+                check.check(call.layout, call.pre.logits, agent)
 
     def capture_call(self, call: PreparedCall, messages: Messages, agent: str, ids: list[int],
                      reply: str) -> Optional[SegmentRef]:

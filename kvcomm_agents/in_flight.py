@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -28,6 +28,9 @@ from .capture import CallCapture
 from .engines import hf
 from .plan import CallPlan
 from .prompt import PromptLayout
+
+if TYPE_CHECKING:
+    from .call import PreparedCall
 
 __all__ = ["CallsInFlight"]
 
@@ -41,6 +44,7 @@ class _InFlight:
     cache: object  # the call's DynamicCache, growing as it decodes
     slot_positions: torch.Tensor  # [C] prompt position of each of the prompt's cache slots
     roles: Roles
+    before_shared: Callable[[], None]  # run once before anything of the call is kept for others
     prefix_shared: bool = False
     messages_shared: bool = False
 
@@ -67,9 +71,11 @@ class CallsInFlight:
         with self._lock:
             return len(self._calls)
 
-    def add(self, layout: PromptLayout, plan: CallPlan, pre: hf.Prefill, roles: Roles) -> Callable[[], None]:
-        """Register a call right after its prefill; returns what takes it off (at the call's end)."""
-        entry = _InFlight(layout, plan, pre.cache, pre.slot_positions, roles)
+    def add(self, call: "PreparedCall", roles: Roles, before_shared: Callable[[], None] = lambda: None) -> Callable[[], None]:
+        """Register a :class:`~kvcomm_agents.call.PreparedCall` right after its prefill; returns
+        what takes it off (at the call's end). ``before_shared``: what must run before any of its
+        KV is kept for others (its re-rotation check, which must not find the call's own KV)."""
+        entry = _InFlight(call.layout, call.plan, call.pre.cache, call.pre.slot_positions, roles, before_shared)
         with self._lock:
             self._calls.append(entry)
 
@@ -84,20 +90,23 @@ class CallsInFlight:
         computed that it could reuse. Run under the engine lock (no call decodes meanwhile)."""
         with self._lock:
             calls = list(self._calls)
+        held = self.capture.store.longest_prefix(ids, self.capture.fingerprint) if calls else None
         for call in calls:
-            self._share_prefix(call, ids)
+            self._share_prefix(call, ids, held[1] if held is not None else 0)
             if not call.messages_shared and self.capture.keeps_segments:
+                call.before_shared()
                 call.messages_shared = True
                 self.capture.capture_messages(call.layout, call.roles, call.plan, call.kv_at())
 
-    def _share_prefix(self, call: _InFlight, ids: torch.Tensor) -> None:
+    def _share_prefix(self, call: _InFlight, ids: torch.Tensor, held: int) -> None:
+        """Keep ``call``'s exact prompt KV as a prefix where ``ids`` begin like it for at least
+        ``min_gain`` ids more than the ``held`` ids the store already serves them."""
         if call.prefix_shared:
             return
-        exact = call.plan.first_rerotated()
-        n = min(exact, ids.numel())
+        n = min(call.plan.first_rerotated(), ids.numel())
         same = call.plan.prompt_ids[:n].cpu() == ids[:n].cpu()
         common = int(same.logical_not().nonzero()[0, 0]) if not bool(same.all()) else n
-        held = self.capture.store.longest_prefix(ids, self.capture.fingerprint)
-        if common - (held[1] if held is not None else 0) >= self.min_gain:
+        if common - held >= self.min_gain:
+            call.before_shared()
             call.prefix_shared = True  # the whole exact part, once: later siblings share it too
             self.capture.store_prefix(call.plan, [], call.kv_at())

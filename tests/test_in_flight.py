@@ -83,3 +83,25 @@ def test_a_dense_engine_shares_nothing(llama, tokenizer):
     next(stream)
     assert len(engine._calls.in_flight) == 0
     finish(stream)
+
+
+def test_a_call_read_while_it_decodes_is_checked_before_and_never_against_its_own_kv(llama, tokenizer):
+    def engine_with_the_document():
+        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(remember_measurements=False))
+        engine.add_segment(f"Document:\n{DOCUMENT}\n\nQuestion: When does it open on Saturdays?", kind=("user", None))
+        return engine
+
+    first = sibling("You are an analyst.", "When does it open on Saturdays?")
+    alone = engine_with_the_document()
+    alone.chat(first, agent="one", max_new_tokens=4)  # computed, then its re-rotation checked at its keep
+    expected = alone.anchors.tracker.rerotation_samples("one")
+    assert len(expected) == 1
+
+    engine = engine_with_the_document()
+    stream = engine.stream(first, agent="one", max_new_tokens=4)
+    next(stream)
+    engine.chat(sibling("You are an analyst.", "How many books?"), agent="two", max_new_tokens=2)
+    # checked when the sibling came, before its prompt was kept as a prefix the check would find whole
+    assert engine.anchors.tracker.rerotation_samples("one") == pytest.approx(expected, abs=1e-6)
+    finish(stream)
+    assert engine.anchors.tracker.rerotation_samples("one") == pytest.approx(expected, abs=1e-6)  # once
