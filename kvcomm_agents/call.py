@@ -141,7 +141,7 @@ class CallSteps:
                 call = PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
                                     done - hooked - align_s, framing, tally=tally)
                 if self.config.reuse and self.info.sliding_window is None:
-                    held.callback(self.in_flight.add(call, message_roles(messages),
+                    held.callback(self.in_flight.add(layout, plan, pre, message_roles(messages),
                                                      before_shared=lambda: self.check_rerotation(call, agent)))
             yield call
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,9 +28,6 @@ from .capture import CallCapture
 from .engines import hf
 from .plan import CallPlan
 from .prompt import PromptLayout
-
-if TYPE_CHECKING:
-    from .call import PreparedCall
 
 __all__ = ["CallsInFlight"]
 
@@ -71,11 +68,12 @@ class CallsInFlight:
         with self._lock:
             return len(self._calls)
 
-    def add(self, call: "PreparedCall", roles: Roles, before_shared: Callable[[], None] = lambda: None) -> Callable[[], None]:
-        """Register a :class:`~kvcomm_agents.call.PreparedCall` right after its prefill; returns
+    def add(self, layout: PromptLayout, plan: CallPlan, pre: hf.Prefill, roles: Roles,
+            before_shared: Callable[[], None] = lambda: None) -> Callable[[], None]:
+        """Register a call right after its prefill (its prompt, plan and filled cache); returns
         what takes it off (at the call's end). ``before_shared``: what must run before any of its
         KV is kept for others (its re-rotation check, which must not find the call's own KV)."""
-        entry = _InFlight(call.layout, call.plan, call.pre.cache, call.pre.slot_positions, roles, before_shared)
+        entry = _InFlight(layout, plan, pre.cache, pre.slot_positions, roles, before_shared)
         with self._lock:
             self._calls.append(entry)
 

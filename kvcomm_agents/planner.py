@@ -183,9 +183,9 @@ class _RunDecider:
         if not runs:
             return "prefilled", "stale" if occ.edited else "too_short", 0, None
         prefix_len, n = self.prefix_length, self.n
-        # (prompt start, segment start, length, whether it continues the exact prefix)
+        # (prompt start, segment start, length, ids of the run the exact prefix already holds)
         beyond_prefix = [(max(p, prefix_len), s + max(p, prefix_len) - p, p + length - max(p, prefix_len),
-                          p < prefix_len) for p, s, length in runs if p + length > prefix_len]
+                          max(0, prefix_len - p)) for p, s, length in runs if p + length > prefix_len]
         in_prefix = sum(min(p + length, prefix_len) - p for p, s, length in runs if p < prefix_len)
         verdict, gate = None, None
         head, short, tail = self.config.recompute_head, self.config.recompute_short_runs, self.config.recompute_tail
@@ -196,11 +196,11 @@ class _RunDecider:
             # versions are matched from the first reused token (after the computed head) and only
             # for runs that follow the segment's text without gaps (one context holds for all)
             contiguous = self._contiguous(occ.segment, beyond_prefix)
-            p0, s0, length0, continues0 = beyond_prefix[0]
+            p0, s0, length0, covered0 = beyond_prefix[0]
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
                 head = short = tail = 0  # a version computed after the same text: no change of context to repair
-            taken = self._taken(0, length0, continues0, head, short)
+            taken = self._taken(0, length0, covered0, head, short)
             first_p, first_s = p0 + taken, s0 + taken
             tokens = (first_s, end_s) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
@@ -227,9 +227,9 @@ class _RunDecider:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
                 return "prefilled", reason, in_prefix, gate  # the rest is computed
         reused = 0
-        for index, (p, s, length, continues_prefix) in enumerate(beyond_prefix):
+        for index, (p, s, length, covered) in enumerate(beyond_prefix):
             length = min(length, n - 1 - p)
-            taken = self._taken(index, length, continues_prefix, head, short)
+            taken = self._taken(index, length, covered, head, short)
             p, s, length = p + taken, s + taken, length - taken
             length -= (tailed := self._tail(index, p, length, tail))
             if length > 0:
@@ -244,17 +244,18 @@ class _RunDecider:
             return "prefilled", "short_run" if whole else "too_short", 0, gate
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
-    def _taken(self, index: int, length: int, continues_prefix: bool, head: int, short: int) -> int:
-        """Tokens computed in context at the start of run ``index`` (``length`` ids), for cheap
-        fidelity: none where it continues an exact prefix that holds them (a repeated prompt then
-        reuses what it reused); the first run's with ``head`` and ``short`` (zero where a
-        version fits it), a later run's with the config's (the ids before it, a gap's, computed,
-        are not the version's)."""
-        if continues_prefix:
-            return 0
+    def _taken(self, index: int, length: int, covered: int, head: int, short: int) -> int:
+        """Tokens at the start of run ``index`` (``length`` ids after the exact prefix) computed in
+        context: its head counted from the run's start, less the ``covered`` ids the exact prefix
+        holds. A repeated prompt, whose prefix holds the head its last call computed, computes
+        nothing more; a prefix holding a run's first ids because an earlier prompt began that text
+        with the same words leaves the rest of the head, or of a short run, to compute (served
+        re-rotated, such a short reply measured KL 0.016-0.018 on the parallel branches'
+        aggregator, dev range). The first run's ``head`` and ``short`` (zero where a version fits
+        it), a later run's the config's."""
         if index:
             head, short = self.config.recompute_head, self.config.recompute_short_runs
-        return computed_head(head, length, short)
+        return max(0, computed_head(head, covered + length, short) - covered)
 
     def _tail(self, index: int, start: int, length: int, tail: int) -> int:
         """Tokens at the end of run ``index`` (``length`` left after its head, from ``start``)
@@ -265,9 +266,9 @@ class _RunDecider:
             return 0
         return max(0, min(self.config.recompute_tail if index else tail, length))
 
-    def _computed_whole(self, runs: list[tuple[int, int, int, bool]], head: int, short: int, tail: int) -> bool:
-        """Whether every one of ``runs`` (prompt start, segment start, length, whether it
-        continues the exact prefix) is computed whole (:meth:`_taken`, :meth:`_tail`). The gate's
+    def _computed_whole(self, runs: list[tuple[int, int, int, int]], head: int, short: int, tail: int) -> bool:
+        """Whether every one of ``runs`` (prompt start, segment start, length, ids of it the
+        exact prefix holds) is computed whole (:meth:`_taken`, :meth:`_tail`). The gate's
         refusal of such a segment computes it and records it as an anchor, but not everything
         after it (``dense_from``): that would cost the later segments' reuse for text computed anyway."""
         lengths = [min(length, self.n - 1 - p) for p, _, length, _ in runs]
@@ -284,7 +285,7 @@ class _RunDecider:
             return None  # its KV attended to exact text where this prompt holds approximate KV
         return verdict
 
-    def _contiguous(self, segment: KVSegment, runs: list[tuple[int, int, int, bool]]) -> bool:
+    def _contiguous(self, segment: KVSegment, runs: list[tuple[int, int, int, int]]) -> bool:
         """Whether ``runs`` (prompt start, segment start, length, ...) follow each other through
         the segment: without gaps, or (given the tokenizer's texts) with gaps where the prompt
         holds the segment's text in other ids, a split the model generated and the tokenizer

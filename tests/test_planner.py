@@ -109,3 +109,25 @@ def test_short_approximate_runs_are_computed_whole():
     assert computed_head(16, 0) == 0 and computed_head(0, 500) == 0
     assert computed_head(16, 500) == 16 and computed_head(16, 10) == 10  # a run within the head: whole
     assert computed_head(16, 64, 64) == 64 and computed_head(16, 65, 64) == 16
+
+
+def test_a_prefix_holding_a_runs_first_ids_by_chance_leaves_its_head_and_short_runs_to_compute():
+    store, layout, config, reply, _ = setup(recompute_head=16, recompute_short_runs=64)
+    start = next(d.span[0] for d in plan_call(layout, store=store, fingerprint="m", config=config).decisions
+                 if d.segment.id == reply.id)
+    # an earlier prompt began the reply's text with the same three ids, then went on otherwise
+    held = torch.cat([layout.ids[: start + 3], torch.tensor([7, 7, 7])])
+    store.put_prefix(held, KVBlock.stacked(torch.zeros(2, 1, held.numel(), 4), torch.zeros(2, 1, held.numel(), 4)), "m")
+    plan = plan_call(layout, store=store, fingerprint="m", config=config)
+    assert plan.prefix_length == start + 3
+    assert not any(run.segment.id == reply.id for run in plan.runs)  # the short reply: computed in context
+    partition(plan)
+    heads = config.model_copy(update={"recompute_short_runs": 0, "recompute_head": 5})  # the reply outlasts its head
+    (run,) = [r for r in plan_call(layout, store=store, fingerprint="m", config=heads).runs if r.segment.id == reply.id]
+    assert run.prompt_start == start + 5 and run.head == 2  # the head counted from the run's start
+    # a repeated prompt whose prefix holds the head its last call computed computes nothing more
+    store.put_prefix(layout.ids[: start + 5], KVBlock.stacked(torch.zeros(2, 1, start + 5, 4),
+                                                              torch.zeros(2, 1, start + 5, 4)), "m")
+    again = plan_call(layout, store=store, fingerprint="m", config=heads)
+    (run,) = [r for r in again.runs if r.segment.id == reply.id]
+    assert again.prefix_length == start + 5 and run.prompt_start == start + 5 and run.head == 0
