@@ -65,6 +65,7 @@ class PreparedCall:
     steps_s: float = 0.0  # their seconds (what the reply copies riding on them are measured by)
     tally: ForwardTally = field(default_factory=ForwardTally)  # every token the call forwards, by purpose
     rerotation_checked: bool = False  # its re-rotation check ran (at its keep, or before a sibling read it)
+    fingerprint: str = ""  # the model's when it prefilled: nothing of it is kept under other weights
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class CallSteps:
             with self.lock, torch.inference_mode(), charging(tally, "prompt"):  # anchor tensors are inference tensors
                 if self.weights.changed():
                     self.parts.refresh_weights()
-                if self.config.reuse and reuse is not False:
+                if self.config.reuse and reuse is not False and agent not in self.config.dense_agents:
                     self.in_flight.share_with(layout.ids)
                 plan = self.plan(layout, agent, reuse, new_tokens)
                 planned = time.perf_counter()
@@ -139,7 +140,7 @@ class CallSteps:
                 framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
                                                new_tokens, self.device, calibrating=self.calibrating.active)
                 call = PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
-                                    done - hooked - align_s, framing, tally=tally)
+                                    done - hooked - align_s, framing, tally=tally, fingerprint=self.info.fingerprint)
                 if self.config.reuse and self.info.sliding_window is None:
                     held.callback(self.in_flight.add(layout, plan, pre, message_roles(messages),
                                                      before_shared=lambda: self.check_rerotation(call, agent)))
@@ -258,7 +259,8 @@ class CallSteps:
     def check_rerotation(self, call: PreparedCall, agent: str) -> None:
         """The call's re-rotation check (:mod:`.rerotation_check`), once, where due: at its keep,
         or earlier when a sibling is about to read what it computed (:mod:`.in_flight`), so that
-        the check never finds the call's own KV in the store. Under the engine lock."""
+        the check never finds the call's own KV in the store (a check not due then is not taken
+        later). Under the engine lock."""
         check = self.parts.rerotation_check
         if call.rerotation_checked or check is None:
             return
@@ -270,12 +272,16 @@ class CallSteps:
     def capture_call(self, call: PreparedCall, messages: Messages, agent: str, ids: list[int],
                      reply: str) -> Optional[SegmentRef]:
         """Keep what the call computed (:meth:`~kvcomm_agents.capture.CallCapture.keep_call`) from
-        the sender's own cache slots; nothing where a sliding window dropped early KV."""
+        the sender's own cache slots; nothing where a sliding window dropped early KV or the
+        weights changed since its prefill."""
         plan, cache = call.plan, call.pre.cache
         n = plan.num_prompt
         generated = ids[:-1]  # the last generated id was never fed: it has no KV
         slots = (call.framing.slot_positions(0) if call.framing is not None  # the framed copies' slots: -1
                  else torch.cat([call.pre.slot_positions, torch.arange(n, n + len(generated))]))
+        if call.fingerprint != self.info.fingerprint:  # the weights changed while it answered
+            logger.debug("weights changed during the call; nothing kept")
+            return None
         if hf.num_cached(cache) != slots.numel():  # a sliding window dropped early KV
             logger.debug("cache holds %d of %d tokens; nothing kept", hf.num_cached(cache), slots.numel())
             return None

@@ -5,19 +5,22 @@ threads, so sibling agents call one engine together: each plans while the others
 any of them has kept its prompt's KV (a call keeps it after its reply, :mod:`.capture`).
 Planned against the store alone, siblings reading the same document, or prompts that begin
 alike, would all compute it. A call past its prefill is registered here, and a call about to
-plan first takes from the calls in flight what its prompt could reuse of theirs:
+plan first keeps, from the calls in flight (of the same weights), what their own keep would:
 
 - the exact KV of their prompt's beginning where its own prompt begins alike (kept as an exact
   prefix: no approximation, the same entry their own keep would make, which then covers it);
 - the user and tool messages they saw first (kept as segments, as their keep would; re-rotated
   for a reader only under the usual trust rules, :mod:`.planner`).
 
-Both are copied from the in-flight call's cache when a later plan comes, never otherwise: a
-graph whose calls come one after another pays nothing here.
+Both are copied from the in-flight call's cache when a later plan comes (the prefix only where
+that plan's prompt begins alike), never otherwise: a graph whose calls come one after another
+pays nothing here. The copies and the sibling's re-rotation check then run in the planning
+call's time. Engines without holes (the paged broker, vLLM) do not take part.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -31,6 +34,8 @@ from .prompt import PromptLayout
 
 __all__ = ["CallsInFlight"]
 
+logger = logging.getLogger("kvcomm_agents")
+
 Roles = list[tuple[Optional[str], Optional[str]]]  # per message: (role, tool or speaker name)
 
 
@@ -41,6 +46,7 @@ class _InFlight:
     cache: object  # the call's DynamicCache, growing as it decodes
     slot_positions: torch.Tensor  # [C] prompt position of each of the prompt's cache slots
     roles: Roles
+    fingerprint: str  # the model's when the call prefilled: its KV is never kept under another
     before_shared: Callable[[], None]  # run once before anything of the call is kept for others
     prefix_shared: bool = False
     messages_shared: bool = False
@@ -62,7 +68,7 @@ class CallsInFlight:
     def __init__(self, capture: CallCapture, min_gain: int = 16) -> None:
         self.capture, self.min_gain = capture, min_gain
         self._calls: list[_InFlight] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # remove() may run from a collected stream's cleanup while held
 
     def __len__(self) -> int:
         with self._lock:
@@ -73,7 +79,7 @@ class CallsInFlight:
         """Register a call right after its prefill (its prompt, plan and filled cache); returns
         what takes it off (at the call's end). ``before_shared``: what must run before any of its
         KV is kept for others (its re-rotation check, which must not find the call's own KV)."""
-        entry = _InFlight(layout, plan, pre.cache, pre.slot_positions, roles, before_shared)
+        entry = _InFlight(layout, plan, pre.cache, pre.slot_positions, roles, self.capture.fingerprint, before_shared)
         with self._lock:
             self._calls.append(entry)
 
@@ -84,27 +90,36 @@ class CallsInFlight:
         return remove
 
     def share_with(self, ids: torch.Tensor) -> None:
-        """Before planning a prompt of ``ids`` (``[T]`` int64): keep what the calls in flight
-        computed that it could reuse. Run under the engine lock (no call decodes meanwhile)."""
+        """Before planning a prompt of ``ids`` (``[T]`` int64): keep the exact beginning it shares
+        with a call in flight, and the messages those calls saw first (as their own keep would).
+        Run under the engine lock (no call decodes meanwhile). Sharing only saves work: a call
+        whose KV cannot be read or kept is skipped (logged), never failing the call planned."""
         with self._lock:
-            calls = list(self._calls)
+            calls = [c for c in self._calls if c.fingerprint == self.capture.fingerprint]  # weights unchanged
         held = self.capture.store.longest_prefix(ids, self.capture.fingerprint) if calls else None
+        held_ids = held[1] if held is not None else 0
         for call in calls:
-            self._share_prefix(call, ids, held[1] if held is not None else 0)
-            if not call.messages_shared and self.capture.keeps_segments:
-                call.before_shared()
-                call.messages_shared = True
-                self.capture.capture_messages(call.layout, call.roles, call.plan, call.kv_at())
+            try:
+                held_ids = max(held_ids, self._share_prefix(call, ids, held_ids))
+                if not call.messages_shared and self.capture.keeps_segments:
+                    call.before_shared()
+                    self.capture.capture_messages(call.layout, call.roles, call.plan, call.kv_at())
+                    call.messages_shared = True
+            except Exception:  # an optimisation: the sibling's own keep stores it later
+                logger.debug("a call in flight could not be shared", exc_info=True)
 
-    def _share_prefix(self, call: _InFlight, ids: torch.Tensor, held: int) -> None:
+    def _share_prefix(self, call: _InFlight, ids: torch.Tensor, held: int) -> int:
         """Keep ``call``'s exact prompt KV as a prefix where ``ids`` begin like it for at least
-        ``min_gain`` ids more than the ``held`` ids the store already serves them."""
+        ``min_gain`` ids more than the ``held`` ids the store already serves them; returns the
+        ids of ``ids`` it serves (0: nothing kept)."""
         if call.prefix_shared:
-            return
+            return 0
         n = min(call.plan.first_rerotated(), ids.numel())
         same = call.plan.prompt_ids[:n].cpu() == ids[:n].cpu()
         common = int(same.logical_not().nonzero()[0, 0]) if not bool(same.all()) else n
-        if common - held >= self.min_gain:
-            call.before_shared()
-            call.prefix_shared = True  # the whole exact part, once: later siblings share it too
-            self.capture.store_prefix(call.plan, [], call.kv_at())
+        if common - held < self.min_gain:
+            return 0
+        call.before_shared()
+        self.capture.store_prefix(call.plan, [], call.kv_at())
+        call.prefix_shared = True  # the whole exact part, once: later siblings share it too
+        return common
