@@ -107,15 +107,21 @@ def test_a_call_read_while_it_decodes_is_checked_before_and_never_against_its_ow
     assert engine.anchors.tracker.rerotation_samples("one") == pytest.approx(expected, abs=1e-6)  # once
 
 
-def test_a_call_in_flight_on_weights_since_changed_is_not_shared(tokenizer):
+def weights_changed_mid_call(tokenizer, seed: int):
+    """An engine on its own tiny Llama, a call paused mid-reply, then a weight written in place."""
     from kvcomm_agents.testing import tiny_llama
 
-    model = tiny_llama(tokenizer, seed=1)
+    model = tiny_llama(tokenizer, seed=seed)
     engine = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate"))
     stream = engine.stream(sibling("You are an analyst.", "When does it open?"), agent="a", max_new_tokens=4)
     next(stream)
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(1.01)
+    return engine, stream
+
+
+def test_a_call_in_flight_on_weights_since_changed_is_not_shared(tokenizer):
+    engine, stream = weights_changed_mid_call(tokenizer, seed=1)
     second = engine.replay(sibling("You are an analyst.", "How many books?"), agent="a",
                            reply_ids=[tokenizer.eos_token_id]).result
     assert second.stats.reused_tokens == 0  # the old weights' KV is never served under the new ones
@@ -136,14 +142,7 @@ def test_a_sibling_that_cannot_be_shared_costs_the_planned_call_nothing_but_the_
 
 
 def test_a_call_whose_weights_changed_while_it_answered_keeps_nothing(tokenizer):
-    from kvcomm_agents.testing import tiny_llama
-
-    model = tiny_llama(tokenizer, seed=2)
-    engine = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate"))
-    stream = engine.stream(sibling("You are an analyst.", "When does it open?"), agent="a", max_new_tokens=4)
-    next(stream)
-    with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.weight.mul_(1.01)
+    engine, stream = weights_changed_mid_call(tokenizer, seed=2)
     engine.refresh_fingerprint()
     result = finish(stream)
     assert result.segment is None and not prefixes(engine) and len(engine.store) == 0
