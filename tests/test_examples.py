@@ -3,7 +3,7 @@ the embedded model; see README), and the reporting helper sees every call."""
 
 from langchain_core.messages import HumanMessage
 
-from examples import langgraph_coding, langgraph_debate, langgraph_rag, langgraph_supervisor
+from examples import langgraph_coding, langgraph_debate, langgraph_fanout, langgraph_rag, langgraph_supervisor
 from examples.reporting import CallRecorder, print_agent_table
 from examples.sandbox import run_isolated
 from kvcomm_agents import KVCommEngine
@@ -30,6 +30,9 @@ def test_debate_supervisor_rag_and_coding_graphs_run(llama, tokenizer, capsys):
     problem = langgraph_coding.load_problems(1)[0]
     out, rec = run(langgraph_coding.build_graph(model), {"problem": problem})
     assert out["report"].name == "tester" and isinstance(out["passed"], bool)
+    out, rec = run(langgraph_fanout.build_graph(model), {"page": langgraph_rag.stdlib_doc("json"), "answers": []})
+    assert sorted(c.agent for c in rec.calls) == ["analyst"] * 4 + ["writer"] and out["summary"] is not None
+    assert sum(c.prefix_tokens > 100 for c in rec.calls) == 3  # the page computed once, read by the others
     print_agent_table(rec.calls, rec.calls)
     assert "reuse rate" in capsys.readouterr().out
 
