@@ -18,8 +18,8 @@ standard-library module, about 400-700 tokens):
   and coding task; the aggregator (the coder) reads their notes.
 
 Strategies: dense, exact prefix, re-rotation only, the default with siblings planned against the
-store alone (``kvcomm-mean-no-siblings``: what the engine did before :mod:`kvcomm_agents.in_flight`),
-and the default.
+store alone (``kvcomm-mean-no-siblings``, switched off through the engine's seam: close to, not
+exactly, the engine before :mod:`kvcomm_agents.in_flight`), and the default.
 
     python -m benchmarks.parallel_branches [--split report] [--requests 4] [--warmup 1]
                                            [--shapes map,roles] [--reply-tokens 24]
@@ -48,7 +48,7 @@ from .graphs import humaneval_rows
 from .models import load
 from .strategies import build
 
-__all__ = ["SHAPES", "STRATEGIES", "run"]
+__all__ = ["STRATEGIES", "run", "summarize", "table", "described"]
 
 QUESTIONS = ("What does this module do, in one sentence?", "Name two functions it offers.",
              "What is one mistake a user of it could make?", "Which function would you use first, and why?")

@@ -26,7 +26,7 @@ from kvcomm_langgraph import ChatKVComm
 
 from .tasks import load_problems
 
-from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
+from .reporting import add_engine_arguments, paired_graphs, print_agent_table
 from .sandbox import run_isolated, run_sandboxed
 
 def extract_code(problem: dict, reply: str) -> str:
@@ -107,10 +107,7 @@ def main(argv=None) -> None:
     probe = run_sandboxed("pass", timeout=10)
     print("Model-written code runs on this machine, isolated by: " + "; ".join(probe.isolation)
           + (" (not in effect: " + "; ".join(probe.missing) + ")" if probe.missing else "") + ".")
-    reuse_engine, dense_engine = engines(config_from(args))
-    graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens))
-              for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
-    recorders = {name: CallRecorder() for name in graphs}
+    graphs, recorders = paired_graphs(build_graph, args)
     problems = load_problems(args.problems)
     same = passed = dense_passed = 0
     for i, problem in enumerate(problems, 1):

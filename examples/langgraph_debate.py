@@ -27,7 +27,7 @@ from .tasks import gold_answer, gsm8k_questions, last_number
 from kvcomm_agents import ReuseSummary
 from kvcomm_langgraph import ChatKVComm, kvcomm_agent
 
-from .reporting import (CallRecorder, add_engine_arguments, config_from, engines, print_agent_table,
+from .reporting import (CallRecorder, add_engine_arguments, config_from, paired_graphs, print_agent_table,
                         print_graph_totals)
 
 
@@ -73,16 +73,13 @@ def main(argv=None) -> None:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    reuse_engine, dense_engine = engines(config_from(args))
-    graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens), args.solvers)
-              for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
-    recorders = {name: CallRecorder() for name in graphs}
+    graphs, recorders = paired_graphs(lambda model: build_graph(model, args.solvers), args)
     warmup = {name: CallRecorder() for name in graphs}
     agree = correct = 0
     graphs_cost = {name: [] for name in graphs}  # per measured question: (wall s, tokens forwarded)
     questions = gsm8k_questions(args.questions)
     print(f"{len(questions)} GSM8K questions, {args.solvers} solvers + judge, greedy, max {args.max_tokens} tokens; "
-          f"method={reuse_engine.config.method}")
+          f"method={config_from(args).method}")
     for i, row in enumerate(questions, 1):
         finals = {}
         for name, graph in graphs.items():

@@ -23,8 +23,7 @@ from langgraph.types import Send
 
 from kvcomm_langgraph import ChatKVComm
 
-from .reporting import (CallRecorder, add_engine_arguments, config_from, engines, print_agent_table,
-                        print_graph_totals)
+from .reporting import add_engine_arguments, paired_graphs, print_agent_table, print_graph_totals
 from .tasks import stdlib_doc
 
 QUESTIONS = ("What does this module do, in one sentence?", "Name two functions it offers.",
@@ -66,10 +65,7 @@ def main(argv=None) -> None:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    reuse_engine, dense_engine = engines(config_from(args))
-    graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens))
-              for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
-    recorders = {name: CallRecorder() for name in graphs}
+    graphs, recorders = paired_graphs(build_graph, args)
     cost = {name: [] for name in graphs}  # per page: (wall s, tokens forwarded)
     same = 0
     pages = [PAGES[i % len(PAGES)] for i in range(args.pages)]

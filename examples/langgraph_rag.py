@@ -23,7 +23,7 @@ from kvcomm_langgraph import ChatKVComm
 
 from .tasks import stdlib_doc
 
-from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
+from .reporting import add_engine_arguments, paired_graphs, print_agent_table
 
 DOCUMENTED = ["json.dumps", "json.loads", "textwrap.shorten", "textwrap.dedent", "itertools.accumulate",
               "itertools.groupby", "os.path.join", "collections.Counter.most_common", "functools.lru_cache",
@@ -85,10 +85,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     corpus = {name: stdlib_doc(name) for name in DOCUMENTED}
-    reuse_engine, dense_engine = engines(config_from(args))
-    graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens), corpus)
-              for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
-    recorders = {name: CallRecorder() for name in graphs}
+    graphs, recorders = paired_graphs(lambda model: build_graph(model, corpus), args)
     questions = QUESTIONS[: args.questions]
     same = 0
     for i, question in enumerate(questions, 1):

@@ -22,7 +22,7 @@ from langgraph.types import Command
 from .tasks import gold_answer, gsm8k_questions, last_number
 from kvcomm_langgraph import ChatKVComm
 
-from .reporting import CallRecorder, add_engine_arguments, config_from, engines, print_agent_table
+from .reporting import add_engine_arguments, paired_graphs, print_agent_table
 
 ROLES = {
     "researcher": "You are the researcher. List the facts and numbers the problem gives, nothing else.",
@@ -69,10 +69,7 @@ def main(argv=None) -> None:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    reuse_engine, dense_engine = engines(config_from(args))
-    graphs = {name: build_graph(ChatKVComm(engine=engine, max_tokens=args.max_tokens))
-              for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
-    recorders = {name: CallRecorder() for name in graphs}
+    graphs, recorders = paired_graphs(build_graph, args)
     questions = gsm8k_questions(args.questions)
     agree = correct = 0
     for i, row in enumerate(questions, 1):

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, defaultdict
-from typing import Any
+from typing import Any, Callable
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.outputs import LLMResult
 
 from kvcomm_agents import CallStats, KVCommConfig, KVCommEngine, ReuseSummary
+from kvcomm_langgraph import ChatKVComm
 
-__all__ = ["CallRecorder", "engines", "print_agent_table", "print_graph_totals", "add_engine_arguments", "config_from"]
+__all__ = ["CallRecorder", "engines", "paired_graphs", "print_agent_table", "print_graph_totals", "add_engine_arguments", "config_from"]
 
 
 class CallRecorder(BaseCallbackHandler):
@@ -56,6 +57,16 @@ def engines(config: KVCommConfig | None = None) -> tuple[KVCommEngine, KVCommEng
         engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
         engine.store.clear()
     return reuse, dense
+
+
+def paired_graphs(build: Callable[[ChatKVComm], Any], args) -> tuple[dict, dict[str, CallRecorder]]:
+    """The example's graph on a reuse engine and on a dense one (:func:`engines`, the method from
+    ``args``), keyed ``"reuse"`` and ``"dense"``, with a :class:`CallRecorder` each;
+    ``build``: chat model -> compiled graph."""
+    reuse_engine, dense_engine = engines(config_from(args))
+    graphs = {name: build(ChatKVComm(engine=engine, max_tokens=args.max_tokens))
+              for name, engine in (("reuse", reuse_engine), ("dense", dense_engine))}
+    return graphs, {name: CallRecorder() for name in graphs}
 
 
 def _decisions(calls: list[CallStats]) -> str:

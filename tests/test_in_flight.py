@@ -35,9 +35,9 @@ def common_prefix(tokenizer, a: list[dict], b: list[dict]) -> int:
 
 
 @pytest.mark.parametrize("method", ["rerotate", "exact_prefix", "kvcomm"])
-def test_a_sibling_planned_while_another_decodes_reuses_its_prompt_beginning_exactly(llama, tokenizer, method):
-    engine = KVCommEngine(llama, tokenizer, config=mechanics(method=method))
-    dense = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+def test_a_sibling_planned_while_another_decodes_reuses_its_prompt_beginning_exactly(model, tokenizer, method):
+    engine = KVCommEngine(model, tokenizer, config=mechanics(method=method))  # both tiny families
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
     first = sibling("You are an analyst.", "When does it open on Saturdays?")
     second = sibling("You are an analyst.", "How many books may members borrow?")
     common = common_prefix(tokenizer, first, second)
@@ -55,8 +55,8 @@ def test_a_sibling_planned_while_another_decodes_reuses_its_prompt_beginning_exa
         [result.stats.prompt_tokens + result.stats.generated_tokens - 1, served.result.stats.prompt_tokens])
 
 
-def test_a_sibling_with_another_system_prompt_reads_the_document_a_decoding_call_saw_first(llama, tokenizer, make_engine):
-    engine = make_engine(llama)  # re-rotation only: reuses whatever it finds
+def test_a_sibling_with_another_system_prompt_reads_the_document_a_decoding_call_saw_first(model, tokenizer, make_engine):
+    engine = make_engine(model)  # re-rotation only: reuses whatever it finds
     stream = engine.stream(sibling("You are analyst one.", "When does it open?"), agent="one", max_new_tokens=6)
     next(stream)
     second = engine.replay(sibling("You are the second analyst, a careful reader.", "How many books?"),
