@@ -37,11 +37,15 @@ def references(workload: Workload, model, tokenizer, path: Path, *, progress: Ca
     missing = [r for r in workload.requests if r.key not in refs]
     progress(len(workload.requests) - len(missing))
     eos = _eos_ids(model, tokenizer) | (set(tokenizer.all_special_ids) if workload.exact_replies else set())
-    for i in range(0, len(missing), batch_size):
-        chunk = missing[i:i + batch_size]
-        refs.update(_batched_replies(chunk, workload.reply_tokens, workload.exact_replies, eos, model, tokenizer))
-        _save(refs, path)
-        progress(len(chunk))
+    teams: dict[int, list] = {}  # a batch runs agent by agent: one team size per batch
+    for r in missing:
+        teams.setdefault(len(r.agents), []).append(r)
+    for team in teams.values():
+        for i in range(0, len(team), batch_size):
+            chunk = team[i:i + batch_size]
+            refs.update(_batched_replies(chunk, workload.reply_tokens, workload.exact_replies, eos, model, tokenizer))
+            _save(refs, path)
+            progress(len(chunk))
     return refs
 
 

@@ -35,6 +35,8 @@ they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's fi
 served on other receivers' samples audited, ``experimental.audit_new_readers``), ``kvcomm-trust-clear`` /
 ``kvcomm-trust-audited`` (re-rotation trusted on two samples within the KL budget or one within
 a quarter of it, or before any with the first calls so served audited: ``experimental.rerotation_trust``),
+``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
+measured, ``experimental.short_rerotation_sample=False``),
 ``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
 reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
 ``--remembered FOLDER``, writing its own there: ``remember_measurements``); any engine strategy + ``-head-N`` (the first N
@@ -68,6 +70,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
+         "kvcomm-no-short-sample",
          "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
@@ -208,6 +211,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                                "experimental": ExperimentalSettings(rerotation_trust="clear_sample")},
         "kvcomm-trust-audited": {"method": "kvcomm", "gamma": gamma,
                                  "experimental": ExperimentalSettings(rerotation_trust="audited")},
+        "kvcomm-no-short-sample": {"method": "kvcomm", "gamma": gamma,
+                                   "experimental": ExperimentalSettings(short_rerotation_sample=False)},
         # the default remembering what earlier engines measured (the folder: ``build(remembered=...)``)
         "kvcomm-remembered": {"method": "kvcomm", "gamma": gamma},
         # the default, then CacheBlend-style recompute of the reused tokens that deviate most

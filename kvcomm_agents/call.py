@@ -122,6 +122,7 @@ class CallSteps:
                     self.parts.refresh_weights()
                 if self.config.reuse and reuse is not False and agent not in self.config.dense_agents:
                     self.in_flight.share_with(layout.ids)
+                    self.short_sample(layout, agent, tally)
                 plan = self.plan(layout, agent, reuse, new_tokens)
                 planned = time.perf_counter()
                 hooked = planned  # hook_s is 0.0 when no hook ran
@@ -145,6 +146,16 @@ class CallSteps:
                     held.callback(self.in_flight.add(layout, plan, pre, message_roles(messages),
                                                      before_shared=lambda: self.check_rerotation(call, agent)))
             yield call
+
+    def short_sample(self, layout: PromptLayout, agent: str, tally: ForwardTally) -> None:
+        """Before the model's first re-rotation sample, measure re-rotation on ``layout`` cut
+        short (:meth:`~kvcomm_agents.rerotation_check.RerotationCheck.short_sample`, charged to
+        the call as audit tokens): where it is clear, the call is planned re-rotated instead of
+        computing its shared text to be measured. Under the engine lock, before the plan."""
+        check = self.parts.rerotation_check
+        if check is not None and self.info.sliding_window is None and check.short_sample_due(agent):
+            with charging(tally, "audit"):
+                check.short_sample(layout, agent)
 
     def plan(self, layout: PromptLayout, agent: str, reuse: Optional[bool], new_tokens: int) -> CallPlan:
         """The call's plan (:func:`~kvcomm_agents.planner.plan_call`), or dense with the reason

@@ -84,6 +84,9 @@ class ExperimentalSettings(BaseModel):
             "(benchmarks/LAB.md, 'Re-rotation trusted on one sample')."
         ),
     )
+    short_rerotation_sample: bool = Field(default=True, description=(
+        "Before the model's first re-rotation sample, measure re-rotation on the reader's prompt with "
+        "its long reused runs cut to 128 ids; within a quarter of the KL budget, serve it re-rotated."))
     audit_new_readers: bool = Field(
         default=False,
         description=(

@@ -9,6 +9,12 @@ re-rotated would have cost (:meth:`.anchors.tracker.OffsetTracker.record_rerotat
 reuse prefill (only the tokens re-rotation computes), charged to the call as audit tokens, and
 only until the receiver has ``min_samples`` samples: a dense audit costs a whole prefill and
 answers only for calls that already reused.
+
+Before the model has any sample, a reader of a long shared text would compute it whole just to
+be measured. A *short sample* (``experimental.short_rerotation_sample``) measures the same on the
+reader's prompt with every long reused run cut to its first :data:`SHORT_SAMPLE_IDS` ids, dense
+against re-rotated, before the call is planned; within :data:`SHORT_SAMPLE_MARGIN` of the budget
+it is the receiver's first sample, and the reader itself is served re-rotated.
 """
 
 from __future__ import annotations
@@ -29,7 +35,17 @@ from .prefill_cost import PrefillCost
 from .planner import plan_call
 from .prompt import PromptLayout
 
-__all__ = ["RerotationCheck"]
+__all__ = ["RerotationCheck", "SHORT_SAMPLE_IDS", "SHORT_SAMPLE_MARGIN", "cut_runs"]
+
+#: Ids a short sample keeps of each long reused run: the cut run is still re-rotated past its
+#: 16-id computed head and the 64-id short-run rule. On the development range (128 against 256)
+#: both tracked the whole check alike, 128 at half the cost (``benchmarks/short_samples.py``).
+SHORT_SAMPLE_IDS = 128
+#: A short sample trusts re-rotation only at this share of the KL budget or less: it is a proxy
+#: (37 reader prompts of the development range: 0.3x to 15x the whole prompt's KL, below it on 8;
+#: where a sample was that clear, 32 of them, the whole prompt read 0.0072 or less, half the
+#: default budget).
+SHORT_SAMPLE_MARGIN = 0.25
 
 
 class RerotationCheck:
@@ -53,6 +69,7 @@ class RerotationCheck:
         self.store, self.fingerprint, self.anchors = store, fingerprint, anchors
         self.prefill_cost = prefill_cost
         self._rerotate = config.model_copy(update={"method": "rerotate", "dense_when_cheaper": False})
+        self._short_sampled: set[str] = set()  # fingerprints a short sample was taken under (one each)
 
     def due(self, plan: CallPlan, agent: str) -> bool:
         """Whether ``plan``'s call should be checked: KVCOMM with a KL budget and audits on,
@@ -79,3 +96,60 @@ class RerotationCheck:
         kl = first_token_kl(logits, pre.logits)
         self.anchors.tracker.record_rerotated(agent, kl)
         return kl
+
+    def short_sample_due(self, agent: str) -> bool:
+        """Whether a short sample may be taken before ``agent``'s call is planned: KVCOMM with
+        a KL budget and audits on, ``experimental.short_rerotation_sample``, anchors learning, no
+        re-rotation sample on this model yet (remembered ones count), and none taken under these
+        weights."""
+        c, tracker = self.config, self.anchors.tracker
+        return (c.measures_rerotation and c.experimental.short_rerotation_sample and self.rotator is not None
+                and not self.anchors.frozen and self.fingerprint not in self._short_sampled
+                and not tracker.trust_unmeasured  # rerotation_trust="audited" serves before any sample
+                and not tracker.pooled_rerotation_samples() and tracker.wants_rerotation_sample(agent))
+
+    def short_sample(self, layout: PromptLayout, agent: str) -> Optional[float]:
+        """Measure re-rotation on ``layout`` with its long reused runs cut (:func:`cut_runs`):
+        ``KL(dense || re-rotated)`` on the first token of the cut prompt, both prefilled here.
+        Recorded as ``agent``'s re-rotation sample where within :data:`SHORT_SAMPLE_MARGIN` of
+        the budget; returns it, or None where nothing was forwarded (no run longer than
+        :data:`SHORT_SAMPLE_IDS`, or a sample costing more than half the whole check: the
+        reader's dense prefill and its re-rotated one)."""
+        whole = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
+        cut = cut_runs(whole.prompt_ids, whole.runs, SHORT_SAMPLE_IDS)
+        if cut is None:
+            return None
+        short = plan_call(PromptLayout.of_ids(cut), store=self.store, fingerprint=self.fingerprint,
+                          config=self._rerotate, agent=agent)
+        if not short.runs or 2 * _check_ids(short) > _check_ids(whole):
+            return None
+        self._short_sampled.add(self.fingerprint)
+        dense = hf.prefill(self.model, short.prompt_ids, torch.arange(short.num_prompt))
+        reused = hf.prefill(self.model, short.prompt_ids, short.computed_positions(), assemble(short, self.rotator),
+                            short.reused_positions(), masked=True)
+        kl = first_token_kl(dense.logits, reused.logits)
+        if kl <= SHORT_SAMPLE_MARGIN * self.config.kl_budget:
+            self.anchors.tracker.record_rerotated(agent, kl)
+        return kl
+
+
+def _check_ids(plan: CallPlan) -> int:
+    """Ids a check of ``plan``'s prompt forwards: a dense prefill and the re-rotated one."""
+    return 2 * plan.num_prompt - plan.reused_tokens
+
+
+def cut_runs(ids: torch.Tensor, runs, length: int) -> Optional[torch.Tensor]:
+    """``ids`` (``[N]``) with every reused run longer than ``length`` cut to its first
+    ``length`` ids, the ids after the run following at once: a prompt whose reused KV deviates
+    as the whole one's does near each run's start (the KV of a run's first ids depends on
+    nothing after them). ``runs``: a plan's :class:`~kvcomm_agents.plan.ReusedRun` list, sorted.
+    None where no run is that long."""
+    keep, start = [], 0
+    for run in runs:
+        if run.length > length:
+            keep.append(ids[start:run.prompt_start + length])
+            start = run.prompt_start + run.length
+    if not keep:
+        return None
+    keep.append(ids[start:])
+    return torch.cat(keep)
