@@ -28,6 +28,7 @@ from .anchors import KVCommAnchors
 from .config import KVCommConfig
 from .engines import hf
 from .fidelity import first_token_kl
+from .kv.block import KVBlock
 from .kv.rope import RopeRotator
 from .kv.store import SegmentStore
 from .plan import CallPlan
@@ -121,12 +122,17 @@ class RerotationCheck:
             return None
         short = plan_call(PromptLayout.of_ids(cut), store=self.store, fingerprint=self.fingerprint,
                           config=self._rerotate, agent=agent)
-        if not short.runs or 2 * _check_ids(short) > _check_ids(whole):
+        if not short.runs or 2 * _sample_ids(short) > _check_ids(whole):
             return None
         self._short_sampled.add(self.fingerprint)
-        dense = hf.prefill(self.model, short.prompt_ids, torch.arange(short.num_prompt))
-        reused = hf.prefill(self.model, short.prompt_ids, short.computed_positions(), assemble(short, self.rotator),
-                            short.reused_positions(), masked=True)
+        n, lead = short.num_prompt, _lead(short)
+        dense = hf.prefill(self.model, short.prompt_ids, torch.arange(n))
+        # the ids before the first reused one are computed alike in both: their dense KV is reused
+        block = KVBlock.cat([hf.kv_at_positions(dense.cache, torch.arange(n), torch.arange(lead)),
+                             assemble(short, self.rotator)]) if lead else assemble(short, self.rotator)
+        computed = short.computed_positions()
+        reused = hf.prefill(self.model, short.prompt_ids, computed[computed >= lead], block,
+                            torch.cat([torch.arange(lead), short.reused_positions()]), masked=True)
         kl = first_token_kl(dense.logits, reused.logits)
         if kl <= SHORT_SAMPLE_MARGIN * self.config.kl_budget:
             self.anchors.tracker.record_rerotated(agent, kl)
@@ -136,6 +142,18 @@ class RerotationCheck:
 def _check_ids(plan: CallPlan) -> int:
     """Ids a check of ``plan``'s prompt forwards: a dense prefill and the re-rotated one."""
     return 2 * plan.num_prompt - plan.reused_tokens
+
+
+def _lead(plan: CallPlan) -> int:
+    """Prompt ids before ``plan``'s first reused one (all computed)."""
+    reused = plan.reused_positions()
+    return int(reused[0]) if reused.numel() else plan.num_prompt
+
+
+def _sample_ids(plan: CallPlan) -> int:
+    """Ids a short sample of ``plan``'s prompt forwards: a dense prefill, then the re-rotated
+    one past the lead the dense one computed alike."""
+    return _check_ids(plan) - _lead(plan)
 
 
 def cut_runs(ids: torch.Tensor, runs, length: int) -> Optional[torch.Tensor]:
