@@ -127,12 +127,15 @@ class RerotationCheck:
         self._short_sampled.add(self.fingerprint)
         n, lead = short.num_prompt, _lead(short)
         dense = hf.prefill(self.model, short.prompt_ids, torch.arange(n))
-        # the ids before the first reused one are computed alike in both: their dense KV is reused
-        block = KVBlock.cat([hf.kv_at_positions(dense.cache, torch.arange(n), torch.arange(lead)),
-                             assemble(short, self.rotator)]) if lead else assemble(short, self.rotator)
+        # the ids before the first re-rotated one (exact prefix, or computed in context) are the
+        # same KV in both prefills: the dense one's is reused, and the re-rotated runs follow it
+        positions = short.reused_positions()
+        assembled = assemble(short, self.rotator)
+        runs = assembled.window(int((positions < lead).sum()), assembled.num_tokens)
+        block = KVBlock.cat([hf.kv_at_positions(dense.cache, torch.arange(n), torch.arange(lead)), runs])
         computed = short.computed_positions()
         reused = hf.prefill(self.model, short.prompt_ids, computed[computed >= lead], block,
-                            torch.cat([torch.arange(lead), short.reused_positions()]), masked=True)
+                            torch.cat([torch.arange(lead), positions[positions >= lead]]), masked=True)
         kl = first_token_kl(dense.logits, reused.logits)
         if kl <= SHORT_SAMPLE_MARGIN * self.config.kl_budget:
             self.anchors.tracker.record_rerotated(agent, kl)
@@ -145,15 +148,18 @@ def _check_ids(plan: CallPlan) -> int:
 
 
 def _lead(plan: CallPlan) -> int:
-    """Prompt ids before ``plan``'s first reused one (all computed)."""
-    reused = plan.reused_positions()
-    return int(reused[0]) if reused.numel() else plan.num_prompt
+    """Prompt ids before ``plan``'s first re-rotated one: its exact prefix and the ids computed
+    in context after it."""
+    positions = plan.reused_positions()
+    runs = positions[positions >= plan.prefix_length]
+    return int(runs[0]) if runs.numel() else plan.num_prompt
 
 
 def _sample_ids(plan: CallPlan) -> int:
     """Ids a short sample of ``plan``'s prompt forwards: a dense prefill, then the re-rotated
     one past the lead the dense one computed alike."""
-    return _check_ids(plan) - _lead(plan)
+    computed = plan.computed_positions()
+    return plan.num_prompt + int((computed >= _lead(plan)).sum())
 
 
 def cut_runs(ids: torch.Tensor, runs, length: int) -> Optional[torch.Tensor]:
