@@ -114,8 +114,8 @@ class RerotationCheck:
         ``KL(dense || re-rotated)`` on the first token of the cut prompt, both prefilled here.
         Recorded as ``agent``'s re-rotation sample where within :data:`SHORT_SAMPLE_MARGIN` of
         the budget; returns it, or None where nothing was forwarded (no run longer than
-        :data:`SHORT_SAMPLE_IDS`, or a sample costing more than half the whole check: the
-        reader's dense prefill and its re-rotated one)."""
+        :data:`SHORT_SAMPLE_IDS`, or a sample forwarding more than half the ids of the whole
+        check: the reader's dense prefill and its re-rotated one)."""
         whole = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
         cut = cut_runs(whole.prompt_ids, whole.runs, SHORT_SAMPLE_IDS)
         if cut is None:
