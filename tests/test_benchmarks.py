@@ -362,3 +362,17 @@ def test_parallel_branches_charge_every_forward_and_siblings_compute_the_documen
     assert max(by["kvcomm-mean"]["branch_kl"]) < 1e-6 and len(by["kvcomm-mean"]["branch_kl"]) >= 4  # exact prefixes
     summary = pb.summarize(records)
     assert "| map | kvcomm-mean |" in pb.table(summary)
+
+
+def test_short_samples_measure_the_cut_prompt_beside_the_whole_one(tmp_path):
+    """``benchmarks/short_samples.py`` on the tiny model: each reader of (h)'s document gets the
+    whole check and a sample on its prompt cut to 128 ids of the document, far fewer ids."""
+    from benchmarks import short_samples
+
+    rows = short_samples.main(["--model", "random:tiny", "--phases", "h", "--requests", "1", "--lengths", "128",
+                               "--out", str(tmp_path / "short.json")])
+    assert len(rows) == 3 and json.loads((tmp_path / "short.json").read_text())
+    for row in rows:
+        short = row["short_128"]
+        assert row["kl"] > 0 and short["kl"] > 0
+        assert max(row["runs"]) > 1000 and short["ids"] < row["ids"] // 3
