@@ -21,7 +21,8 @@ class ForwardedTokens(BaseModel):
     decode: int = Field(default=0, description="Reply tokens fed back (decode steps, or a teacher-forced pass).")
     copies: int = Field(default=0, description="Copies of this call's reply and shared prompt text computed in "
                         "readers' framing, during the decode or after it.")
-    audit: int = Field(default=0, description="A dense audit's prefill and flipped pass.")
+    audit: int = Field(default=0, description=(
+        "A dense audit's prefill and flipped pass, a re-rotation check's prefill, a short first sample's two."))
 
     @property
     def total(self) -> int:
@@ -39,7 +40,9 @@ class CallStats(BaseModel):
     generated_tokens: int = 0
     ttft_s: float = Field(description="From entering chat to the first generated token id.")
     align_s: float = Field(description="Re-rotation, offsets and cache assembly.")
-    plan_s: float = Field(default=0.0, description="Rendering the prompt and planning reuse.")
+    plan_s: float = Field(default=0.0, description=(
+        "Rendering the prompt and planning reuse, with what runs before the plan: copies from calls in "
+        "flight, and an engine's short first re-rotation sample (its ids in forwarded.audit)."))
     prefill_s: float = Field(default=0.0, description="The prefill forward pass alone.")
     hook_s: float = Field(default=0.0, description="The engine's plan hook, if any (benchmark baselines).")
     recomputed_tokens: int = Field(
