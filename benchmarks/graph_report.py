@@ -10,7 +10,7 @@ from typing import Optional
 from .report import _order, summarize_calls
 
 __all__ = ["summarize_graphs", "summarize_decisions", "summarize_by_format", "format_graphs", "format_table",
-           "fastest_and_closest", "GRAPH_LEGEND"]
+           "fastest_and_closest", "noise_floor_readers", "noise_floor_line", "GRAPH_LEGEND"]
 
 
 def _graphs(records: list[dict]) -> dict[int, dict]:
@@ -107,6 +107,26 @@ def _everyones(records: list[dict]) -> set[int]:
 def _ratio_median(dense: dict[int, dict], graphs: dict[int, dict]) -> Optional[float]:
     ratios = [dense[q]["wall"] / g["wall"] for q, g in graphs.items() if q in dense and g["wall"] > 0]
     return statistics.median(ratios) if ratios else None
+
+
+def noise_floor_readers(records: list[dict]) -> Optional[dict]:
+    """The readers' (agents 2..N) first-token KL and 32-token agreement against dense for dense
+    itself run in another dtype (the noise-floor strategy, ``--noise-floor``): what a dtype change
+    alone moves, to read a strategy's KL against. None where it did not run; on (b) and (i) it
+    runs the deciding agent's calls only unless named there too (``calls`` says how many)."""
+    mine = [r for r in records if not r["warmup"] and r["strategy"].startswith("noise-floor") and r["agent_index"] > 1]
+    if not mine:
+        return None
+    calls = summarize_calls(mine)
+    return {"strategy": mine[0]["strategy"], "kl_mean": calls["kl_mean"], "agree_32": calls["agree_32"],
+            "calls": len(mine)}
+
+
+def noise_floor_line(floor: dict) -> str:
+    """One sentence on :func:`noise_floor_readers`' figures."""
+    return (f"Dense in {floor['strategy'].split('dense ')[-1].rstrip(')')}, the same reader calls (the noise floor: "
+            f"drift that is not reuse's): KL {_f(floor['kl_mean'], 'kl')}, 32-token agreement "
+            f"{_f(floor['agree_32'], 'pct')} ({floor['calls']} calls).")
 
 
 def summarize_decisions(answers: list[dict]) -> list[dict]:
@@ -270,6 +290,8 @@ def workload_tables(summary: dict) -> str:
                 f"{_label(name)} {_f(row['reader_ttft_speedup'], 'x')}, {_f(row['from_cache'], 'pct')}, "
                 f"{_f(row.get('kl'), 'kl')}"
                 for name, row in info["first_request"].items()) + ".")
+        if info.get("noise_floor"):
+            out.append("\n" + noise_floor_line(info["noise_floor"]))
         if info.get("by_format"):
             out.append("\nPer prompt format (graph × dense, readers' TTFT × dense, readers' KL):\n")
             out.append(format_table(info["by_format"]))

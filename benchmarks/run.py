@@ -29,8 +29,8 @@ import torch
 
 from . import measure, report
 from .graph import ModelMeter, run_graph
-from .graph_report import (GRAPH_LEGEND, fastest_and_closest, format_graphs, format_table, summarize_by_format,
-                           summarize_decisions, summarize_graphs)
+from .graph_report import (GRAPH_LEGEND, fastest_and_closest, format_graphs, format_table, noise_floor_line,
+                           noise_floor_readers, summarize_by_format, summarize_decisions, summarize_graphs)
 from .models import TINY, load
 from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor
 from .workloads import (Workload, changing_graph, coding_pipeline, fan_out, gsm8k_debate, gsm8k_one_message,
@@ -181,6 +181,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share,
                  "prompts": prompts_digest(workload), "e2e_timed": phase == "b-e2e" and ctx.args.e2e_timed,
                  "cold": ctx.args.cold, "remembered": None if ctx.args.remembered is None else str(ctx.args.remembered)}
+    if phase in ctx.args.noise_floor:
+        signature["noise_floor_readers"] = True
     signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
     path = ctx.out / f"phase_{phase}.json"
     if path.is_file() and not ctx.args.fresh:
@@ -204,8 +206,11 @@ def run_phase(ctx: Context, phase: str) -> dict:
             for strategy in strategies:  # an ablation named is compared on the decisions too
                 if strategy.name not in DECISION_STRATEGIES and strategy.name in DEFAULT_NAMES:
                     strategy.requests = everyone
-        if phase in DECIDING_PHASES and phase in ctx.profile.noise_floor and not ctx.args.cold:  # the drift that is not reuse's, same run
+        readers_floor = phase in ctx.args.noise_floor
+        deciders_floor = phase in DECIDING_PHASES and phase in ctx.profile.noise_floor and not ctx.args.cold
+        if readers_floor or deciders_floor:  # the drift that is not reuse's, same run
             floor = noise_floor(ctx.loaded.model, ctx.loaded.tokenizer, requests=range(warmup, len(workload.requests)))
+            floor.decider_only = not readers_floor
             ctx.meter.watch(floor.engine.model)
             strategies.append(floor)
         bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")
@@ -252,12 +257,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the folder kvcomm-remembered engines start from and write their re-rotation "
                              "measurements to (KVCommConfig.remember_measurements); every other strategy remembers "
                              "nothing: its run does not depend on what ran before it")
+    parser.add_argument("--noise-floor", default="",
+                        help="comma-separated phases on whose reader calls (measured requests) dense also runs in "
+                             "bfloat16: the readers' KL and agreement that a dtype change alone moves, beside the "
+                             "strategies' (KL only: not a graph row)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--summary", type=Path, default=None,
                         help="also write the run's summary (no per-call records) to this JSON file")
     args = parser.parse_args(argv)
     args.phases = [p for p in args.phases.split(",") if p]
     args.strategies = [s for s in args.strategies.split(",") if s]
+    args.noise_floor = [p for p in args.noise_floor.split(",") if p]
     for name in args.strategies:
         if not known(name):
             parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N' / '-short-N'")
@@ -266,7 +276,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "dense" not in args.strategies:
         parser.error("the dense strategy is the reference and must be included")
     args.strategies = ["dense"] + [s for s in args.strategies if s != "dense"]
-    for phase in args.phases:
+    for phase in args.phases + args.noise_floor:
         if phase not in PHASES:
             parser.error(f"unknown phase '{phase}'; known: {', '.join(PHASES)}")
     return args
@@ -306,7 +316,7 @@ def main(argv=None) -> dict:
             if phase != "b-e2e" else [], "answers": report.summarize_answers(saved["answers"])
             if phase == "b-e2e" else [], "warmup_cost": report.warmup_cost(saved["records"]),
             "first_request": report.first_request(saved["records"]), "concurrent": saved.get("concurrent", False),
-            "by_format": summarize_by_format(saved["records"])}
+            "by_format": summarize_by_format(saved["records"]), "noise_floor": noise_floor_readers(saved["records"])}
         if phase == "b-e2e" and not saved.get("concurrent"):
             results["phases"][phase]["pipeline_wall"] = measure.pipeline_wall_times(saved["records"])
         results["phases"][phase]["verdict"] = fastest_and_closest(results["phases"][phase]["graphs"]).get(phase)
@@ -334,7 +344,7 @@ def summary(results: dict) -> dict:
     """What the docs quote from a run: versions, profile, per phase the whole-graph rows, the
     decisions and the verdict (no per-call records)."""
     keep = ("title", "requests", "elapsed_s", "graphs", "decisions", "answers", "warmup_cost", "first_request",
-            "verdict", "pipeline_wall")
+            "verdict", "pipeline_wall", "noise_floor")
     return {k: results[k] for k in ("versions", "profile", "model", "dtype", "split", "cold", "remembered")
                                  if k in results} | {
         "phases": {p: {k: v for k, v in phase.items() if k in keep} for p, phase in results["phases"].items()}}
@@ -364,6 +374,8 @@ def _print_phase(phase: str, result: dict) -> None:
     if result.get("by_format"):
         print("  per prompt format (graph x dense, readers' TTFT x dense, readers' KL):")
         print("\n".join("  " + line for line in format_table(result["by_format"]).split("\n")))
+    if result.get("noise_floor"):
+        print("  " + noise_floor_line(result["noise_floor"]))
     first = result.get("first_request") or {}
     if first:
         print("  first request (nothing learned yet), readers' TTFT x dense, from cache, KL: "

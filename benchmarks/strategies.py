@@ -264,8 +264,8 @@ def _copy_without_hooks(model):
 def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16, requests: Optional[range] = None) -> EngineStrategy:
     """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's,
     measured on the deciding agent's calls only (``decider_only``; on a CPU bf16 runs several
-    times slower than fp32, and dense reuses nothing, so the other agents' calls tell nothing
-    the decider's does not), on ``requests`` if given."""
+    times slower than fp32) unless a run names the phase in ``--noise-floor`` (every reader's
+    call), on ``requests`` if given."""
     other = _copy_without_hooks(model).to(dtype)
     strategy = EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"method": "dense"})
     strategy.requests = requests

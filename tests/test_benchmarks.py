@@ -203,6 +203,25 @@ def test_first_request_reports_readers_before_anything_is_learned():
     assert first["kvcomm-mean"]["reader_ttft_speedup"] == 1.0 and first["kvcomm-mean"]["from_cache"] == 0.0
 
 
+def test_the_noise_floor_runs_every_named_phases_readers_and_is_no_graph_row(tmp_path):
+    from benchmarks.graph_report import noise_floor_readers
+
+    results = run.main(SMOKE + ["--out", str(tmp_path), "--phases", "g,c", "--strategies", "dense,rerotate",
+                                "--noise-floor", "g", "--no-plots"])
+    phase = json.loads((tmp_path / "random-tiny" / "smoke" / "dev" / "phase_g.json").read_text())
+    measured = [r for r in phase["records"] if not r["warmup"]]
+    floor = [r for r in measured if r["strategy"].startswith("noise-floor")]
+    readers = [r for r in measured if r["strategy"] == "dense" and r["agent_index"] > 1]
+    assert readers and len([r for r in floor if r["agent_index"] > 1]) == len(readers)  # every reader, not the last alone
+    assert not any(r["strategy"].startswith("noise-floor") for r in phase["records"] if r["warmup"])
+    info = results["phases"]["g"]
+    assert info["noise_floor"] == noise_floor_readers(phase["records"])
+    assert info["noise_floor"]["calls"] == len(readers) and info["noise_floor"]["kl_mean"] is not None
+    assert not any(row["strategy"].startswith("noise-floor") for row in info["graphs"])
+    assert "the noise floor" in workload_tables({"phases": {"g": info}})
+    assert results["phases"]["c"]["noise_floor"] is None  # not named: no floor
+
+
 def test_timed_end_to_end_reports_each_pipelines_wall_time(tmp_path):
     results = run.main(SMOKE + ["--out", str(tmp_path), "--phases", "b-e2e", "--e2e-timed", "--no-plots"])
     phase = results["phases"]["b-e2e"]
