@@ -109,22 +109,23 @@ def _ratio_median(dense: dict[int, dict], graphs: dict[int, dict]) -> Optional[f
     return statistics.median(ratios) if ratios else None
 
 
-def noise_floor_readers(records: list[dict]) -> Optional[dict]:
+def noise_floor_readers(records: list[dict], *, every_reader: bool = True) -> Optional[dict]:
     """The readers' (agents 2..N) first-token KL and 32-token agreement against dense for dense
-    itself run in another dtype (the noise-floor strategy, ``--noise-floor``): what a dtype change
-    alone moves, to read a strategy's KL against. None where it did not run; on (b) and (i) it
-    runs the deciding agent's calls only unless named there too (``calls`` says how many)."""
+    itself run in another dtype (the noise-floor strategy): what a dtype change alone moves, to
+    read a strategy's KL against. None where it did not run. ``every_reader``: it ran every
+    reader's call (``--noise-floor``), else the deciding agent's alone ((b) and (i))."""
     mine = [r for r in records if not r["warmup"] and r["strategy"].startswith("noise-floor") and r["agent_index"] > 1]
     if not mine:
         return None
     calls = summarize_calls(mine)
     return {"strategy": mine[0]["strategy"], "kl_mean": calls["kl_mean"], "agree_32": calls["agree_32"],
-            "calls": len(mine)}
+            "calls": len(mine), "every_reader": every_reader}
 
 
 def noise_floor_line(floor: dict) -> str:
     """One sentence on :func:`noise_floor_readers`' figures."""
-    return (f"Dense in {floor['strategy'].split('dense ')[-1].rstrip(')')}, the same reader calls (the noise floor: "
+    whose = "the same reader calls" if floor.get("every_reader", True) else "the deciding agent's calls"
+    return (f"Dense in {floor['strategy'].split('dense ')[-1].rstrip(')')}, {whose} (the noise floor: "
             f"drift that is not reuse's): KL {_f(floor['kl_mean'], 'kl')}, 32-token agreement "
             f"{_f(floor['agree_32'], 'pct')} ({floor['calls']} calls).")
 

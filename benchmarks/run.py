@@ -316,7 +316,8 @@ def main(argv=None) -> dict:
             if phase != "b-e2e" else [], "answers": report.summarize_answers(saved["answers"])
             if phase == "b-e2e" else [], "warmup_cost": report.warmup_cost(saved["records"]),
             "first_request": report.first_request(saved["records"]), "concurrent": saved.get("concurrent", False),
-            "by_format": summarize_by_format(saved["records"]), "noise_floor": noise_floor_readers(saved["records"])}
+            "by_format": summarize_by_format(saved["records"]), "noise_floor": noise_floor_readers(
+                saved["records"], every_reader=phase in args.noise_floor)}
         if phase == "b-e2e" and not saved.get("concurrent"):
             results["phases"][phase]["pipeline_wall"] = measure.pipeline_wall_times(saved["records"])
         results["phases"][phase]["verdict"] = fastest_and_closest(results["phases"][phase]["graphs"]).get(phase)

@@ -215,7 +215,7 @@ def test_the_noise_floor_runs_every_named_phases_readers_and_is_no_graph_row(tmp
     assert readers and len([r for r in floor if r["agent_index"] > 1]) == len(readers)  # every reader, not the last alone
     assert not any(r["strategy"].startswith("noise-floor") for r in phase["records"] if r["warmup"])
     info = results["phases"]["g"]
-    assert info["noise_floor"] == noise_floor_readers(phase["records"])
+    assert info["noise_floor"] == noise_floor_readers(phase["records"]) and info["noise_floor"]["every_reader"]
     assert info["noise_floor"]["calls"] == len(readers) and info["noise_floor"]["kl_mean"] is not None
     assert not any(row["strategy"].startswith("noise-floor") for row in info["graphs"])
     assert "the noise floor" in workload_tables({"phases": {"g": info}})
