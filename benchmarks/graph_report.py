@@ -223,10 +223,11 @@ def _label(name: str) -> str:
 def front_table(summary: dict) -> str:
     """One row per workload: dense's whole-graph time, the default's and the fastest
     competitor's speed-up, the limit, the default's share of it and its compute, the readers'
-    TTFT speed-up and KL (re-rotation only's beside it), the verdict."""
+    TTFT speed-up and KL (re-rotation only's beside it, and dense in bf16's where the run measured
+    it on every reader: ``--noise-floor``), the verdict."""
     out = ["| workload | requests | dense graph s | default × dense | fastest other (× dense) | limit × dense | "
            "default: % of limit | default tokens × dense | default reader TTFT × (from the graph's start) | "
-           "default KL (re-rotation's) | fastest / closest approximate |", "|---" * 11 + "|"]
+           "default KL (re-rotation's; dense in bf16) | fastest / closest approximate |", "|---" * 11 + "|"]
     for phase, info in summary["phases"].items():
         rows = {r["strategy"]: r for r in info.get("graphs", [])}
         if DEFAULT not in rows or "dense" not in rows:
@@ -238,13 +239,15 @@ def front_table(summary: dict) -> str:
         limit = rows.get("lower-bound", {}).get("speedup_vs_dense")
         rerotate = rows.get("rerotate", {}).get("reader_kl_mean")
         verdict = fastest_and_closest(info["graphs"]).get(phase, {})
+        floor = info.get("noise_floor") or {}
+        floor_kl = f"; {_f(floor['kl_mean'], 'kl')}" if floor.get("every_reader") else ""
         out.append(
             f"| ({phase}) {info['title'].split(') ', 1)[-1]} | {d['requests']} | {_f(base['wall_median_s'], 's')} | "
             f"**{_f(d['speedup_vs_dense'], 'x')}** | "
             + (f"{_label(best['strategy'])} ({_f(best['speedup_vs_dense'], 'x')})" if best else "-")
             + f" | {_f(limit, 'x')} | {_f(d['share_of_limit'], 'pct')} | {_f(d['tokens_vs_dense'], 'x')} | "
             f"{_f(d['reader_ttft_speedup'], 'x')} ({_f(d.get('reader_from_start_speedup'), 'x')}) | "
-            f"{_f(d['reader_kl_mean'], 'kl')} ({_f(rerotate, 'kl')}) | "
+            f"{_f(d['reader_kl_mean'], 'kl')} ({_f(rerotate, 'kl')}{floor_kl}) | "
             f"{_label(verdict.get('fastest'))} / {_label(verdict.get('closest'))} |")
     return "\n".join(out)
 
