@@ -10,7 +10,7 @@ from typing import Optional
 from .report import _order, summarize_calls
 
 __all__ = ["summarize_graphs", "summarize_decisions", "summarize_by_format", "format_graphs", "format_table",
-           "fastest_and_closest", "noise_floor_readers", "noise_floor_line", "GRAPH_LEGEND"]
+           "fastest_and_closest", "noise_floor_readers", "noise_floor_line", "phase_console", "GRAPH_LEGEND"]
 
 
 def _graphs(records: list[dict]) -> dict[int, dict]:
@@ -122,6 +122,13 @@ def noise_floor_readers(records: list[dict], *, every_reader: bool = True) -> Op
             "calls": len(mine), "every_reader": every_reader}
 
 
+def _floor_dtype(summary: dict) -> str:
+    """The dtype the run's noise floor ran dense in, short ("bf16" where none ran)."""
+    names = [p["noise_floor"]["strategy"] for p in summary["phases"].values() if (p.get("noise_floor") or {}).get("every_reader")]
+    dtype = names[0].split("dense ")[-1].rstrip(")") if names else "bfloat16"
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+
+
 def noise_floor_line(floor: dict) -> str:
     """One sentence on :func:`noise_floor_readers`' figures."""
     whose = "the same reader calls" if floor.get("every_reader", True) else "the deciding agent's calls"
@@ -194,6 +201,48 @@ def format_graphs(rows: list[dict]) -> str:
                      for row in cells)
 
 
+def phase_console(phase: str, result: dict) -> str:
+    """What ``python -m benchmarks`` prints for one phase: its table, verdict, decisions, end-to-end
+    answers, formats, noise floor, first request and warm-up cost, as plain text."""
+    out = []
+    requests = result["requests"]
+    out.append(f"\n== ({phase}) {result['title']}: {requests['measured']} measured requests after {requests['warmup']} "
+               f"warm-up, {result['elapsed_s']:.0f} s ==")
+    if result["graphs"]:
+        out.append(format_graphs(result["graphs"]))
+        verdict = result.get("verdict") or {}
+        out.append(f"  fastest whole graph: {verdict.get('fastest')}; closest to dense of the approximate ones (readers' KL): {verdict.get('closest')}")
+    for row in result.get("decisions") or []:
+        same = "-" if row["same_as_dense"] is None else f"{100 * row['same_as_dense']:.0f}%"
+        accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.0f}%"
+        out.append(f"  decider {row['strategy']:<16} picks what it picks under dense in {same} of {row['requests']} "
+                   f"requests, accuracy {accuracy}")
+    for name, wall in (result.get("pipeline_wall") or {}).items():
+        ratio = "-" if wall["speedup_vs_dense"] is None else f"{wall['speedup_vs_dense']:.2f}x"
+        out.append(f"  end to end {name:<14} wall time per pipeline (median of {wall['requests']}): "
+                   f"{wall['median_s']:.1f} s, {ratio} dense")
+    for answer in result.get("answers") or []:
+        accuracy = "-" if answer["accuracy"] is None else f"{100 * answer['accuracy']:.0f}%"
+        out.append(f"  end to end {answer['strategy']:<14} final answer = dense pipeline's "
+                   f"{100 * answer['final_equal_to_dense']:.0f}%  accuracy {accuracy}  ({answer['requests']} requests)")
+    if result.get("by_format"):
+        out.append("  per prompt format (graph x dense, readers' TTFT x dense, readers' KL):")
+        out.append("\n".join("  " + line for line in format_table(result["by_format"]).split("\n")))
+    if result.get("noise_floor"):
+        out.append("  " + noise_floor_line(result["noise_floor"]))
+    first = result.get("first_request") or {}
+    if first:
+        out.append("  first request (nothing learned yet), readers' TTFT x dense, from cache, KL: "
+                   + ", ".join(f"{name} {row['reader_ttft_speedup']:.2f}x {100 * row['from_cache']:.0f}% "
+                               f"{row['kl'] if row['kl'] is None else round(row['kl'], 4)}"
+                               for name, row in first.items()))
+    cost = result.get("warmup_cost") or {}
+    if cost:
+        out.append("  warm-up cost (requests until every later request reuses >= 90% of its eligible calls): "
+                   + ", ".join(f"{name} {'not reached' if n is None else n}" for name, n in cost.items()))
+    return "\n".join(out)
+
+
 GRAPH_LEGEND = (
     "graph s: median whole-graph wall time per request (every call, its copies, audits and what was computed "
     "ahead; strategies take turns); x dense: median over requests of dense's graph time / the strategy's; "
@@ -227,7 +276,8 @@ def front_table(summary: dict) -> str:
     it on every reader: ``--noise-floor``), the verdict."""
     out = ["| workload | requests | dense graph s | default × dense | fastest other (× dense) | limit × dense | "
            "default: % of limit | default tokens × dense | default reader TTFT × (from the graph's start) | "
-           "default KL (re-rotation's; dense in bf16) | fastest / closest approximate |", "|---" * 11 + "|"]
+           f"default KL (re-rotation's; dense in {_floor_dtype(summary)}) | fastest / closest approximate |",
+           "|---" * 11 + "|"]
     for phase, info in summary["phases"].items():
         rows = {r["strategy"]: r for r in info.get("graphs", [])}
         if DEFAULT not in rows or "dense" not in rows:

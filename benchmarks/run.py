@@ -29,8 +29,8 @@ import torch
 
 from . import measure, report
 from .graph import ModelMeter, run_graph
-from .graph_report import (GRAPH_LEGEND, fastest_and_closest, format_graphs, format_table, noise_floor_line,
-                           noise_floor_readers, summarize_by_format, summarize_decisions, summarize_graphs)
+from .graph_report import (GRAPH_LEGEND, fastest_and_closest, noise_floor_readers, phase_console, summarize_by_format,
+                           summarize_decisions, summarize_graphs)
 from .models import TINY, load
 from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor
 from .workloads import (Workload, changing_graph, coding_pipeline, fan_out, gsm8k_debate, gsm8k_one_message,
@@ -208,18 +208,20 @@ def run_phase(ctx: Context, phase: str) -> dict:
                     strategy.requests = everyone
         readers_floor = phase in ctx.args.noise_floor
         deciders_floor = phase in DECIDING_PHASES and phase in ctx.profile.noise_floor and not ctx.args.cold
-        if readers_floor or deciders_floor:  # the drift that is not reuse's, same run
+        floors = []  # dense in another dtype: the drift that is not reuse's, same run (it learns nothing)
+        if readers_floor or deciders_floor:
             floor = noise_floor(ctx.loaded.model, ctx.loaded.tokenizer, requests=range(warmup, len(workload.requests)))
             floor.decider_only = not readers_floor
             ctx.meter.watch(floor.engine.model)
-            strategies.append(floor)
+            floors.append(floor)
+        strategies += floors
         bar = _progress(calls, f"{phase} ({len(strategies)} strategies)")
         partial = ctx.out / f"phase_{phase}.partial.json"
         records, answers = run_graph(
             workload, strategies, warmup=warmup, phase=phase, tokenizer=ctx.loaded.tokenizer, eos_ids=ctx.eos_ids,
             meter=ctx.meter, progress=bar.update,
             checkpoint=lambda so_far: measure.write_json({"signature": signature, "records": so_far}, partial),
-            renew=(lambda: _strategies(ctx, names)) if ctx.args.cold else None)
+            renew=(lambda: _strategies(ctx, names) + floors) if ctx.args.cold else None)
         partial.unlink(missing_ok=True)
     bar.close()
     saved = {"signature": signature, "title": workload.title, "elapsed_s": time.perf_counter() - started,
@@ -259,8 +261,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "nothing: its run does not depend on what ran before it")
     parser.add_argument("--noise-floor", default="",
                         help="comma-separated phases on whose reader calls (measured requests) dense also runs in "
-                             "bfloat16: the readers' KL and agreement that a dtype change alone moves, beside the "
-                             "strategies' (KL only: not a graph row)")
+                             "another dtype (bfloat16; float32 for a bfloat16 model): the readers' KL and agreement "
+                             "that a dtype change alone moves, beside the strategies' (KL only: not a graph row)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--summary", type=Path, default=None,
                         help="also write the run's summary (no per-call records) to this JSON file")
@@ -324,7 +326,7 @@ def main(argv=None) -> dict:
         results["rows"] = rows
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for phase in args.phases:
-        _print_phase(phase, results["phases"][phase])
+        print(phase_console(phase, results["phases"][phase]))
     print("\n" + GRAPH_LEGEND)
     if not args.no_plots:
         try:
@@ -349,44 +351,6 @@ def summary(results: dict) -> dict:
     return {k: results[k] for k in ("versions", "profile", "model", "dtype", "split", "cold", "remembered")
                                  if k in results} | {
         "phases": {p: {k: v for k, v in phase.items() if k in keep} for p, phase in results["phases"].items()}}
-
-
-def _print_phase(phase: str, result: dict) -> None:
-    requests = result["requests"]
-    print(f"\n== ({phase}) {result['title']}: {requests['measured']} measured requests after {requests['warmup']} "
-          f"warm-up, {result['elapsed_s']:.0f} s ==")
-    if result["graphs"]:
-        print(format_graphs(result["graphs"]))
-        verdict = result.get("verdict") or {}
-        print(f"  fastest whole graph: {verdict.get('fastest')}; closest to dense of the approximate ones (readers' KL): {verdict.get('closest')}")
-    for row in result.get("decisions") or []:
-        same = "-" if row["same_as_dense"] is None else f"{100 * row['same_as_dense']:.0f}%"
-        accuracy = "-" if row["accuracy"] is None else f"{100 * row['accuracy']:.0f}%"
-        print(f"  decider {row['strategy']:<16} picks what it picks under dense in {same} of {row['requests']} "
-              f"requests, accuracy {accuracy}")
-    for name, wall in (result.get("pipeline_wall") or {}).items():
-        ratio = "-" if wall["speedup_vs_dense"] is None else f"{wall['speedup_vs_dense']:.2f}x"
-        print(f"  end to end {name:<14} wall time per pipeline (median of {wall['requests']}): "
-              f"{wall['median_s']:.1f} s, {ratio} dense")
-    for answer in result.get("answers") or []:
-        accuracy = "-" if answer["accuracy"] is None else f"{100 * answer['accuracy']:.0f}%"
-        print(f"  end to end {answer['strategy']:<14} final answer = dense pipeline's "
-              f"{100 * answer['final_equal_to_dense']:.0f}%  accuracy {accuracy}  ({answer['requests']} requests)")
-    if result.get("by_format"):
-        print("  per prompt format (graph x dense, readers' TTFT x dense, readers' KL):")
-        print("\n".join("  " + line for line in format_table(result["by_format"]).split("\n")))
-    if result.get("noise_floor"):
-        print("  " + noise_floor_line(result["noise_floor"]))
-    first = result.get("first_request") or {}
-    if first:
-        print("  first request (nothing learned yet), readers' TTFT x dense, from cache, KL: "
-              + ", ".join(f"{name} {row['reader_ttft_speedup']:.2f}x {100 * row['from_cache']:.0f}% "
-                          f"{row['kl'] if row['kl'] is None else round(row['kl'], 4)}"
-                          for name, row in first.items()))
-    cost = result.get("warmup_cost") or {}
-    if cost:
-        print("  warm-up cost (requests until every later request reuses >= 90% of its eligible calls): "
-              + ", ".join(f"{name} {'not reached' if n is None else n}" for name, n in cost.items()))
 
 
 def make_plots(rows: list[dict], records: list[dict], results: dict, folder: Path) -> list[Path]:

@@ -261,11 +261,14 @@ def _copy_without_hooks(model):
             setattr(module, name, value)
 
 
-def noise_floor(model, tokenizer, dtype: torch.dtype = torch.bfloat16, requests: Optional[range] = None) -> EngineStrategy:
-    """Dense prefill of a copy of the model in another dtype: the drift that is not reuse's,
+def noise_floor(model, tokenizer, dtype: Optional[torch.dtype] = None, requests: Optional[range] = None) -> EngineStrategy:
+    """Dense prefill of a copy of the model in another dtype (None: bfloat16, or float32 for a
+    bfloat16 model, whose copy in its own dtype would measure nothing): the drift that is not reuse's,
     measured on the deciding agent's calls only (``decider_only``; on a CPU bf16 runs several
     times slower than fp32) unless a run names the phase in ``--noise-floor`` (every reader's
     call), on ``requests`` if given."""
+    if dtype is None:
+        dtype = torch.float32 if next(model.parameters()).dtype == torch.bfloat16 else torch.bfloat16
     other = _copy_without_hooks(model).to(dtype)
     strategy = EngineStrategy(f"noise-floor (dense {str(dtype).replace('torch.', '')})", other, tokenizer, {"method": "dense"})
     strategy.requests = requests

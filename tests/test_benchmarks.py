@@ -6,9 +6,11 @@ graph is charged what the model forwarded for it; resuming loads a finished phas
 signature is unchanged. No timing is asserted.
 """
 
+import copy
 import json
 
 import pytest
+import torch
 
 from benchmarks import run
 from benchmarks.graph_report import front_table, workload_tables
@@ -220,6 +222,20 @@ def test_the_noise_floor_runs_every_named_phases_readers_and_is_no_graph_row(tmp
     assert not any(row["strategy"].startswith("noise-floor") for row in info["graphs"])
     assert "the noise floor" in workload_tables({"phases": {"g": info}})
     assert results["phases"]["c"]["noise_floor"] is None  # not named: no floor
+    # every request a graph's first (fresh strategies per request): the floor stays for all of them
+    cold = run.main(SMOKE + ["--out", str(tmp_path / "cold"), "--phases", "g", "--strategies", "dense",
+                             "--noise-floor", "g", "--cold", "--no-plots"])
+    records = json.loads((tmp_path / "cold" / "random-tiny" / "smoke" / "dev-cold" / "phase_g.json").read_text())["records"]
+    dense_readers = [r for r in records if r["strategy"] == "dense" and r["agent_index"] > 1]
+    assert cold["phases"]["g"]["noise_floor"]["calls"] == len(dense_readers) and len({r["request"] for r in dense_readers}) > 1
+
+
+def test_the_noise_floor_runs_in_another_dtype_than_the_model(llama, tokenizer):
+    from benchmarks.strategies import noise_floor
+
+    assert next(noise_floor(llama, tokenizer).engine.model.parameters()).dtype == torch.bfloat16
+    bf16 = copy.deepcopy(llama).to(torch.bfloat16)  # the fixture is shared: never cast in place
+    assert next(noise_floor(bf16, tokenizer).engine.model.parameters()).dtype == torch.float32
 
 
 def test_timed_end_to_end_reports_each_pipelines_wall_time(tmp_path):
