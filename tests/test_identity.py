@@ -82,3 +82,21 @@ def test_digest_covers_every_tensor_and_the_active_adapters(llama):
     switched = weights_digest(model)
     model.active_adapters = ["code"]
     assert weights_digest(model) != switched
+
+
+def test_the_watch_notices_a_replaced_module_or_tensor_and_nothing_else(llama):
+    model = copy.deepcopy(llama)
+    watch = WeightsWatch(model)
+    model(torch.tensor([[1, 2, 3]]))  # a forward reads the weights, it writes none
+    assert not watch.changed()
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj = torch.nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features, bias=False)  # a LoRA-style injection
+    assert watch.changed()
+    watch.mark()
+    layer = model.model.layers[1].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())  # the same values, another tensor
+    assert watch.changed()
+    watch.mark()
+    first, second = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    first.q_proj.weight, second.q_proj.weight = second.q_proj.weight, first.q_proj.weight  # moved between slots
+    assert watch.changed()

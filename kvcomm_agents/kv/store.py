@@ -27,6 +27,7 @@ from pydantic import BaseModel
 
 from ..errors import BudgetWarning
 from .block import KVBlock
+from .prefix_tree import PrefixTree
 from .run_index import TokenRunIndex, scan
 from .segments import KVSegment
 from .shared import SharedSegments
@@ -103,6 +104,7 @@ class SegmentStore:
         self._evictions = 0
         self._warned = False
         self._runs = TokenRunIndex(min_run)
+        self._prefixes = PrefixTree()  # the exact-prefix entries by their ids
         self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
         self._view_entries: dict[str, str] = {}  # the entry id of each view id
         self.shared = shared
@@ -201,11 +203,8 @@ class SegmentStore:
             hit = self._longest_local_prefix(ids, fingerprint)
             if hit is not None and hit[1] == ids.numel():
                 return True  # already covered
-            for key, entry in list(self._entries.items()):
-                if isinstance(entry, PrefixEntry) and entry.fingerprint == fingerprint:
-                    n = entry.token_ids.numel()
-                    if n <= ids.numel() and entry.common_prefix(ids) == n:
-                        self._remove(key)  # covered; a running call keeps its own tensors
+            for key in self._prefixes.prefixes_of(ids.tolist(), fingerprint):
+                self._remove(key)  # covered; a running call keeps its own tensors
         entry = PrefixEntry(f"prefix-{uuid.uuid4().hex}", ids, kv, fingerprint)
         return self._insert(entry.id, entry)  # outside the lock: publishing to a shared tier waits on it
 
@@ -231,13 +230,8 @@ class SegmentStore:
         return best
 
     def _longest_local_prefix(self, ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
-        best: tuple[PrefixEntry, int] | None = None
-        for entry in self._entries.values():
-            if isinstance(entry, PrefixEntry) and entry.fingerprint == fingerprint:
-                n = entry.common_prefix(ids)
-                if n > 0 and (best is None or n > best[1]):
-                    best = (entry, n)
-        return best
+        hit = self._prefixes.longest(ids.tolist(), fingerprint)
+        return (self._entries[hit[0]], hit[1]) if hit is not None else None
 
     # ---- shared token runs anywhere ---------------------------------------------------------
     def find_runs(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor,
@@ -361,6 +355,8 @@ class SegmentStore:
             self._runs.remove(REMOTE + key)
             self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
                            if isinstance(entry, KVSegment) else entry.token_ids)
+            if isinstance(entry, PrefixEntry) and entry.token_ids.numel():
+                self._prefixes.add(key, entry.fingerprint, entry.token_ids.tolist())
             self._evict()
             kept = key in self._entries
         if publish and self._tier is not None:  # even when evicted at once: other replicas may use it
@@ -389,6 +385,7 @@ class SegmentStore:
         entry = self._entries.pop(key)
         self._bytes -= entry.nbytes
         self._runs.remove(key)
+        self._prefixes.remove(key)
         view = self._views.pop(key, None)
         if view is not None:
             self._view_entries.pop(view.id, None)
