@@ -2,8 +2,10 @@
 
 Every request is a 4-solver debate on a fresh question (solver k reads the question and every
 earlier reply), so the store, the anchor pools and the own-text KV keep receiving new KV and must
-stay within their budgets by evicting. Prints the resident memory and the bytes held every
-``--every`` calls, checks the budgets after every call, and writes the curve as JSON.
+stay within their budgets by evicting. Prints the resident memory, the bytes and entries held and the
+median time a call spends before its prefill (rendering and planning: what grows with the entries
+held when a lookup scans them) every ``--every`` calls, checks the budgets after every call, and
+writes the curve as JSON.
 
     python -m benchmarks.soak [--calls 1000] [--store-mib 8] [--anchor-mib 8] [--out benchmarks/out/soak.json]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -53,7 +56,7 @@ def soak(calls: int = 1000, *, agents: int = 4, store_mib: int = 8, anchor_mib: 
         store_max_bytes=store_mib * 2**20, anchor_max_bytes=anchor_mib * 2**20,
         reply_copies=True, text_copies=True,  # off by default; on here, so that their versions fill the budgets too
         experimental={"own_text": "reuse", "own_text_max_bytes": 2**20}))
-    rows, done, started = [], 0, time.perf_counter()
+    rows, done, started, planning = [], 0, time.perf_counter(), []
     while done < calls:
         question, replies = _question(rng), []
         for k in range(1, agents + 1):
@@ -62,6 +65,7 @@ def soak(calls: int = 1000, *, agents: int = 4, store_mib: int = 8, anchor_mib: 
             messages += [{"role": "user", "content": f"Solver {j} answered: {reply}"} for j, reply in enumerate(replies, 1)]
             result = engine.chat(messages, agent=f"solver-{k}", max_new_tokens=reply_tokens, temperature=0.8, seed=done)
             replies.append(result.text)
+            planning.append(result.stats.plan_s)
             done += 1
             store = engine.store.stats()
             assert store.bytes <= store.max_bytes, f"store {store.bytes} > {store.max_bytes} after call {done}"
@@ -71,7 +75,8 @@ def soak(calls: int = 1000, *, agents: int = 4, store_mib: int = 8, anchor_mib: 
                 rows.append({"calls": done, "rss_mib": resident_bytes() / 2**20, "store_mib": store.bytes / 2**20,
                              "store_entries": store.segments + store.prefixes, "evictions": store.evictions,
                              "anchor_mib": engine.anchors.nbytes() / 2**20, "own_text_mib": engine.own_texts.nbytes() / 2**20,
-                             "seconds": time.perf_counter() - started})
+                             "plan_ms": 1000 * statistics.median(planning), "seconds": time.perf_counter() - started})
+                planning.clear()
                 progress(_row(rows[-1]))
             if done == calls:
                 break
@@ -81,7 +86,7 @@ def soak(calls: int = 1000, *, agents: int = 4, store_mib: int = 8, anchor_mib: 
 def _row(r: dict) -> str:
     return (f"{r['calls']:>6} calls  rss {r['rss_mib']:7.1f} MiB  store {r['store_mib']:5.2f} MiB "
             f"({r['store_entries']} entries, {r['evictions']} evicted)  anchors {r['anchor_mib']:5.2f} MiB  "
-            f"own text {r['own_text_mib']:5.2f} MiB  {r['seconds']:6.0f} s")
+            f"own text {r['own_text_mib']:5.2f} MiB  planning {r['plan_ms']:5.2f} ms  {r['seconds']:6.0f} s")
 
 
 def main(argv=None) -> None:

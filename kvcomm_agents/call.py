@@ -66,6 +66,7 @@ class PreparedCall:
     tally: ForwardTally = field(default_factory=ForwardTally)  # every token the call forwards, by purpose
     rerotation_checked: bool = False  # its re-rotation check ran (at its keep, or before a sibling read it)
     fingerprint: str = ""  # the model's when it prefilled: nothing of it is kept under other weights
+    device: Optional[torch.device] = None  # where its input ids go (read once per call, not per step)
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,12 @@ class CallSteps:
                 done = time.perf_counter()
                 align_s = (assembled - hooked) + pre.align_s
                 self.framer.copy_cost.record_prefill(plan.num_prompt - plan.reused_tokens, done - hooked - align_s)
+                device = self.device
                 framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
-                                               new_tokens, self.device, calibrating=self.calibrating.active)
+                                               new_tokens, device, calibrating=self.calibrating.active)
                 call = PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
-                                    done - hooked - align_s, framing, tally=tally, fingerprint=self.info.fingerprint)
+                                    done - hooked - align_s, framing, tally=tally, fingerprint=self.info.fingerprint,
+                                    device=device)
                 if self.config.reuse and self.info.sliding_window is None:
                     held.callback(self.in_flight.add(layout, plan, pre, message_roles(messages),
                                                      before_shared=lambda: self.check_rerotation(call, agent)))
@@ -197,9 +200,10 @@ class CallSteps:
             if call.framing is not None:
                 logits = call.framing.forward(self.model, call.pre.cache, [token])[0, -1].float()
             else:
+                device = call.device or self.device
                 logits = hf.run_forward(
-                    self.model, torch.tensor([[token]], device=self.device), call.pre.cache,
-                    position_ids=torch.tensor([[position]], device=self.device),
+                    self.model, torch.tensor([[token]], device=device), call.pre.cache,
+                    position_ids=torch.tensor([[position]], device=device),
                 )[0, -1].float()
             if logits.device.type == "cuda":  # the step's end, not its launch
                 torch.cuda.synchronize(logits.device)

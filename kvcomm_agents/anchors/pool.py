@@ -64,9 +64,14 @@ class OffsetStack:
     contexts: dict[int, "RecordedContext"] = field(default_factory=dict)
     starts: dict[int, int] = field(default_factory=dict)  # per slot: the anchor token parts[slot] starts at
 
+    _nbytes: Optional[int] = field(default=None, init=False, repr=False)  # cached; every change of parts drops it
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for part in self.parts.values() for t in part)
+        """Bytes of the parts (read at every budget check of every pool: cached)."""
+        if self._nbytes is None:
+            self._nbytes = sum(t.numel() * t.element_size() for part in self.parts.values() for t in part)
+        return self._nbytes
 
     def slot(self, slot: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The slot's ``(keys, values)`` ``[L-1, H, end, D]`` from anchor token 0 (zeros before
@@ -128,6 +133,7 @@ class OffsetStack:
         part[0][:, :, start - first:start - first + n] = keys.to(torch.float32)
         part[1][:, :, start - first:start - first + n] = values.to(torch.float32)
         self.parts[slot] = part
+        self._nbytes = None
         self.starts[slot] = first
         self.has[slot] = True
 
@@ -135,6 +141,7 @@ class OffsetStack:
         if slot < self.has.numel():
             self.has[slot] = False
         self.parts.pop(slot, None)
+        self._nbytes = None
         self.starts.pop(slot, None)
         self.contexts.pop(slot, None)
 
@@ -146,6 +153,7 @@ class OffsetStack:
                 has[new] = True
         kept = [old for old in self.parts if old in moved and self.holds(old)]
         self.parts = {moved[old]: self.parts[old] for old in kept}
+        self._nbytes = None
         self.starts = {moved[old]: self.starts.get(old, 0) for old in kept}
         self.contexts = {moved[old]: c for old, c in self.contexts.items() if old in moved}
         self.has = has

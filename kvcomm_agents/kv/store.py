@@ -14,6 +14,7 @@ outside the store's lock, so a slow tier delays only the lookups that need it).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 import warnings
@@ -28,6 +29,7 @@ from pydantic import BaseModel
 from ..errors import BudgetWarning
 from .block import KVBlock
 from .prefix_tree import PrefixTree
+from .text_index import TextIndex, placed
 from .run_index import TokenRunIndex, scan
 from .segments import KVSegment
 from .shared import SharedSegments
@@ -105,6 +107,9 @@ class SegmentStore:
         self._warned = False
         self._runs = TokenRunIndex(min_run)
         self._prefixes = PrefixTree()  # the exact-prefix entries by their ids
+        self._texts = TextIndex()  # the segments by their texts and content hashes
+        self._used: dict[str, int] = {}  # key -> when it was last inserted or used (LRU order)
+        self._clock = itertools.count()
         self._views: dict[str, KVSegment] = {}  # segment views of prefix entries, by entry id
         self._view_entries: dict[str, str] = {}  # the entry id of each view id
         self.shared = shared
@@ -124,7 +129,7 @@ class SegmentStore:
             entry = self._entries.get(segment_id)
             viewed = self._view_entries.get(segment_id)
             if entry is None and viewed is not None and viewed in self._entries:
-                self._entries.move_to_end(viewed)
+                self._touch(viewed)
                 return self._segment_view(self._entries[viewed])
         if entry is None and self._tier is not None:
             self._tier.sync()
@@ -135,7 +140,7 @@ class SegmentStore:
             return None
         with self._lock:
             if segment_id in self._entries:
-                self._entries.move_to_end(segment_id)
+                self._touch(segment_id)
         return entry
 
     def was_evicted(self, segment_id: str) -> bool:
@@ -146,27 +151,21 @@ class SegmentStore:
     def find_by_hash(self, text_hash: str, fingerprint: str) -> KVSegment | None:
         """A segment of ``fingerprint`` with exactly this text and ids hash."""
         with self._lock:
-            for entry in reversed(self._entries.values()):
-                if isinstance(entry, KVSegment) and entry.ref.text_hash == text_hash:
-                    if entry.ref.fingerprint == fingerprint:
-                        return entry
-            return None
+            keys = self._recent_first(self._texts.with_hash(text_hash, fingerprint))
+            return self._entries[keys[0]] if keys else None
 
     def twins(self, segment: KVSegment, fingerprint: str) -> list[KVSegment]:
         """Other segments of ``fingerprint`` with the same text and ids as ``segment`` (another
         producer's), most recent first."""
         with self._lock:
-            return [entry for entry in reversed(self._entries.values())
-                    if isinstance(entry, KVSegment) and entry is not segment and entry.ref.fingerprint == fingerprint
-                    and entry.ref.text_hash == segment.ref.text_hash and entry.ref.id != segment.ref.id]
+            return [self._entries[key] for key in self._recent_first(self._texts.with_hash(segment.ref.text_hash, fingerprint))
+                    if self._entries[key] is not segment and key != segment.ref.id]
 
     def find_text(self, text: str, fingerprint: str) -> KVSegment | None:
         """The most recent segment of ``fingerprint`` whose text is exactly ``text``."""
         with self._lock:
-            for entry in reversed(self._entries.values()):
-                if isinstance(entry, KVSegment) and entry.ref.fingerprint == fingerprint and entry.text == text:
-                    return entry
-            return None
+            keys = self._recent_first(self._texts.with_text(text, fingerprint))
+            return self._entries[keys[0]] if keys else None
 
     def find_in_text(
         self, text: str, fingerprint: str, *, min_chars: int = 1
@@ -178,22 +177,9 @@ class SegmentStore:
             sorted by offset. Each text is taken once (the most recently used segment of it).
         """
         with self._lock:
-            candidates: dict[str, KVSegment] = {}
-            for entry in self._entries.values():  # later (more recent) wins
-                if isinstance(entry, KVSegment) and entry.ref.fingerprint == fingerprint:
-                    if len(entry.text) >= min_chars and entry.text in text:
-                        candidates[entry.text] = entry
-        taken: list[tuple[int, int]] = []
-        found: list[tuple[KVSegment, int]] = []
-        for seg_text, seg in sorted(candidates.items(), key=lambda kv: -len(kv[0])):
-            start = text.find(seg_text)
-            while start >= 0:
-                end = start + len(seg_text)
-                if all(end <= a or start >= b for a, b in taken):
-                    taken.append((start, end))
-                    found.append((seg, start))
-                start = text.find(seg_text, start + 1)
-        return sorted(found, key=lambda pair: pair[1])
+            held = {seg_text: self._entries[self._recent_first(self._texts.with_text(seg_text, fingerprint))[0]]
+                    for seg_text in self._texts.texts_in(text, fingerprint, min_chars)}
+        return [(held[seg_text], offset) for seg_text, offset in placed(text, held)]
 
     # ---- exact prefixes -------------------------------------------------------------------
     def put_prefix(self, token_ids: torch.Tensor, kv: KVBlock, fingerprint: str) -> bool:
@@ -226,7 +212,7 @@ class SegmentStore:
         if best is not None:
             with self._lock:
                 if best[0].id in self._entries:
-                    self._entries.move_to_end(best[0].id)
+                    self._touch(best[0].id)
         return best
 
     def _longest_local_prefix(self, ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
@@ -274,7 +260,7 @@ class SegmentStore:
             found = []
             for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper):
                 entry = self._entries[key]
-                self._entries.move_to_end(key)
+                self._touch(key)
                 found.append((self._segment_view(entry), start, source_start, length))
             return found
 
@@ -299,7 +285,7 @@ class SegmentStore:
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
                 if key in self._entries:  # used by a call: most recently used, however it was found
-                    self._entries.move_to_end(key)
+                    self._touch(key)
         try:
             yield
         finally:
@@ -357,6 +343,9 @@ class SegmentStore:
                            if isinstance(entry, KVSegment) else entry.token_ids)
             if isinstance(entry, PrefixEntry) and entry.token_ids.numel():
                 self._prefixes.add(key, entry.fingerprint, entry.token_ids.tolist())
+            elif isinstance(entry, KVSegment):
+                self._texts.add(key, entry.ref.fingerprint, entry.text, entry.ref.text_hash)
+            self._used[key] = next(self._clock)
             self._evict()
             kept = key in self._entries
         if publish and self._tier is not None:  # even when evicted at once: other replicas may use it
@@ -386,11 +375,23 @@ class SegmentStore:
         self._bytes -= entry.nbytes
         self._runs.remove(key)
         self._prefixes.remove(key)
+        self._texts.remove(key)
+        self._used.pop(key, None)
         view = self._views.pop(key, None)
         if view is not None:
             self._view_entries.pop(view.id, None)
         if self._tier is not None:  # the tier may still hold it: findable again, fetched on use
             self._tier.removed(key)
+
+
+    def _touch(self, key: str) -> None:
+        """Mark ``key`` most recently used (under the lock)."""
+        self._entries.move_to_end(key)
+        self._used[key] = next(self._clock)
+
+    def _recent_first(self, keys: list[str]) -> list[str]:
+        """``keys`` held here, most recently used first (under the lock)."""
+        return sorted((key for key in keys if key in self._entries), key=self._used.__getitem__, reverse=True)
 
 
 def _fingerprint(entry: Entry) -> str:
