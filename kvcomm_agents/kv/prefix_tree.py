@@ -52,7 +52,7 @@ class PrefixTree:
         return len(self._where)
 
     def add(self, key: str, fingerprint: str, ids: Sequence[int]) -> None:
-        """Index ``ids`` (a non-empty sequence of ints) under ``key`` (re-adding a key moves it)."""
+        """Index ``ids`` (a sequence of ints) under ``key`` (re-adding a key moves it)."""
         if key in self._where:
             self.remove(key)
         node = self._roots.setdefault(fingerprint, _Node((), None))

@@ -305,10 +305,10 @@ class SegmentStore:
     def stats(self) -> StoreStats:
         """Counts and bytes held."""
         with self._lock:
-            segments = sum(isinstance(e, KVSegment) for e in self._entries.values())
+            prefixes = len(self._prefixes)
             return StoreStats(
-                segments=segments,
-                prefixes=len(self._entries) - segments,
+                segments=len(self._entries) - prefixes,
+                prefixes=prefixes,
                 bytes=self._bytes,
                 max_bytes=self.max_bytes,
                 evictions=self._evictions,
@@ -341,7 +341,7 @@ class SegmentStore:
             self._runs.remove(REMOTE + key)
             self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
                            if isinstance(entry, KVSegment) else entry.token_ids)
-            if isinstance(entry, PrefixEntry) and entry.token_ids.numel():
+            if isinstance(entry, PrefixEntry):
                 self._prefixes.add(key, entry.fingerprint, entry.token_ids.tolist())
             elif isinstance(entry, KVSegment):
                 self._texts.add(key, entry.ref.fingerprint, entry.text, entry.ref.text_hash)
@@ -362,6 +362,8 @@ class SegmentStore:
             )
 
     def _evict(self) -> None:
+        if self._bytes <= self.max_bytes:
+            return  # the common case: no list of every key
         for key in list(self._entries):
             if self._bytes <= self.max_bytes:
                 return
