@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Union
 import torch
 
 from ..errors import SharedTierWarning
+from .prefix_tree import PrefixTree
 from .run_index import TokenRunIndex
 from .segments import KVSegment
 from .shared import CatalogItem, SharedSegments, decode_entry, encode_entry
@@ -51,6 +52,7 @@ class TierLink:
         self.store_lock, self.entries, self.runs, self.insert = store_lock, entries, runs, insert
         self.lock = threading.Lock()  # one catalog read at a time (the cursor)
         self.remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
+        self._prefixes = PrefixTree()  # the tier's exact prefixes by their ids
         self._cursor = None  # the tier's catalog cursor (opaque)
         self._devices: list[torch.device] | None = None  # where fetched KV goes (local entries' groups)
         self.fetched = self.misses = 0
@@ -71,10 +73,11 @@ class TierLink:
                 for item in items:
                     if item.key in self.remote or item.key in self.entries:
                         continue
-                    self.remote[item.key] = item
+                    self._remember(item)
                     self.runs.add(REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
                 while len(self.remote) > MAX_REMOTE:
                     key, _ = self.remote.popitem(last=False)
+                    self._prefixes.remove(key)
                     self.runs.remove(REMOTE + key)
 
     def publish(self, key: str, entry: Entry) -> None:
@@ -91,7 +94,7 @@ class TierLink:
             return
         with self.store_lock:
             self._devices = [k.device for k in entry.kv.keys]
-            self.remote[key] = item
+            self._remember(item, key)
             if key not in self.entries:  # evicted meanwhile: findable again, fetched on use
                 self.runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
 
@@ -116,6 +119,7 @@ class TierLink:
                 self.misses += 1
                 if item.key not in self.entries:
                     self.remote.pop(item.key, None)
+                    self._prefixes.remove(item.key)
                     self.runs.remove(REMOTE + item.key)
                 return self.entries.get(item.key)
             held = self.entries.get(item.key)
@@ -128,21 +132,23 @@ class TierLink:
             return self.entries.get(item.key)
 
     def longer_prefixes(self, ids: torch.Tensor, fingerprint: str, beat: int) -> list[CatalogItem]:
-        """The tier's prefixes (not held here) sharing more than ``beat`` leading ids with ``ids``
-        (``[T]`` int64), longest common prefix first. Call under the store's lock."""
-        prompt = ids.tolist()
-        scored = []
-        for key, item in self.remote.items():
-            if not item.prefix or item.fingerprint != fingerprint or key in self.entries:
-                continue
-            n = 0
-            for a, b in zip(item.token_ids, prompt):
-                if a != b:
-                    break
-                n += 1
-            if n > beat:
-                scored.append((n, item))
-        return [item for _, item in sorted(scored, key=lambda pair: -pair[0])]
+        """The tier's prefix (not held here) sharing the most leading ids with ``ids`` (``[T]``
+        int64), where that is more than ``beat``; empty otherwise. Call under the store's lock.
+
+        Found through a radix tree of the catalog's prefixes (:mod:`.prefix_tree`), so a lookup
+        costs the match's length, not the catalog's size. One candidate: where its fetch fails,
+        the store serves its own longest prefix (speed, never correctness)."""
+        hit = self._prefixes.longest(ids.tolist(), fingerprint)
+        if hit is None or hit[1] <= beat or hit[0] in self.entries:
+            return []  # a prefix held here shares no more than ``beat`` (the store's own best)
+        return [self.remote[hit[0]]]
+
+    def _remember(self, item: CatalogItem, key: str | None = None) -> None:
+        """Know that the tier holds ``item`` (under ``key``, its own by default)."""
+        key = item.key if key is None else key
+        self.remote[key] = item
+        if item.prefix:
+            self._prefixes.add(key, item.fingerprint, list(item.token_ids))
 
     def item(self, run_key: str) -> CatalogItem | None:
         """The catalog item behind a run-index key of the tier's (``"shared:<key>"``), or None."""

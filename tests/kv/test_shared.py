@@ -73,6 +73,25 @@ def test_stores_find_each_others_entries_by_id_and_token_runs():
     assert c.stats().shared_fetched == 1 and b.stats().shared_fetched == 1
 
 
+def test_a_replica_finds_the_longest_prefix_another_published_and_keeps_its_own_when_longer():
+    tier = MemorySegments()
+    def kv(n: int) -> KVBlock:
+        return KVBlock.stacked(torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2))
+
+    publisher = SegmentStore(1 << 20, shared=tier)
+    for ids in ([1, 2, 3], [1, 2, 3, 4, 5, 6], [1, 2, 9, 9, 9, 9, 9], [7, 7]):
+        publisher.put_prefix(torch.tensor(ids), kv(len(ids)), "fp")
+    publisher.put_prefix(torch.tensor([1, 2, 3, 4, 5, 6, 7]), kv(7), "other-model")
+    reader = SegmentStore(1 << 20, shared=tier)
+    entry, n = reader.longest_prefix(torch.tensor([1, 2, 3, 4, 5, 8]), "fp")
+    assert n == 5 and entry.token_ids.tolist() == [1, 2, 3, 4, 5, 6]  # fetched from the tier
+    assert reader.stats().shared_fetched == 1
+    reader.put_prefix(torch.tensor([1, 2, 9, 9, 9, 9, 9, 9]), kv(8), "fp")  # its own, longer
+    entry, n = reader.longest_prefix(torch.tensor([1, 2, 9, 9, 9, 9, 9, 9, 0]), "fp")
+    assert n == 8 and reader.stats().shared_fetched == 1  # nothing fetched for a shorter one
+    assert reader.longest_prefix(torch.tensor([5, 5]), "fp") is None
+
+
 def test_an_evicted_entry_comes_back_from_the_tier():
     tier = MemorySegments()
     first, second = _segment(6), _segment(7)
