@@ -136,16 +136,23 @@ class WeightsWatch:
 
 
 def _snapshot(model: torch.nn.Module) -> tuple:
-    """Each module object in the tree, each of its parameters' and buffers' objects and in-place
-    version counters in slot order, and the active adapters. Read from the modules' own slots,
-    not through ``named_parameters`` (a third of its time: no names are built): a replaced or
-    added module, a tensor replaced or moved between slots, or an in-place write changes it."""
+    """Each module in the tree once (its object and its children's names), each of its
+    parameters' and buffers' names, objects and in-place version counters, and the active
+    adapters. Read from the modules' own slots, not through ``named_parameters`` (a third of its
+    time: no dotted names are built): a replaced, added or renamed module, a tensor replaced or
+    moved between slots, or an in-place write changes it."""
     state: list = []
-    stack = [model]
+    stack, seen = [model], set()
     while stack:
         module = stack.pop()
+        if id(module) in seen:  # shared or cyclic: read once, as named_modules does
+            continue
+        seen.add(id(module))
         state.append(id(module))
         for slots in (module._parameters, module._buffers):
-            state.extend((id(t), t._version) for t in slots.values() if t is not None)
-        stack.extend(child for child in module._modules.values() if child is not None)
+            state.extend((name, id(t), t._version) for name, t in slots.items() if t is not None)
+        for name, child in module._modules.items():
+            if child is not None:
+                state.append(name)
+                stack.append(child)
     return (tuple(state), _active_adapters(model))

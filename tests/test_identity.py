@@ -100,3 +100,14 @@ def test_the_watch_notices_a_replaced_module_or_tensor_and_nothing_else(llama):
     first, second = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     first.q_proj.weight, second.q_proj.weight = second.q_proj.weight, first.q_proj.weight  # moved between slots
     assert watch.changed()
+
+
+def test_the_watch_notices_a_renamed_module_and_reads_a_shared_one_once(llama):
+    model = copy.deepcopy(llama)
+    watch = WeightsWatch(model)
+    layers = model.model.layers
+    layers._modules["renamed"] = layers._modules.pop("0")
+    assert watch.changed()
+    model.model.tied = model.model.layers[1]  # the same module reached twice
+    watch.mark()
+    assert not watch.changed()
