@@ -186,10 +186,11 @@ class SegmentStore:
         """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers."""
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
-            hit = self._longest_local_prefix(ids, fingerprint)
-            if hit is not None and hit[1] == ids.numel():
+            as_list = ids.tolist()
+            hit = self._prefixes.longest(as_list, fingerprint)
+            if hit is not None and hit[1] == len(as_list):
                 return True  # already covered
-            for key in self._prefixes.prefixes_of(ids.tolist(), fingerprint):
+            for key in self._prefixes.prefixes_of(as_list, fingerprint):
                 self._remove(key)  # covered; a running call keeps its own tensors
         entry = PrefixEntry(f"prefix-{uuid.uuid4().hex}", ids, kv, fingerprint)
         return self._insert(entry.id, entry)  # outside the lock: publishing to a shared tier waits on it
@@ -199,7 +200,8 @@ class SegmentStore:
         and its length (a longer one of the shared tier is fetched)."""
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
-            best = self._longest_local_prefix(ids, fingerprint)
+            hit = self._prefixes.longest(ids.tolist(), fingerprint)
+            best = (self._entries[hit[0]], hit[1]) if hit is not None else None
         if self._tier is not None:
             self._tier.sync()
             with self._lock:
@@ -214,10 +216,6 @@ class SegmentStore:
                 if best[0].id in self._entries:
                     self._touch(best[0].id)
         return best
-
-    def _longest_local_prefix(self, ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
-        hit = self._prefixes.longest(ids.tolist(), fingerprint)
-        return (self._entries[hit[0]], hit[1]) if hit is not None else None
 
     # ---- shared token runs anywhere ---------------------------------------------------------
     def find_runs(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor,

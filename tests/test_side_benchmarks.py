@@ -1,0 +1,129 @@
+"""The side benchmarks on a tiny model, each on its own: offset sources and learned predictors,
+framed decode, the vLLM benchmark's turn-taking (a stub child per strategy), parallel branches
+through LangGraph, and short re-rotation samples. Only what must hold whatever the timings."""
+
+import json
+
+def test_offset_sources_scores_each_receivers_recorded_offsets(tmp_path):
+    """``benchmarks.offset_sources`` on a tiny model: every reply kind read by two or more
+    receivers is scored from the other receivers' records, errors are relative (>= 0), the
+    JSON is written."""
+    from benchmarks import offset_sources
+
+    out = tmp_path / "sources.json"
+    results = offset_sources.main(["--model", "random:tiny", "--workloads", "b", "--requests", "2", "--out", str(out)])
+    rows = results["b"]
+    replies = [r for r in rows if r["kind"] == ["solver-1", "assistant"]]
+    assert {r["receiver"] for r in replies} == {"solver-2", "solver-3", "solver-4"}
+    assert all(any(k.startswith("from ") for k in r["error"]) for r in replies)
+    assert all(v >= 0 for r in rows for v in r["error"].values())
+    assert json.loads(out.read_text()) == results
+
+
+def test_offset_sources_scores_the_learned_predictors(tmp_path):
+    """``--regression`` adds the ridge and probe predictors wherever a receiver holds three or
+    more anchors of a kind; their errors are relative (>= 0) and finite."""
+    import math
+
+    from benchmarks import offset_sources
+
+    results = offset_sources.main(["--model", "random:tiny", "--workloads", "b", "--requests", "4", "--regression",
+                                   "--out", str(tmp_path / "sources.json")])
+    learned = [r["error"] for r in results["b"] if r["anchors"] >= 3]
+    assert learned and all({f"{s}|{p}" for s in ("ridge", "ridge@2", "probe1") for p in ("keys", "values")} <= e.keys()
+                           for e in learned)
+    assert all(v >= 0 and math.isfinite(v) for e in learned for v in e.values())
+
+
+def test_framed_decode_times_whole_pipelines_with_and_without_copies(tmp_path):
+    """``benchmarks.framed_decode`` answers the same messages on both engines and reports each
+    engine's copies (whether the framed engine feeds any on this tiny random model depends on what its
+    readers' plans computed: tests/test_text_framing.py checks the copies themselves)."""
+    from benchmarks import framed_decode
+
+    result = framed_decode.main(["--model", "random:tiny", "--device", "cpu", "--requests", "2", "--tokens", "8",
+                                 "--workloads", "a", "--out", str(tmp_path)])
+    records = result["workloads"]["a"]["records"]
+    assert {r["request"] for r in records} == {1}  # the warm-up request is left out
+    assert all("copies" in r["framed"] for r in records)
+    assert not any(r["unframed"]["copies"] for r in records)
+    summary = result["workloads"]["a"]["summary"]
+    assert summary["pipelines"] == 1 and summary["wall_unframed_over_framed"] > 0
+    assert json.loads(next(tmp_path.glob("*.json")).read_text())["workloads"]["a"]["summary"] == summary
+
+
+STUB_CHILD = r"""
+import json, sys, time
+strategy = sys.argv[1]
+print("vLLM-like log line", flush=True)
+print("READY", flush=True)
+for line in sys.stdin:
+    started = time.perf_counter()
+    time.sleep(0.02)
+    print("RESULT " + json.dumps([{"graph": int(line), "agent_index": 1, "prompt_tokens": 4, "reused_tokens": 0,
+                                   "ttft_s": 0.01, "strategy": strategy, "started": started},
+                                  {"graph": int(line), "wall_s": time.perf_counter() - started, "started": started,
+                                   "ended": time.perf_counter()}]), flush=True)
+"""
+
+
+def test_vllm_strategies_take_turns_graph_by_graph_never_at_once(tmp_path):
+    """The vLLM benchmark's ttft phase: one child per strategy, each graph run by every child in
+    turn (the order rotated per graph), never two at once, each strategy's records its own."""
+    import sys
+    from types import SimpleNamespace
+
+    from benchmarks.vllm_serving import summarize
+    from benchmarks.vllm_turns import interleaved_ttft
+
+    script = tmp_path / "child.py"
+    script.write_text(STUB_CHILD)
+    strategies = ["vllm-apc", "connector", "connector-replies"]
+    results = interleaved_ttft(strategies, SimpleNamespace(requests=4), tmp_path,
+                               command=lambda strategy: [sys.executable, str(script), strategy])
+    assert [r["strategy"] for r in results] == strategies
+    walls = sorted((r["started"], r["ended"], result["strategy"], r["graph"]) for result in results
+                   for r in result["records"] if "wall_s" in r)
+    assert all(earlier[1] <= later[0] for earlier, later in zip(walls, walls[1:]))  # never two at once
+    for graph in range(4):  # each graph by every strategy, the first turn rotating
+        turn = [strategy for _, _, strategy, g in walls if g == graph]
+        assert turn == strategies[graph % 3:] + strategies[:graph % 3]
+    for result in results:
+        assert {r["strategy"] for r in result["records"] if "strategy" in r} == {result["strategy"]}
+    table = summarize(results, warmup=1)
+    assert set(table["ttft"]) == set(strategies) and table["ttft"]["vllm-apc"]["graph_speedup_vs_vllm"] == 1.0
+
+
+def test_parallel_branches_charge_every_forward_and_siblings_compute_the_document_once(llama, tokenizer):
+    from benchmarks import parallel_branches as pb
+    from benchmarks.graph import ModelMeter
+
+    meter = ModelMeter(llama)
+    try:
+        strategies = [pb._strategy(n, llama, tokenizer) for n in ("dense", "kvcomm-mean-no-siblings", "kvcomm-mean")]
+        records = pb.run("map", strategies, pb.inputs("dev", 1), warmup=0, reply_tokens=3, meter=meter,
+                         progress=lambda line: None)
+    finally:
+        meter.close()
+    by = {r["strategy"]: r for r in records}
+    assert by["dense"]["reused_tokens"] == 0 and by["kvcomm-mean-no-siblings"]["reused_tokens"] < by["kvcomm-mean"]["reused_tokens"]
+    # the branches' shared beginning is forwarded once under the default, four times otherwise
+    assert by["kvcomm-mean"]["tokens"] < 0.5 * by["kvcomm-mean-no-siblings"]["tokens"]
+    assert by["kvcomm-mean-no-siblings"]["tokens"] > 0.9 * by["dense"]["tokens"]
+    assert max(by["kvcomm-mean"]["branch_kl"]) < 1e-6 and len(by["kvcomm-mean"]["branch_kl"]) >= 4  # exact prefixes
+    summary = pb.summarize(records)
+    assert "| map | kvcomm-mean |" in pb.table(summary)
+
+
+def test_short_samples_measure_the_cut_prompt_beside_the_whole_one(tmp_path):
+    """``benchmarks/short_samples.py`` on the tiny model: each reader of (h)'s document gets the
+    whole check and a sample on its prompt cut to 128 ids of the document, far fewer ids."""
+    from benchmarks import short_samples
+
+    rows = short_samples.main(["--model", "random:tiny", "--phases", "h", "--requests", "1", "--lengths", "128",
+                               "--out", str(tmp_path / "short.json")])
+    assert len(rows) == 3 and json.loads((tmp_path / "short.json").read_text())
+    for row in rows:
+        short = row["short_128"]
+        assert row["kl"] > 0 and short["kl"] > 0
+        assert max(row["runs"]) > 1000 and short["ids"] < row["ids"] // 3
