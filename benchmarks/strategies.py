@@ -70,7 +70,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
-         "kvcomm-no-short-sample",
+         "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone",
          "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
@@ -182,13 +182,15 @@ def known(name: str) -> bool:
 def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     """The engine settings a strategy name stands for."""
     table = {
-        "dense": {"method": "dense"},
+        "dense": {"method": "dense", "batched_decode": False},  # plain transformers: every call steps alone
+        "dense-batched": {"method": "dense"},  # no reuse; parallel calls' decode steps in one forward
         "prefix": {"method": "exact_prefix", "audit_every": 0},
         "pipelined": {"method": "exact_prefix", "audit_every": 0},
         "rerotate": {"method": "rerotate", "audit_every": 0},
         "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0},
         "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, **PAPER},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
+        "kvcomm-mean-steps-alone": {"method": "kvcomm", "gamma": gamma, "batched_decode": False},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
         "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,

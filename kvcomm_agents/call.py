@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from .alignment import assemble
+from .batched_decode import DecodeBatcher
 from .forwards import ForwardTally, charging
 from .anchors import KVCommAnchors
 from .audit import CallAuditor
@@ -108,6 +109,8 @@ class CallSteps:
         self.store, self.anchors, self.own_texts = parts.store, parts.anchors, parts.own_texts
         self.versions, self.framer, self.auditor, self.capture = parts.versions, parts.framer, parts.auditor, parts.capture
         self.in_flight = CallsInFlight(parts.capture, min_gain=parts.config.min_match_tokens)
+        self.batcher = (DecodeBatcher(self.model, self.lock, self.step_alone)
+                        if parts.config.batched_decode else None)
 
     @contextmanager
     def prepared(self, layout: PromptLayout, messages: Messages, agent: str, reuse: Optional[bool],
@@ -180,21 +183,37 @@ class CallSteps:
                max_new_tokens: int) -> Iterator[str]:
         """The decode loop from the first token; yields text pieces, returns the finish reason."""
         position = call.plan.num_prompt
-        while True:
-            piece = text.push(next_id)
-            if piece:
-                yield piece
-            finish = self.finish_reason(next_id, text, max_new_tokens)
-            if finish is not None:
-                return finish
-            logits = self.step(call, next_id, position)
-            position += 1
-            next_id = sampler(logits)
+        try:
+            while True:
+                piece = text.push(next_id)
+                if piece:
+                    yield piece
+                finish = self.finish_reason(next_id, text, max_new_tokens)
+                if finish is not None:
+                    return finish
+                logits = self.step(call, next_id, position)
+                position += 1
+                next_id = sampler(logits)
+        finally:  # a reply that ended, or a stream closed mid-reply
+            self.done_stepping(call)
 
     def step(self, call: PreparedCall, token: int, position: int) -> torch.Tensor:
-        """One decode step: feed ``token`` at ``position`` (with the copies' due share); returns
-        the ``[vocab]`` float32 logits of the next token. Timed: a step without copies is the
-        baseline a framed call's steps are weighed against (:mod:`.framing.cost`)."""
+        """One decode step: feed ``token`` at ``position``; returns the ``[vocab]`` float32 logits
+        of the next token. Together with the steps other calls post meanwhile
+        (:mod:`.batched_decode`) unless the call feeds copies with its steps."""
+        if self.batcher is not None and call.framing is None:
+            return self.batcher.step(call, token, position)
+        return self.step_alone(call, token, position)
+
+    def done_stepping(self, call: PreparedCall) -> None:
+        """The call's decode steps are over: its KV is whole in its own cache again."""
+        if self.batcher is not None:
+            self.batcher.leave(call)
+
+    def step_alone(self, call: PreparedCall, token: int, position: int) -> torch.Tensor:
+        """:meth:`step` on the call's own cache (with the copies' due share). Timed: a step
+        without copies is the baseline a framed call's steps are weighed against
+        (:mod:`.framing.cost`)."""
         with self.lock, torch.inference_mode(), charging(call.tally, "decode"):
             started = time.perf_counter()
             if call.framing is not None:
@@ -219,8 +238,11 @@ class CallSteps:
         """:meth:`force` one decode step per token, as a generated reply costs (the copies ride on
         the same steps); the same ``[k, vocab]`` logits up to float rounding."""
         rows = [call.pre.logits]
-        for i, token in enumerate(ids[:-1]):
-            rows.append(self.step(call, token, call.plan.num_prompt + i))
+        try:
+            for i, token in enumerate(ids[:-1]):
+                rows.append(self.step(call, token, call.plan.num_prompt + i))
+        finally:
+            self.done_stepping(call)
         return torch.stack([r.to(rows[0].device) for r in rows])
 
     def force(self, call: PreparedCall, ids: list[int]) -> torch.Tensor:

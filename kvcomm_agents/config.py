@@ -54,27 +54,21 @@ class ExperimentalSettings(BaseModel):
             "are computed."
         ),
     )
-    own_text_max_bytes: int = Field(
-        default=64 * 1024**2, ge=0, description="Byte budget of the agents' own-text KV (own_text='reuse')."
-    )
+    own_text_max_bytes: int = Field(default=64 * 1024**2, ge=0,
+                                    description="Byte budget of the agents' own-text KV (own_text='reuse').")
     min_anchors: int = Field(
         default=2, ge=1,
         description="Consulted anchors needed before a segment may be reused (the paper: two; the gate needs two).",
     )
-    eviction_window: int = Field(
-        default=5, ge=1,
-        description="When a pool is full, the least-activated of this many oldest anchors is replaced.",
-    )
+    eviction_window: int = Field(default=5, ge=1, description=(
+        "When a pool is full, the least-activated of this many oldest anchors is replaced."))
     activation_top_p: float = Field(
         default=0.9, gt=0.0, le=1.0,
         description="A reuse decision credits the nearest anchors holding this share of the weight.",
     )
-    anchor_temperature: float = Field(
-        default=1.0, gt=0.0, description="Softmax temperature of the 'weighted' estimator."
-    )
-    min_prefix_tokens: int = Field(
-        default=4, ge=1, description="Shortest exact prefix worth keeping in the store after a call."
-    )
+    anchor_temperature: float = Field(default=1.0, gt=0.0, description="Softmax temperature of the 'weighted' estimator.")
+    min_prefix_tokens: int = Field(default=4, ge=1,
+                                   description="Shortest exact prefix worth keeping in the store after a call.")
     rerotation_trust: Literal["clear_sample", "one_sample", "audited"] = Field(
         default="one_sample",
         description=(
@@ -159,6 +153,15 @@ class KVCommConfig(BaseModel):
             "masked forward that reused KV needs (kvcomm_agents.prefill_cost: a 2,048-token prompt "
             "reusing 2% of it costs 1.14x dense on a CPU). CPU only; False: always reuse what was "
             "planned."
+        ),
+    )
+    batched_decode: bool = Field(
+        default=True,
+        description=(
+            "Run the decode steps of calls answering at once (a LangGraph fan-out's branches) in "
+            "one forward, each call's KV left-padded into a batch (kvcomm_agents.batched_decode): "
+            "each step streams the weights once for all. Rows agree with a lone call's up to float "
+            "rounding; False: every call steps alone (bit-reproducible replies)."
         ),
     )
     capture_messages: bool = Field(
@@ -367,10 +370,7 @@ class KVCommConfig(BaseModel):
             "timed whole where each is computed in a forward of its own (a CPU), with the reply "
             "copies where they ride on the same decode steps (CUDA). A kind loses on the median "
             "of two measurements, or on its first where that costs more than twice the prefill "
-            "per id. On the embedded model on 2 CPU cores, text copies stopped after "
-            "two calls on the RAG hand-off (whole graph 0.93x -> 1.00x dense, development range); "
-            "reply copies cost 5.3 s for 830 copy ids against 0.4 s of readers' prefill spared "
-            "on the debate (benchmarks/LAB.md). False: copies whatever they cost."
+            "per id (measured: benchmarks/LAB.md). False: copies whatever they cost."
         ),
     )
     shared_runs: Literal["anywhere", "messages"] = Field(

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from .. import forwards
 from ..kv.block import KVBlock, device_groups
@@ -35,6 +36,9 @@ __all__ = [
     "prefill",
     "kv_at_positions",
     "kv_reader",
+    "batchable",
+    "left_padded",
+    "take_row",
 ]
 
 
@@ -98,17 +102,17 @@ def run_forward(
     active :func:`kvcomm_agents.forwards.charging` tally.
 
     Args:
-        input_ids: ``[1, q]``.
+        input_ids: ``[B, q]`` (``B > 1``: a batch, :func:`left_padded`).
         cache: the cache to extend (mutated).
-        position_ids: ``[1, q]``; None lets the model count from the cache length.
-        attention_mask: None for the model's own causal mask, or a ready 4-D additive mask
-            ``[1, 1, q, cached + q]``.
+        position_ids: ``[B, q]``; None lets the model count from the cache length.
+        attention_mask: None for the model's own causal mask, a ready 4-D additive mask
+            ``[1, 1, q, cached + q]``, or a ``[B, cached + q]`` padding mask (1: attend).
         last_logits_only: compute the LM head for the last position only.
         logits_rows: compute it for the last that many positions (overrides ``last_logits_only``).
 
     Returns:
-        Logits ``[1, q, vocab]`` (``[1, 1, vocab]`` with ``last_logits_only``; ``[1, logits_rows,
-        vocab]``), where the model can compute fewer rows (``logits_to_keep``); else ``[1, q, vocab]``.
+        Logits ``[B, q, vocab]`` (``[B, 1, vocab]`` with ``last_logits_only``; ``[B, logits_rows,
+        vocab]``), where the model can compute fewer rows (``logits_to_keep``); else ``[B, q, vocab]``.
     """
     kwargs = {_cache_keyword(type(model)): cache, "use_cache": True}
     if position_ids is not None:
@@ -357,3 +361,36 @@ def kv_reader(cache: DynamicCache, slot_positions: torch.Tensor):
     """``positions -> KVBlock`` (:func:`kv_at_positions`) over a filled cache whose slot ``i``
     holds position ``slot_positions[i]`` (``[C]`` int64); the reader takes ``[n]`` int64 positions."""
     return lambda positions: kv_at_positions(cache, slot_positions, positions)
+
+
+def batchable(cache: DynamicCache) -> bool:
+    """Whether ``cache`` can be stepped in a batch (:func:`left_padded`): one sequence, every
+    layer a plain full-attention layer holding KV (no sliding window, no quantization)."""
+    return bool(cache.layers) and all(type(layer) is DynamicLayer and layer.keys is not None
+                                      and layer.keys.shape[0] == 1 for layer in cache.layers)
+
+
+def left_padded(model: PreTrainedModel, caches: list[DynamicCache]) -> tuple[DynamicCache, list[int]]:
+    """One cache of ``B = len(caches)`` rows, each cache's slots left-padded with zeros to the
+    longest (``[B, kv_heads, T, head_dim]`` per layer, copies), and the padding slots per row
+    (mask them: ``attention_mask[row, :pad] = 0``)."""
+    lengths = [num_cached(cache) for cache in caches]
+    pads = [max(lengths) - n for n in lengths]
+    layers = []
+    for layer in range(num_layers(caches[0])):
+        rows = [layer_kv(cache, layer) for cache in caches]
+        keys, values = rows[0]
+        k_out = keys.new_zeros((len(caches), keys.shape[1], max(lengths), keys.shape[3]))
+        v_out = values.new_zeros((len(caches), values.shape[1], max(lengths), values.shape[3]))
+        for row, ((k, v), pad) in enumerate(zip(rows, pads)):
+            k_out[row, :, pad:] = k[0]
+            v_out[row, :, pad:] = v[0]
+        layers.append((k_out, v_out))
+    return DynamicCache(ddp_cache_data=layers, config=model.config), pads
+
+
+def take_row(batch: DynamicCache, row: int, pad: int, cache: DynamicCache) -> None:
+    """Make ``cache`` hold ``batch``'s row ``row`` without its ``pad`` padding slots (copies)."""
+    for source, held in zip(batch.layers, cache.layers):
+        held.keys = source.keys[row:row + 1, :, pad:].clone()
+        held.values = source.values[row:row + 1, :, pad:].clone()
