@@ -8,10 +8,11 @@ against 60 ms at 300 cached tokens, 173 ms against 66 ms at 1,600), so the steps
 while the lock is busy run together:
 
 - a thread about to step posts its token; the first thread to find no leader leads: it takes the
-  engine lock, waits up to ``window_s`` for every call of the running batch to post its next
+  engine lock, waits up to ``window_s`` for every other call still decoding to post its next
   step (they are only sampling and detokenizing), then runs every posted step in one forward and
-  hands each thread its logits. A call that does not post in time (a paused stream) drops out of
-  the batch and steps alone, or joins a later batch.
+  hands each thread its logits. A call that does not post in time (a paused stream) is not
+  waited for again until it posts; it steps alone or joins a later batch. A call decoding alone
+  (a graph whose agents run one after another) never waits.
 - the batch keeps its own cache while its calls stay the same: each call's KV left-padded to the
   longest, ``[B, kv_heads, T, head_dim]`` per layer, and a padding mask. When a call leaves
   (its reply ended, it dropped out) or joins, every call's rows are written back into its own
@@ -84,7 +85,8 @@ class DecodeBatcher:
         self._posted: list[_Step] = []
         self._wake = threading.Condition()
         self._leading = False
-        self._leaving: set[int] = set()  # ids of calls on their way out: not waited for
+        self._active: set[int] = set()  # ids of calls between their first step and their leave
+        self._lagging: set[int] = set()  # active calls that missed a window: not waited for
         self._batch: Optional[_Batch] = None
         self.batched_steps = 0  # forwards that ran more than one call's step
         self.rows = 0  # call steps those forwards ran
@@ -95,6 +97,8 @@ class DecodeBatcher:
         posted meanwhile; returns the ``[vocab]`` float32 logits of the next token."""
         mine = _Step(call, token, position)
         with self._wake:
+            self._active.add(id(call))
+            self._lagging.discard(id(call))
             self._posted.append(mine)
             self._wake.notify_all()
             while not mine.done and self._leading:
@@ -111,15 +115,12 @@ class DecodeBatcher:
         """``call`` steps no more (its reply ended, or its stream closed): its KV goes back into
         its own cache. Takes the engine lock."""
         with self._wake:
-            self._leaving.add(id(call))
+            self._active.discard(id(call))
+            self._lagging.discard(id(call))
             self._wake.notify_all()
-        try:
-            with self.lock:
-                if self._holds(call):
-                    self._unpack()
-        finally:
-            with self._wake:
-                self._leaving.discard(id(call))
+        with self.lock:
+            if self._holds(call):
+                self._unpack()
 
     # ---- the leader ---------------------------------------------------------------------------
     def _lead(self) -> None:
@@ -141,14 +142,15 @@ class DecodeBatcher:
                 self._wake.notify_all()
 
     def _gather(self) -> list[_Step]:
-        """The posted steps, once every call of the running batch has posted (or the window
-        has passed)."""
-        expected = {id(c) for c in self._batch.calls} if self._batch is not None else set()
+        """The posted steps, once every active call has posted its next one (they are sampling
+        and detokenizing) or the window has passed; those that missed it are not waited for
+        again until they post (a paused stream costs one window)."""
         deadline = time.monotonic() + self.window_s
         with self._wake:
-            while expected - self._leaving - {id(s.call) for s in self._posted}:
+            while missing := self._active - self._lagging - {id(s.call) for s in self._posted}:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self._lagging |= missing
                     break
                 self._wake.wait(left)
             steps, self._posted = self._posted[: self.max_rows], self._posted[self.max_rows:]
