@@ -17,9 +17,12 @@ standard-library module, about 400-700 tokens):
 - ``roles``: a different role per branch (planner, reviewer, tester, simplifier), the same page
   and coding task; the aggregator (the coder) reads their notes.
 
-Strategies: dense, exact prefix, re-rotation only, the default with siblings planned against the
-store alone (``kvcomm-mean-no-siblings``, switched off through the engine's seam: close to, not
-exactly, the engine before :mod:`kvcomm_agents.in_flight`), and the default.
+Strategies: dense (plain transformers: every call steps its decode alone), dense with the
+siblings' decode steps batched (``dense-batched``, :mod:`kvcomm_agents.batched_decode`), exact
+prefix, re-rotation only, the default with siblings planned against the store alone
+(``kvcomm-mean-no-siblings``, switched off through the engine's seam: close to, not exactly, the
+engine before :mod:`kvcomm_agents.in_flight`), the default with every call stepping alone
+(``kvcomm-mean-steps-alone``), and the default.
 
     python -m benchmarks.parallel_branches [--split report] [--requests 4] [--warmup 1]
                                            [--shapes map,roles] [--reply-tokens 24]
@@ -53,7 +56,8 @@ __all__ = ["STRATEGIES", "run", "summarize", "table", "described"]
 QUESTIONS = ("What does this module do, in one sentence?", "Name two functions it offers.",
              "What is one mistake a user of it could make?", "Which function would you use first, and why?")
 ROLES = ("planner", "reviewer", "tester", "simplifier")
-STRATEGIES = ("dense", "prefix", "rerotate", "kvcomm-mean-no-siblings", "kvcomm-mean")
+STRATEGIES = ("dense", "dense-batched", "prefix", "rerotate", "kvcomm-mean-no-siblings", "kvcomm-mean-steps-alone",
+              "kvcomm-mean")
 
 
 class Fan(TypedDict):

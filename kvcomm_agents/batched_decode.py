@@ -3,9 +3,9 @@
 LangGraph runs a fan-out's branches (``Send``, several edges out of one node) in threads, so
 sibling agents decode at the same time, each step taking the engine lock in turn: four siblings
 pay four forwards per token, and each forward streams every weight of the model once. A forward
-of four query rows costs little more than one of one (on the embedded model on 2 CPU cores: 98 ms
-against 60 ms at 300 cached tokens, 173 ms against 66 ms at 1,600), so the steps that are posted
-while the lock is busy run together:
+of four query rows costs little more than one of one (on the embedded model on 2 CPU cores: 57 ms
+against 46 ms at 300 cached tokens, 98 ms against 48 ms at 1,600; ``benchmarks/batched_steps.py``),
+so the steps that are posted while the lock is busy run together:
 
 - a thread about to step posts its token; the first thread to find no leader leads: it takes the
   engine lock, waits up to ``window_s`` for every other call still decoding to post its next

@@ -1,8 +1,11 @@
 """The side benchmarks on a tiny model, each on its own: offset sources and learned predictors,
 framed decode, the vLLM benchmark's turn-taking (a stub child per strategy), parallel branches
-through LangGraph, and short re-rotation samples. Only what must hold whatever the timings."""
+through LangGraph, short re-rotation samples and batched decode steps. Only what must hold
+whatever the timings."""
 
 import json
+
+import pytest
 
 def test_offset_sources_scores_each_receivers_recorded_offsets(tmp_path):
     """``benchmarks.offset_sources`` on a tiny model: every reply kind read by two or more
@@ -127,3 +130,16 @@ def test_short_samples_measure_the_cut_prompt_beside_the_whole_one(tmp_path):
         short = row["short_128"]
         assert row["kl"] > 0 and short["kl"] > 0
         assert max(row["runs"]) > 1000 and short["ids"] < row["ids"] // 3
+
+
+def test_batched_steps_times_a_forward_per_length_and_rows(tmp_path):
+    """``benchmarks.batched_steps`` on a tiny model: one record per (length, rows), per row the
+    forward divided by the rows, a table and the JSON."""
+    from benchmarks import batched_steps
+
+    out = tmp_path / "steps.json"
+    batched_steps.main(["--model", "random:tiny", "--lengths", "8,16", "--rows", "1,3", "--steps", "2", "--out", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["cached"], r["rows"]) for r in records] == [(8, 1), (8, 3), (16, 1), (16, 3)]
+    assert all(r["step_s"] > 0 and r["per_row_s"] * r["rows"] == pytest.approx(r["step_s"]) for r in records)
+    assert "| 16 | 3 |" in batched_steps.table(records)

@@ -1,0 +1,215 @@
+"""Calls answering at once step their decode in one forward (kvcomm_agents/batched_decode.py):
+the same replies and logits as calls stepping alone, the same KV kept, paused and closed streams
+leave the batch, and an error reaches every call of the batch."""
+
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config
+
+from kvcomm_agents import ChatResult, KVCommConfig, KVCommEngine
+from kvcomm_agents.engines import hf
+from kvcomm_agents.kv.store import PrefixEntry
+
+from .conftest import tol
+
+PAGE = ("The library opens at nine and closes at five on weekdays. On Saturdays it opens at ten and "
+        "closes at two. It is closed on Sundays and on public holidays. Members may borrow six books.")
+ROLES = ("Analyst", "Reviewer", "Tester", "Planner")
+
+
+def branch(k: int) -> list[dict]:
+    """Prompts that share no prefix beyond the chat template's first ids (the plans do not
+    depend on which sibling runs first)."""
+    return [{"role": "system", "content": f"{ROLES[k]} {k}: answer from the page."},
+            {"role": "user", "content": f"Page:\n{PAGE}\n\nQuestion {k}: what {'and why ' * k}?"}]
+
+
+def at_once(engine, calls: int, run) -> dict:
+    """``run(engine, k)`` for each of ``calls`` branches in a thread of its own, started together."""
+    out, errors = {}, {}
+    start = threading.Barrier(calls)
+
+    def go(k):
+        start.wait()
+        try:
+            out[k] = run(engine, k)
+        except Exception as error:  # noqa: BLE001 - collected for the test to inspect
+            errors[k] = error
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in range(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors or out
+
+
+def longest(engine):
+    """Greedy, never an end-of-sequence id: replies run to ``max_new_tokens`` (the tiny random
+    models often end after a token or two)."""
+    ends = sorted(engine.info.eos_ids)
+
+    def pick(logits):
+        logits = logits[: len(engine.tokenizer)].clone()
+        logits[ends] = float("-inf")
+        return int(torch.argmax(logits))
+
+    return pick
+
+
+def generate(engine, k, pick=None, tokens: int = 24):
+    """Branch ``k``'s call as :meth:`KVCommEngine.stream` runs it, with the token picker given."""
+    return engine._generate(branch(k), f"a{k}", tokens, pick or longest(engine), None, None, None)
+
+
+def greedy(engine, k):
+    return next(i for i in generate(engine, k) if isinstance(i, ChatResult))
+
+
+def waiting(prefilled: threading.Barrier, engine):
+    """:func:`longest`'s picker that waits at ``prefilled`` before the first token (every call
+    prefilled before any steps, so they decode at once whatever the thread scheduler does: a
+    tiny model's steps are shorter than a thread's time slice); ``pick.rows``: the logits seen."""
+    choose, rows = longest(engine), []
+
+    def pick(logits):
+        if not rows:
+            prefilled.wait()
+        rows.append(logits.detach().float().cpu())
+        return choose(logits)
+
+    pick.rows = rows
+    return pick
+
+
+def greedy_together(calls: int):
+    """Greedy calls decoding at once (:func:`waiting`): ``(ChatResult, [n, vocab] logits)`` each."""
+    prefilled = threading.Barrier(calls)
+
+    def run(engine, k):
+        pick = waiting(prefilled, engine)
+        return next(i for i in generate(engine, k, pick) if isinstance(i, ChatResult)), torch.stack(pick.rows)
+
+    return run
+
+
+@pytest.mark.parametrize("calls", [2, 4])
+def test_calls_decoding_at_once_step_in_one_forward_and_answer_as_each_alone(model, tokenizer, calls):
+    batched = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    alone = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    got, want = at_once(batched, calls, greedy_together(calls)), at_once(alone, calls, greedy_together(calls))
+    batcher = batched._calls.batcher
+    assert batcher.batched_steps > 0 and batcher.rows >= 2 * batcher.batched_steps  # forwards of several calls ran
+    assert alone._calls.batcher is None
+    for k in range(calls):
+        (result, logits), (alone_result, alone_logits) = got[k], want[k]
+        assert result.token_ids == alone_result.token_ids
+        torch.testing.assert_close(logits, alone_logits, atol=tol(1e-4), rtol=1e-4)
+        assert result.stats.forwarded.decode == alone_result.stats.forwarded.decode
+    assert batcher._batch is None and not batcher._active  # every call left, its KV back home
+
+
+def kept(engine) -> dict:
+    return {tuple(e.token_ids.tolist()): e for e in engine.store._entries.values() if isinstance(e, PrefixEntry)}
+
+
+def test_a_batched_call_keeps_the_kv_a_call_stepping_alone_keeps(llama, tokenizer):
+    config = KVCommConfig(method="exact_prefix", audit_every=0)
+    batched = KVCommEngine(llama, tokenizer, config=config)
+    alone = KVCommEngine(llama, tokenizer, config=config.model_copy(update={"batched_decode": False}))
+    at_once(batched, 3, greedy_together(3)), at_once(alone, 3, greedy_together(3))
+    assert batched._calls.batcher.batched_steps > 0
+    got, want = kept(batched), kept(alone)
+    assert got.keys() == want.keys() and len(got) == 3  # each prompt plus its reply
+    for ids, entry in got.items():
+        for (k, v), (k2, v2) in zip(entry.kv.layers(), want[ids].kv.layers()):
+            torch.testing.assert_close(k, k2, atol=tol(1e-4), rtol=1e-4)
+            torch.testing.assert_close(v, v2, atol=tol(1e-4), rtol=1e-4)
+
+
+def test_a_paused_stream_holds_nobody_back_and_answers_as_alone(llama, tokenizer):
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    paused = generate(batched, 0)
+    pieces = [next(paused)]
+    while not batched._calls.batcher._active:  # until it has stepped: an active call, now paused
+        pieces.append(next(paused))
+    other = greedy(batched, 1)  # waits one window for the paused call, then steps alone
+    assert batched._calls.batcher._lagging  # not waited for again
+    rest = list(paused)
+    assert other.token_ids == greedy(alone, 1).token_ids
+    assert rest[-1].token_ids == greedy(alone, 0).token_ids
+    assert len(rest[-1].token_ids) == 24 and batched._calls.batcher._batch is None
+
+
+def test_a_stream_closed_mid_reply_leaves_the_batch(llama, tokenizer):
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    prefilled = threading.Barrier(3)
+
+    def run(engine, k):
+        stream = generate(engine, k, waiting(prefilled, engine))
+        if k == 0:  # reads a few pieces, then drops the stream
+            for _ in range(4):
+                next(stream)
+            stream.close()
+            return None
+        return next(i for i in stream if isinstance(i, ChatResult))
+
+    got = at_once(batched, 3, run)
+    assert batched._calls.batcher.batched_steps > 0
+    for k in (1, 2):
+        assert got[k].token_ids == greedy(alone, k).token_ids
+    assert batched._calls.batcher._batch is None and not batched._calls.batcher._active
+
+
+def test_an_error_in_a_batched_forward_reaches_every_call_of_the_batch(llama, tokenizer, monkeypatch):
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    forward = hf.run_forward
+
+    def failing(model, input_ids, *args, **kwargs):
+        if input_ids.shape[0] > 1:
+            raise RuntimeError("batched forward failed")
+        return forward(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "run_forward", failing)
+    errors = at_once(engine, 3, greedy_together(3))
+    assert errors and all(isinstance(e, RuntimeError) for e in errors.values())
+    monkeypatch.setattr(hf, "run_forward", forward)
+    assert engine.chat(branch(0), agent="a0", max_new_tokens=4).text is not None  # the engine goes on
+    assert engine._calls.batcher._batch is None and not engine._calls.batcher._active
+
+
+def test_only_full_attention_caches_of_one_sequence_are_batched():
+    plain = DynamicCache(config=Qwen2Config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16))
+    assert not hf.batchable(plain)  # no KV yet
+    for layer in range(2):
+        plain.update(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8), layer)
+    assert hf.batchable(plain)
+    sliding = DynamicCache(config=Qwen2Config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                              hidden_size=16, use_sliding_window=True, sliding_window=4,
+                                              max_window_layers=0))
+    for layer in range(2):
+        sliding.update(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8), layer)
+    assert not hf.batchable(sliding)
+
+
+def test_left_padded_rows_come_back_as_they_went_in():
+    config = Qwen2Config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16)
+    caches = []
+    for length in (3, 5):
+        cache = DynamicCache(config=config)
+        for layer in range(2):
+            cache.update(torch.randn(1, 1, length, 8), torch.randn(1, 1, length, 8), layer)
+        caches.append(cache)
+    model = type("M", (), {"config": config})()
+    batch, pads = hf.left_padded(model, caches)
+    assert pads == [2, 0] and hf.layer_kv(batch, 0)[0].shape == (2, 1, 5, 8)
+    assert bool((hf.layer_kv(batch, 1)[0][0, :, :2] == 0).all())
+    for row, (cache, pad) in enumerate(zip(caches, pads)):
+        before = [layer.keys.clone() for layer in cache.layers]
+        hf.take_row(batch, row, pad, cache)
+        for layer, want in zip(cache.layers, before):
+            assert torch.equal(layer.keys, want)
