@@ -213,3 +213,45 @@ def test_left_padded_rows_come_back_as_they_went_in():
         hf.take_row(batch, row, pad, cache)
         for layer, want in zip(cache.layers, before):
             assert torch.equal(layer.keys, want)
+
+
+def test_calls_joining_pausing_and_leaving_at_random_all_answer_as_alone(llama, tokenizer):
+    """Six calls of random lengths, started at random moments, some pausing between pieces and
+    one dropped mid-reply: none hangs, every finished reply is a lone call's."""
+    import random
+    import time
+
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    plans = random.Random(0)
+    shapes = [(k % 4, plans.randint(4, 24), plans.random() * 0.02, plans.random() < 0.3) for k in range(6)]
+    results, errors = {}, []
+
+    def run(k, branch_k, tokens, delay, pauses):
+        try:
+            time.sleep(delay)
+            stream = batched._generate(branch(branch_k), f"a{k}", tokens, longest(batched), None, None, None)
+            for i, item in enumerate(stream):
+                if isinstance(item, ChatResult):
+                    results[k] = item
+                elif pauses:
+                    time.sleep(0.015)  # longer than the window: the others step on without it
+                if k == 5 and i == 3:
+                    stream.close()
+                    return
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(k, *shape)) for k, shape in enumerate(shapes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors
+    for k, (branch_k, tokens, _, _) in enumerate(shapes):
+        if k == 5:
+            continue
+        want = next(i for i in generate(alone, branch_k, tokens=tokens) if isinstance(i, ChatResult))
+        assert results[k].token_ids == want.token_ids
+    assert batched._calls.batcher.batched_steps > 0
+    assert batched._calls.batcher._batch is None and not batched._calls.batcher._active
