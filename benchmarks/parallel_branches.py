@@ -138,22 +138,26 @@ def _recording_first_logits(engine) -> dict:
 
 
 def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_tokens: int,
-        meter: ModelMeter, progress: Callable[[str], None] = print) -> list[dict]:
-    """Each request through every strategy's graph in turn; one record per (request, strategy)."""
+        meter: ModelMeter, progress: Callable[[str], None] = print, at_once: int = 1) -> list[dict]:
+    """Each request through every strategy's graph in turn; one record per (request, strategy).
+    ``at_once`` > 1: each group of that many requests runs at once (``graph.batch``: LangGraph
+    runs the graphs in threads, as a server answering several users does); a record per group."""
     from kvcomm_langgraph import ChatKVComm
 
     graphs = {s.name: _graph(ChatKVComm(engine=s.engine, max_tokens=reply_tokens), shape) for s in strategies}
     records = []
-    for r, state in enumerate(requests):
+    for r in range(len(requests) // at_once):
+        group = [dict(state, notes=[]) for state in requests[r * at_once:(r + 1) * at_once]]
         replies = {}
         for s in strategies:
             recorder = CallRecorder()
             s.first_logits.clear()
             with meter.measuring() as tokens:
                 started = time.perf_counter()
-                out = graphs[s.name].invoke(dict(state, notes=[]), config={"callbacks": [recorder]})
+                outs = (graphs[s.name].batch(group, config={"callbacks": [recorder]}) if at_once > 1
+                        else [graphs[s.name].invoke(group[0], config={"callbacks": [recorder]})])
                 wall = time.perf_counter() - started
-            texts = [text for _, text in sorted(out["notes"])] + [out["final"]]
+            texts = [text for out in outs for text in [t for _, t in sorted(out["notes"])] + [out["final"]]]
             replies[s.name] = texts
             calls = recorder.calls
             dense_logits = strategies[0].first_logits  # this request's: dense runs first
@@ -205,9 +209,11 @@ def table(summary: list[dict]) -> str:
 
 def described(summary: dict) -> str:
     """The run's sample, then :func:`table` (what ``benchmarks.tables`` puts in the docs)."""
+    k = summary.get("at_once", 1)
+    at_once = f", {k} requests' graphs at once (a request here: a group of {k})" if k > 1 else ""
     return (f"Run: commit `{(summary['commit'] or '?')[:12]}`, {summary['model']} model, float32, cpu "
             f"({summary['threads']} threads), {summary['split']} range, {summary['requests']} timed requests per "
-            f"shape after {summary['warmup']}, replies of at most {summary['reply_tokens']} tokens.\n\n"
+            f"shape after {summary['warmup']}{at_once}, replies of at most {summary['reply_tokens']} tokens.\n\n"
             + table(summary["summary"]))
 
 
@@ -220,6 +226,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="map,roles")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--reply-tokens", type=int, default=24)
+    parser.add_argument("--at-once", type=int, default=1,
+                        help="requests whose graphs run at once (graph.batch), as a server answering several users")
     parser.add_argument("--out", default="benchmarks/out/parallel_branches.json")
     args = parser.parse_args(argv)
     loaded = load(args.model, device="cpu", dtype=torch.float32)
@@ -227,11 +235,11 @@ def main(argv=None) -> None:
     names = [n for n in args.strategies.split(",") if n]
     if names[0] != "dense":
         raise SystemExit("the first strategy must be dense (the others are compared with it)")
-    requests = inputs(args.split, args.warmup + args.requests)
+    requests = inputs(args.split, (args.warmup + args.requests) * args.at_once)
     records = []
     for shape in args.shapes.split(","):
         strategies = [_strategy(n, loaded.model, loaded.tokenizer) for n in names]  # fresh per shape
-        records += run(shape, strategies, requests, args.warmup, args.reply_tokens, meter)
+        records += run(shape, strategies, requests, args.warmup, args.reply_tokens, meter, at_once=args.at_once)
     summary = summarize(records)
     print(table(summary))
     try:
@@ -244,7 +252,8 @@ def main(argv=None) -> None:
     out.write_text(json.dumps({"kind": "parallel_branches", "commit": commit, "model": loaded.tag, "split": args.split,
                                "threads": torch.get_num_threads(), "python": platform.python_version(),
                                "torch": torch.__version__, "requests": args.requests, "warmup": args.warmup,
-                               "reply_tokens": args.reply_tokens, "summary": summary, "records": records}, indent=1))
+                               "reply_tokens": args.reply_tokens, "at_once": args.at_once, "summary": summary,
+                               "records": records}, indent=1))
     print(f"wrote {out}")
 
 
