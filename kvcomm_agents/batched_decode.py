@@ -157,6 +157,10 @@ class DecodeBatcher:
         return steps
 
     def _run(self, steps: list[_Step]) -> None:
+        if len(steps) == 1 and self._batch is None:  # a call decoding alone: nothing to pack
+            steps[0].logits = self.single(steps[0].call, steps[0].token, steps[0].position)
+            steps[0].done = True
+            return
         together = [s for s in steps if self._holds(s.call) or hf.batchable(s.call.pre.cache)]
         alone = [s for s in steps if not any(s is t for t in together)]
         if len(together) < 2:
@@ -189,6 +193,7 @@ class DecodeBatcher:
                                 attention_mask=batch.mask)[:, -1].float()
         for row, s in enumerate(steps):
             s.call.tally.add("decode", 1)
+            s.call.batched_steps += 1
             s.logits = logits[row]
             s.done = True
         self.batched_steps += 1

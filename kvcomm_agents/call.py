@@ -68,6 +68,7 @@ class PreparedCall:
     rerotation_checked: bool = False  # its re-rotation check ran (at its keep, or before a sibling read it)
     fingerprint: str = ""  # the model's when it prefilled: nothing of it is kept under other weights
     device: Optional[torch.device] = None  # where its input ids go (read once per call, not per step)
+    batched_steps: int = 0  # decode steps run in one forward with other calls' (:mod:`.batched_decode`)
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,7 @@ class CallSteps:
             computed_tokens=plan.num_prompt - plan.reused_tokens,
             prefix_tokens=plan.prefix_length,
             generated_tokens=len(text.ids),
+            batched_steps=call.batched_steps,
             ttft_s=ttft,
             align_s=call.align_s,
             plan_s=call.plan_s,

@@ -38,6 +38,8 @@ class CallStats(BaseModel):
     computed_tokens: int = Field(description="Prompt tokens the model computed in this call.")
     prefix_tokens: int = Field(description="Of the reused tokens, those from an exact prefix.")
     generated_tokens: int = 0
+    batched_steps: int = Field(default=0, description=(
+        "Of the decode steps, those run in one forward with other calls' (batched_decode: calls answering at once)."))
     ttft_s: float = Field(description="From entering chat to the first generated token id.")
     align_s: float = Field(description="Re-rotation, offsets and cache assembly.")
     plan_s: float = Field(default=0.0, description=(

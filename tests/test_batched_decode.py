@@ -108,6 +108,8 @@ def test_calls_decoding_at_once_step_in_one_forward_and_answer_as_each_alone(mod
         assert result.token_ids == alone_result.token_ids
         torch.testing.assert_close(logits, alone_logits, atol=tol(1e-4), rtol=1e-4)
         assert result.stats.forwarded.decode == alone_result.stats.forwarded.decode
+        assert alone_result.stats.batched_steps == 0
+    assert sum(got[k][0].stats.batched_steps for k in range(calls)) == batcher.rows
     assert batcher._batch is None and not batcher._active  # every call left, its KV back home
 
 
