@@ -29,6 +29,7 @@ its steps (:mod:`.framing.decode`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +40,14 @@ import torch
 from .engines import hf
 
 __all__ = ["DecodeBatcher"]
+
+logger = logging.getLogger("kvcomm_agents")
+
+
+def _owns(lock) -> bool:
+    """Whether this thread holds ``lock`` (an ``RLock``; False where it cannot tell)."""
+    owned = getattr(lock, "_is_owned", None)
+    return bool(owned()) if owned is not None else False
 
 
 @dataclass(eq=False)
@@ -85,55 +94,69 @@ class DecodeBatcher:
         self._posted: list[_Step] = []
         self._wake = threading.Condition()
         self._leading = False
-        self._active: set[int] = set()  # ids of calls between their first step and their leave
+        self._active: dict[int, int] = {}  # call id -> the thread that last posted for it (first step to leave)
         self._lagging: set[int] = set()  # active calls that missed a window: not waited for
         self._batch: Optional[_Batch] = None
         self.batched_steps = 0  # forwards that ran more than one call's step
         self.rows = 0  # call steps those forwards ran
+        self.missed_windows = 0  # calls a leader waited for in vain (then not waited for until they post)
 
     # ---- the step a call's thread takes -----------------------------------------------------
     def step(self, call, token: int, position: int) -> torch.Tensor:
         """Feed ``token`` at ``position`` after ``call``'s KV, in one forward with the steps
         posted meanwhile; returns the ``[vocab]`` float32 logits of the next token."""
+        if _owns(self.lock):  # a call made under the engine lock (a plan hook's): a leader may wait for it
+            return self.single(call, token, position)
         mine = _Step(call, token, position)
         with self._wake:
-            self._active.add(id(call))
+            self._active[id(call)] = threading.get_ident()
             self._lagging.discard(id(call))
             self._posted.append(mine)
             self._wake.notify_all()
-            while not mine.done and self._leading:
-                self._wake.wait()
-            if not mine.done:
+        while True:
+            with self._wake:
+                while not mine.done and self._leading:
+                    self._wake.wait()
+                if mine.done:
+                    break
                 self._leading = True
-        if not mine.done:
-            self._lead()
+            self._lead(mine)
         if mine.error is not None:
             raise mine.error
         return mine.logits
 
     def leave(self, call) -> None:
-        """``call`` steps no more (its reply ended, or its stream closed): its KV goes back into
-        its own cache. Takes the engine lock."""
+        """``call`` steps no more (its reply ended, or its stream closed). Never waits for the
+        engine lock (a dropped stream's cleanup may run anywhere, even inside this batcher's own
+        condition): its KV goes back home now if the lock is free, else at :meth:`release` or
+        when the next forward finds the batch's calls changed."""
         with self._wake:
-            self._active.discard(id(call))
+            self._active.pop(id(call), None)
             self._lagging.discard(id(call))
             self._wake.notify_all()
-        with self.lock:
-            if self._holds(call):
-                self._unpack()
+        if self.lock.acquire(blocking=False):
+            try:
+                self.release(call)
+            finally:
+                self.lock.release()
+
+    def release(self, call) -> None:
+        """``call``'s KV whole in its own cache (its rows written back if it is batched). Under
+        the engine lock: before anything reads the call's cache after its steps."""
+        if self._holds(call):
+            self._unpack()
 
     # ---- the leader ---------------------------------------------------------------------------
-    def _lead(self) -> None:
-        steps: list[_Step] = []
+    def _lead(self, mine: _Step) -> None:
+        steps: list[_Step] = [mine]
         try:
             with self.lock, torch.inference_mode():
                 steps = self._gather()
                 self._run(steps)
-        except BaseException as error:  # every waiting thread learns of it, then the leader raises
+        except BaseException as error:  # an interrupt, or a failure outside any step's own
             for s in steps:
                 if not s.done:
                     s.error = error
-            raise
         finally:
             with self._wake:
                 for s in steps:
@@ -144,53 +167,102 @@ class DecodeBatcher:
     def _gather(self) -> list[_Step]:
         """The posted steps, once every active call has posted its next one (they are sampling
         and detokenizing) or the window has passed; those that missed it are not waited for
-        again until they post (a paused stream costs one window)."""
+        again until they post (a paused stream costs one window), nor are calls whose last step
+        came from this thread (one thread interleaving two streams). At most ``max_rows``: the
+        running batch's calls, then the others in the order they came (as a server's running
+        requests keep their slots; a step left out waits for the next forward, its thread
+        leading it if need be)."""
         deadline = time.monotonic() + self.window_s
+        me = threading.get_ident()
         with self._wake:
-            while missing := self._active - self._lagging - {id(s.call) for s in self._posted}:
+            while True:
+                posted = {id(s.call) for s in self._posted}
+                missing = {c for c, thread in self._active.items()
+                           if c not in posted and c not in self._lagging and thread != me}
                 left = deadline - time.monotonic()
+                if not missing:
+                    break
                 if left <= 0:
                     self._lagging |= missing
+                    self.missed_windows += len(missing)
                     break
                 self._wake.wait(left)
-            steps, self._posted = self._posted[: self.max_rows], self._posted[self.max_rows:]
+            rows = {id(c): row for row, c in enumerate(self._batch.calls)} if self._batch is not None else {}
+            order = sorted(self._posted, key=lambda s: rows.get(id(s.call), len(rows)))
+            steps = order[: self.max_rows]
+            self._posted = [s for s in self._posted if not any(s is t for t in steps)]
         return steps
 
     def _run(self, steps: list[_Step]) -> None:
         if len(steps) == 1 and self._batch is None:  # a call decoding alone: nothing to pack
-            steps[0].logits = self.single(steps[0].call, steps[0].token, steps[0].position)
-            steps[0].done = True
+            self._alone(steps)
             return
         together = [s for s in steps if self._holds(s.call) or hf.batchable(s.call.pre.cache)]
+        together = self._within_padding(together)
         alone = [s for s in steps if not any(s is t for t in together)]
-        if len(together) < 2:
-            alone, together = steps, []
         if self._batch is not None:
             rows = {id(c): row for row, c in enumerate(self._batch.calls)}
             if set(rows) == {id(s.call) for s in together}:
                 together.sort(key=lambda s: rows[id(s.call)])
             else:
                 self._unpack()
-        for s in alone:
-            s.logits = self.single(s.call, s.token, s.position)
-            s.done = True
+        self._alone(alone)
         if together:
             if self._batch is None:
                 self._pack([s.call for s in together])
             self._forward(together)
 
+    def _alone(self, steps: list[_Step]) -> None:
+        """Each step on its call's own cache; a failure is that call's alone."""
+        for s in steps:
+            try:
+                s.logits = self.single(s.call, s.token, s.position)
+            except Exception as error:  # noqa: BLE001 - handed to the call's own thread
+                s.error = error
+            s.done = True
+
+    def _within_padding(self, steps: list[_Step]) -> list[_Step]:
+        """``steps`` minus their longest calls until the batch holds no more padding slots than
+        KV (one long call among short ones would pad every row to its length: memory and
+        attention spent on nothing); fewer than two left: none."""
+        lengths = {id(s.call): self._length(s.call) for s in steps}
+        kept = sorted(steps, key=lambda s: lengths[id(s.call)])
+        while len(kept) >= 2:
+            held = [lengths[id(s.call)] for s in kept]
+            if len(kept) * max(held) - sum(held) <= sum(held):
+                break
+            kept.pop()
+        return kept if len(kept) >= 2 else []
+
+    def _length(self, call) -> int:
+        """Slots ``call`` holds: in the batch (its row without padding) or in its own cache."""
+        if self._holds(call):
+            row = next(i for i, c in enumerate(self._batch.calls) if c is call)
+            return hf.num_cached(self._batch.cache) - self._batch.pads[row]
+        return hf.num_cached(call.pre.cache)
+
     def _holds(self, call) -> bool:
         return self._batch is not None and any(c is call for c in self._batch.calls)
 
     def _forward(self, steps: list[_Step]) -> None:
-        """One forward of the batch, a step per row (rows in the batch's order)."""
+        """One forward of the batch, a step per row (rows in the batch's order). Where it fails
+        (out of memory, say), the batch is cut back to before it and each step runs alone."""
         batch = self._batch
         device = hf.input_device(self.model)
         ids = torch.tensor([[s.token] for s in steps], device=device)
         positions = torch.tensor([[s.position] for s in steps], device=device)
+        before = hf.num_cached(batch.cache)
+        try:
+            logits = hf.run_forward(self.model, ids, batch.cache, position_ids=positions,
+                                    attention_mask=torch.cat([batch.mask, batch.mask.new_ones(len(steps), 1)], dim=1))
+        except Exception:  # noqa: BLE001 - retried alone: a lone step's failure is its call's own
+            logger.warning("a batched decode step failed; its %d calls step alone", len(steps), exc_info=True)
+            hf.keep_slots(batch.cache, torch.arange(before))
+            self._unpack()
+            self._alone(steps)
+            return
+        logits = logits[:, -1].float()
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(steps), 1)], dim=1)
-        logits = hf.run_forward(self.model, ids, batch.cache, position_ids=positions,
-                                attention_mask=batch.mask)[:, -1].float()
         for row, s in enumerate(steps):
             s.call.tally.add("decode", 1)
             s.call.batched_steps += 1

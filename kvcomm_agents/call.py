@@ -207,7 +207,7 @@ class CallSteps:
         return self.step_alone(call, token, position)
 
     def done_stepping(self, call: PreparedCall) -> None:
-        """The call's decode steps are over: its KV is whole in its own cache again."""
+        """The call's decode steps are over (:meth:`keep` takes its KV back from a batch)."""
         if self.batcher is not None:
             self.batcher.leave(call)
 
@@ -271,6 +271,8 @@ class CallSteps:
         the audit's dense prefill where the prompt KV held estimates). Returns the reply's
         reference and the audit's KL (None when not audited)."""
         with self.lock, torch.inference_mode():
+            if self.batcher is not None:
+                self.batcher.release(call)  # its decode steps' KV back in its own cache
             self.check_rerotation(call, agent)  # before the call's KV is stored
             segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             with charging(call.tally, "audit"):

@@ -134,16 +134,75 @@ def test_a_batched_call_keeps_the_kv_a_call_stepping_alone_keeps(llama, tokenize
 def test_a_paused_stream_holds_nobody_back_and_answers_as_alone(llama, tokenizer):
     batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
     alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
-    paused = generate(batched, 0)
-    pieces = [next(paused)]
-    while not batched._calls.batcher._active:  # until it has stepped: an active call, now paused
-        pieces.append(next(paused))
+    stepped, resume, out = threading.Event(), threading.Event(), {}
+
+    def paused():  # steps, then its consumer stops pulling until told
+        stream = generate(batched, 0)
+        pieces = [next(stream)]
+        while not batched._calls.batcher._active:
+            pieces.append(next(stream))
+        stepped.set()
+        resume.wait(60)
+        out[0] = list(stream)[-1]
+
+    thread = threading.Thread(target=paused)
+    thread.start()
+    stepped.wait(60)
     other = greedy(batched, 1)  # waits one window for the paused call, then steps alone
-    assert batched._calls.batcher._lagging  # not waited for again
-    rest = list(paused)
+    assert batched._calls.batcher.missed_windows == 1  # not waited for again
+    resume.set()
+    thread.join(60)
     assert other.token_ids == greedy(alone, 1).token_ids
-    assert rest[-1].token_ids == greedy(alone, 0).token_ids
-    assert len(rest[-1].token_ids) == 24 and batched._calls.batcher._batch is None
+    assert out[0].token_ids == greedy(alone, 0).token_ids and len(out[0].token_ids) == 24
+
+
+def test_one_thread_interleaving_two_streams_never_waits_for_itself(llama, tokenizer):
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    first, second = generate(batched, 0), generate(batched, 1)
+    ends = {}
+    for a, b in zip(first, second):  # the other stream can only move when this thread pulls it
+        for k, item in ((0, a), (1, b)):
+            if isinstance(item, ChatResult):
+                ends[k] = item
+    assert batched._calls.batcher.missed_windows == 0
+    assert all(ends[k].token_ids == greedy(alone, k).token_ids for k in ends)
+
+
+def test_more_calls_than_rows_all_answer_as_alone(llama, tokenizer):
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    batched._calls.batcher.max_rows = 2
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    got = at_once(batched, 4, greedy_together(4))
+    assert all(isinstance(got[k], tuple) for k in range(4))  # no call failed
+    for k in range(4):
+        assert got[k][0].token_ids == greedy(alone, k).token_ids
+    assert batched._calls.batcher.rows <= 2 * batched._calls.batcher.batched_steps
+
+
+def test_a_call_made_under_the_engine_lock_steps_alone_while_another_leads(llama, tokenizer):
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    started, locked, out = threading.Event(), threading.Event(), {}
+    choose = longest(engine)
+
+    def pick(logits):  # after its prefill: waits until the main thread holds the engine lock
+        if not started.is_set():
+            started.set()
+            locked.wait(20)
+        return choose(logits)
+
+    thread = threading.Thread(target=lambda: out.setdefault(0, greedy_with(engine, 0, pick)))
+    thread.start()
+    assert started.wait(20)
+    with engine._lock:  # as a plan hook calling the engine would; the other call now leads and waits for it
+        locked.set()
+        nested = engine.chat(branch(1), agent="nested", max_new_tokens=6)
+    thread.join(20)
+    assert not thread.is_alive() and nested.stats.generated_tokens >= 1 and out[0].stats.generated_tokens == 24
+
+
+def greedy_with(engine, k, pick):
+    return next(i for i in generate(engine, k, pick) if isinstance(i, ChatResult))
 
 
 def test_a_stream_closed_mid_reply_leaves_the_batch(llama, tokenizer):
@@ -167,21 +226,42 @@ def test_a_stream_closed_mid_reply_leaves_the_batch(llama, tokenizer):
     assert batched._calls.batcher._batch is None and not batched._calls.batcher._active
 
 
-def test_an_error_in_a_batched_forward_reaches_every_call_of_the_batch(llama, tokenizer, monkeypatch):
+def test_a_batched_forward_that_fails_is_stepped_alone(llama, tokenizer, monkeypatch, caplog):
     engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    forward = hf.run_forward
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    forward, failed = hf.run_forward, []
 
     def failing(model, input_ids, *args, **kwargs):
-        if input_ids.shape[0] > 1:
-            raise RuntimeError("batched forward failed")
+        if input_ids.shape[0] > 1 and len(failed) < 2:
+            failed.append(input_ids.shape[0])
+            raise RuntimeError("out of memory")
         return forward(model, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(hf, "run_forward", failing)
-    errors = at_once(engine, 3, greedy_together(3))
-    assert errors and all(isinstance(e, RuntimeError) for e in errors.values())
-    monkeypatch.setattr(hf, "run_forward", forward)
-    assert engine.chat(branch(0), agent="a0", max_new_tokens=4).text is not None  # the engine goes on
+    got = at_once(engine, 3, greedy_together(3))
+    assert failed and "step alone" in caplog.text
+    for k in range(3):
+        assert got[k][0].token_ids == greedy(alone, k).token_ids
     assert engine._calls.batcher._batch is None and not engine._calls.batcher._active
+
+
+def test_one_long_call_among_short_ones_steps_alone(tokenizer):
+    from types import SimpleNamespace
+
+    from kvcomm_agents.batched_decode import DecodeBatcher, _Step
+
+    config = Qwen2Config(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16)
+
+    def call(length):
+        cache = DynamicCache(config=config)
+        cache.update(torch.zeros(1, 1, length, 8), torch.zeros(1, 1, length, 8), 0)
+        return SimpleNamespace(pre=SimpleNamespace(cache=cache))
+
+    batcher = DecodeBatcher(SimpleNamespace(config=config), threading.RLock(), single=None)
+    steps = [_Step(call(n), 0, n) for n in (400, 20, 30, 25)]
+    assert [s.position for s in batcher._within_padding(steps)] == [20, 25, 30]
+    assert batcher._within_padding(steps[:1]) == []  # one call: nothing to batch
+    assert len(batcher._within_padding([_Step(call(n), 0, n) for n in (100, 60)])) == 2
 
 
 def test_only_full_attention_caches_of_one_sequence_are_batched():
