@@ -12,13 +12,20 @@ so the steps that are posted while the lock is busy run together:
   step (they are only sampling and detokenizing), then runs every posted step in one forward and
   hands each thread its logits. A call that does not post in time (a paused stream) is not
   waited for again until it posts; it steps alone or joins a later batch. A call decoding alone
-  (a graph whose agents run one after another) never waits.
+  (a graph whose agents run one after another) never waits, nor does a thread for a call whose
+  last step it posted itself (one thread interleaving two streams), nor a call made under the
+  engine lock (it steps alone: a leader may be waiting for that lock). At most ``max_rows``
+  calls per forward: the running batch's first, then the others in the order they came.
 - the batch keeps its own cache while its calls stay the same: each call's KV left-padded to the
   longest, ``[B, kv_heads, T, head_dim]`` per layer, and a padding mask. When a call leaves
   (its reply ended, it dropped out) or joins, every call's rows are written back into its own
   cache (prompt slots, then the reply's ids, as a call stepping alone leaves them) and the
   batch is packed again. A call's own cache is not touched while it is batched, so siblings
-  reading its prompt's KV (:mod:`.in_flight`) read it as the prefill left it.
+  reading its prompt's KV (:mod:`.in_flight`) read it as the prefill left it; the call takes
+  its KV back before keeping it (:meth:`DecodeBatcher.release`). A call far longer than the
+  others steps alone: a batch holds at most as many padding slots as KV.
+- a batched forward that fails (out of memory, say) is cut back to before it, and its steps run
+  alone: a failure stays with the call whose own step fails.
 
 Batched rows are exact up to float rounding (the matrix products see more rows), so a greedy
 reply may differ from a lone call's where two tokens' logits tie to rounding; the first token
