@@ -114,10 +114,21 @@ class DecodeBatcher:
         posted meanwhile; returns the ``[vocab]`` float32 logits of the next token."""
         if _owns(self.lock):  # a call made under the engine lock (a plan hook's): a leader may wait for it
             return self.single(call, token, position)
-        mine = _Step(call, token, position)
         with self._wake:
             self._active[id(call)] = threading.get_ident()
             self._lagging.discard(id(call))
+            alone = len(self._active) == 1 and not self._posted and not self._leading and self._batch is None
+            if alone:  # the only call decoding (a graph whose agents run one after another)
+                self._leading = True
+        if alone:
+            try:
+                return self.single(call, token, position)
+            finally:
+                with self._wake:
+                    self._leading = False
+                    self._wake.notify_all()
+        mine = _Step(call, token, position)
+        with self._wake:
             self._posted.append(mine)
             self._wake.notify_all()
         while True:
