@@ -173,3 +173,35 @@ def test_functional_api_tasks_and_decorated_nodes(engine):
     answer, verdict = workflow.invoke(QUESTION)
     assert kv(answer)["agent"] == "workflow/draft"  # a task inside the entrypoint, like a subgraph node
     assert kv(verdict)["agent"] == "final-judge" and kv(verdict)["stats"]["opted_out"]
+
+
+def test_an_async_fan_out_steps_its_branches_together_and_answers_as_plain_transformers(llama, tokenizer):
+    """``ainvoke``: LangGraph runs the branches as tasks, LangChain runs each chat call in an
+    executor thread, so the branches decode at once and their steps batch
+    (kvcomm_agents/batched_decode.py); replies are those of plain transformers."""
+    import asyncio
+
+    questions = ["When does it open?", "Who may borrow books, and how many?", "Is it open on Sundays?",
+                 "What are the hours on Saturday?"]
+
+    def run(engine):
+        model = ChatKVComm(engine=engine, max_tokens=16)
+
+        async def branch(state: dict):
+            reply = await model.ainvoke([SystemMessage(f"You are analyst {state['question'][:4]}."),
+                                         HumanMessage(f"Question: {state['question']}")])
+            return {"answers": [(state["question"], reply.content, kv(reply)["stats"]["batched_steps"])]}
+
+        graph = StateGraph(FanOut)
+        graph.add_node("branch", branch)
+        graph.add_conditional_edges(START, lambda s: [Send("branch", {"question": q}) for q in questions])
+        graph.add_edge("branch", END)
+        return sorted(asyncio.run(graph.compile().ainvoke({"question": "", "answers": []}))["answers"])
+
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    batched = run(engine)
+    plain = run(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False)))
+    assert [(q, text) for q, text, _ in batched] == [(q, text) for q, text, _ in plain]
+    assert engine._calls.batcher.rows > 0  # the branches stepped together
+    assert sum(n for _, _, n in batched) == engine._calls.batcher.rows  # every batched row is some call's
+    assert all(n == 0 for _, _, n in plain)
