@@ -90,7 +90,7 @@ class DecodeBatcher:
         lock: the engine lock, held around every forward.
         single: ``(call, token, position) -> [vocab] float32 logits``: a step alone, on the
             call's own cache (under the engine lock).
-        window_s: how long a leader waits for the running batch's calls to post.
+        window_s: how long a leader waits for the other calls decoding to post.
         max_rows: the most calls stepped in one forward.
     """
 
@@ -113,6 +113,7 @@ class DecodeBatcher:
         """Feed ``token`` at ``position`` after ``call``'s KV, in one forward with the steps
         posted meanwhile; returns the ``[vocab]`` float32 logits of the next token."""
         if _owns(self.lock):  # a call made under the engine lock (a plan hook's): a leader may wait for it
+            self.release(call)
             return self.single(call, token, position)
         with self._wake:
             self._active[id(call)] = threading.get_ident()
@@ -179,6 +180,7 @@ class DecodeBatcher:
             with self._wake:
                 for s in steps:
                     s.done = True
+                self._posted = [s for s in self._posted if not s.done]  # none run twice, even after an interrupt
                 self._leading = False
                 self._wake.notify_all()
 
