@@ -6,6 +6,7 @@ one token per row are timed (the median of ``--steps``); per row is that divided
 table and writes JSON.
 
     python -m benchmarks.batched_steps [--model embedded] [--lengths 300,800,1600] [--rows 1,2,4]
+                                       [--device cpu] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -65,15 +66,18 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", default="300,800,1600")
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", default="benchmarks/out/batched_steps.json")
     args = parser.parse_args(argv)
-    loaded = load(args.model, device="cpu", dtype=torch.float32)
+    loaded = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     records = measure(loaded.model, [int(x) for x in args.lengths.split(",")], [int(x) for x in args.rows.split(",")],
                       args.steps, len(loaded.tokenizer))
     print(table(records))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"kind": "batched_steps", "model": loaded.tag, "threads": torch.get_num_threads(),
+    out.write_text(json.dumps({"kind": "batched_steps", "model": loaded.tag, "device": args.device, "dtype": args.dtype,
+                               "threads": torch.get_num_threads(),
                                "python": platform.python_version(), "torch": torch.__version__,
                                "records": records}, indent=1))
     print(f"wrote {out}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, on one CUDA GPU with no internet, in about 6 minutes:
+# GPU check, on one CUDA GPU with no internet, in about 8 minutes:
 #   1. library versions;
 #   2. the exactness tests (pytest -m exact: layer-0 re-rotation, the mask oracle, reuse off ==
 #      generate) on CUDA in float32, then in bfloat16;
@@ -7,7 +7,9 @@
 #      random-weight Llama-3.1-8B: whole graphs per strategy (wall time, tokens forwarded,
 #      readers' time to first token; benchmarks profile "gpu", workload a);
 #   4. what framed copies cost the sender's decode and save its readers on a GPU (the assumption
-#      behind copying on every decode step): benchmarks.framed_decode, workloads (a) and (c).
+#      behind copying on every decode step): benchmarks.framed_decode, workloads (a) and (c);
+#   5. batched decode steps: the tests of tests/test_batched_decode.py on CUDA, and a decode
+#      forward of 1 / 2 / 4 / 8 rows on the paper's shape (benchmarks.batched_steps).
 # Each step writes JSON under $OUT (default benchmarks/out/gpu) as soon as it ends.
 #
 #   bash benchmarks/gpu_check.sh --fetch   # here, with internet: wheels the GPU machine lacks
@@ -82,3 +84,14 @@ timeout 150 "$PYTHON" -m benchmarks.framed_decode --model "$MODEL" --device "$DE
   --requests 3 --tokens 64 --workloads a,c --out "$OUT/framed" 2>&1 | grep -v "it/s]$" | tail -10
 step_json framed_copies "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 echo "results: $OUT/framed/"
+
+start=$(date +%s)
+KVCOMM_TEST_DEVICE=$DEVICE KVCOMM_TEST_DTYPE=float32 timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider \
+  tests/test_batched_decode.py --junitxml "$OUT/batched_decode.xml" 2>&1 | tail -5
+step_json batched_decode_tests "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
+
+start=$(date +%s)
+timeout 120 "$PYTHON" -m benchmarks.batched_steps --model "$MODEL" --device "$DEVICE" --dtype "$FRAMED_DTYPE" \
+  --lengths 512,2048 --rows 1,2,4,8 --out "$OUT/batched_steps.json" 2>&1 | grep -v "it/s]$" | tail -12
+step_json batched_steps "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
+
