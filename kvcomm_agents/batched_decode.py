@@ -155,7 +155,8 @@ class DecodeBatcher:
             self._wake.notify_all()
         if self.lock.acquire(blocking=False):
             try:
-                self.release(call)
+                with torch.inference_mode():  # the caches' tensors are inference tensors
+                    self.release(call)
             finally:
                 self.lock.release()
 
