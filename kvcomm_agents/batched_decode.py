@@ -12,9 +12,9 @@ so the steps that are posted while the lock is busy run together:
   step (they are only sampling and detokenizing), then runs every posted step in one forward and
   hands each thread its logits. A call that does not post in time (a paused stream) is not
   waited for again until it posts; it steps alone or joins a later batch. A call decoding alone
-  (a graph whose agents run one after another) never waits, nor does a thread for a call whose
-  last step it posted itself (one thread interleaving two streams), nor a call made under the
-  engine lock (it steps alone: a leader may be waiting for that lock). At most ``max_rows``
+  (a graph whose agents run one after another) never waits, nor is a call waited for whose last
+  step came from a thread now waiting on another step (one thread interleaving two streams); a
+  call made under the engine lock steps alone (a leader may be waiting for that lock). At most ``max_rows``
   calls per forward: the running batch's first, then the others in the order they came.
 - the batch keeps its own cache while its calls stay the same: each call's KV left-padded to the
   longest, ``[B, kv_heads, T, head_dim]`` per layer, and a padding mask. When a call leaves
@@ -64,6 +64,7 @@ class _Step:
     call: Any  # a PreparedCall
     token: int
     position: int
+    thread: int = 0  # the posting thread's ident (it waits for this step: it posts nothing else meanwhile)
     logits: Optional[torch.Tensor] = None  # [vocab] float32
     error: Optional[BaseException] = None
     done: bool = False
@@ -128,18 +129,23 @@ class DecodeBatcher:
                 with self._wake:
                     self._leading = False
                     self._wake.notify_all()
-        mine = _Step(call, token, position)
+        mine = _Step(call, token, position, threading.get_ident())
         with self._wake:
             self._posted.append(mine)
             self._wake.notify_all()
-        while True:
+        try:
+            while True:
+                with self._wake:
+                    while not mine.done and self._leading:
+                        self._wake.wait()
+                    if mine.done:
+                        break
+                    self._leading = True
+                self._lead(mine)
+        except BaseException:  # interrupted while waiting: the step is not run for a call that gave up
             with self._wake:
-                while not mine.done and self._leading:
-                    self._wake.wait()
-                if mine.done:
-                    break
-                self._leading = True
-            self._lead(mine)
+                self._posted = [s for s in self._posted if s is not mine]
+            raise
         if mine.error is not None:
             raise mine.error
         return mine.logits
@@ -157,14 +163,17 @@ class DecodeBatcher:
             try:
                 with torch.inference_mode():  # the caches' tensors are inference tensors
                     self.release(call)
+            except Exception:  # noqa: BLE001 - a finished reply stays finished: keep() releases again
+                logger.warning("writing a batch's KV back failed; retried at the call's keep", exc_info=True)
             finally:
                 self.lock.release()
 
     def release(self, call) -> None:
         """``call``'s KV whole in its own cache (its rows written back if it is batched). Under
         the engine lock: before anything reads the call's cache after its steps."""
-        if self._holds(call):
-            self._unpack()
+        batch = self._batch
+        if batch is not None and (self._holds(call) or any(id(c) not in self._active for c in batch.calls)):
+            self._unpack()  # also a batch holding calls that left (closed streams) gives their memory back
 
     # ---- the leader ---------------------------------------------------------------------------
     def _lead(self, mine: _Step) -> None:
@@ -189,7 +198,8 @@ class DecodeBatcher:
         """The posted steps, once every active call has posted its next one (they are sampling
         and detokenizing) or the window has passed; those that missed it are not waited for
         again until they post (a paused stream costs one window), nor are calls whose last step
-        came from this thread (one thread interleaving two streams). At most ``max_rows``: the
+        came from a thread now waiting on another step (one thread interleaving two streams). At
+        most ``max_rows``: the
         running batch's calls, then the others in the order they came (as a server's running
         requests keep their slots; a step left out waits for the next forward, its thread
         leading it if need be)."""
@@ -198,8 +208,9 @@ class DecodeBatcher:
         with self._wake:
             while True:
                 posted = {id(s.call) for s in self._posted}
+                waiting = {s.thread for s in self._posted} | {me}  # threads blocked on a step of their own
                 missing = {c for c, thread in self._active.items()
-                           if c not in posted and c not in self._lagging and thread != me}
+                           if c not in posted and c not in self._lagging and thread not in waiting}
                 left = deadline - time.monotonic()
                 if not missing:
                     break
@@ -230,7 +241,12 @@ class DecodeBatcher:
         self._alone(alone)
         if together:
             if self._batch is None:
-                self._pack([s.call for s in together])
+                try:
+                    self._pack([s.call for s in together])
+                except Exception:  # noqa: BLE001 - out of memory for the batch's copy, say: each steps alone
+                    logger.warning("packing %d calls failed; they step alone", len(together), exc_info=True)
+                    self._alone(together)
+                    return
             self._forward(together)
 
     def _alone(self, steps: list[_Step]) -> None:
@@ -278,7 +294,7 @@ class DecodeBatcher:
                                     attention_mask=torch.cat([batch.mask, batch.mask.new_ones(len(steps), 1)], dim=1))
         except Exception:  # noqa: BLE001 - retried alone: a lone step's failure is its call's own
             logger.warning("a batched decode step failed; its %d calls step alone", len(steps), exc_info=True)
-            hf.keep_slots(batch.cache, torch.arange(before))
+            hf.keep_first(batch.cache, before)
             self._unpack()
             self._alone(steps)
             return
@@ -303,7 +319,8 @@ class DecodeBatcher:
 
     def _unpack(self) -> None:
         """Every batched call's rows back into its own cache (the batch's cache is freed)."""
-        batch, self._batch = self._batch, None
+        batch = self._batch
         if batch is not None:
             for row, (call, pad) in enumerate(zip(batch.calls, batch.pads)):
                 hf.take_row(batch.cache, row, pad, call.pre.cache)
+            self._batch = None  # only once every row is home: a failed copy leaves the batch whole

@@ -201,8 +201,8 @@ def test_a_call_made_under_the_engine_lock_steps_alone_while_another_leads(llama
     assert not thread.is_alive() and nested.stats.generated_tokens >= 1 and out[0].stats.generated_tokens == 24
 
 
-def greedy_with(engine, k, pick):
-    return next(i for i in generate(engine, k, pick) if isinstance(i, ChatResult))
+def greedy_with(engine, k, pick, tokens: int = 24):
+    return next(i for i in generate(engine, k, pick, tokens) if isinstance(i, ChatResult))
 
 
 def test_a_stream_closed_mid_reply_leaves_the_batch(llama, tokenizer):
@@ -337,3 +337,93 @@ def test_calls_joining_pausing_and_leaving_at_random_all_answer_as_alone(llama, 
         assert results[k].token_ids == want.token_ids
     assert batched._calls.batcher.batched_steps > 0
     assert batched._calls.batcher._batch is None and not batched._calls.batcher._active
+
+
+def test_a_failed_write_back_or_pack_never_leaves_a_call_on_a_stale_cache(llama, tokenizer, monkeypatch):
+    """A pack that fails: every call steps alone and answers as alone. A write-back that fails:
+    the batch stays whole, so a call either answers as alone or raises, never a wrong reply."""
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    want = {k: greedy(alone, k).token_ids for k in range(3)}
+    for helper in ("left_padded", "take_row"):
+        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+        real, failed = getattr(hf, helper), []
+
+        def once(*args, real=real, failed=failed):
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("out of memory")
+            return real(*args)
+
+        monkeypatch.setattr(hf, helper, once)
+        together, results = greedy_together(3), {}
+
+        def run(engine, k, results=results, together=together):
+            try:
+                results[k] = together(engine, k)[0].token_ids
+            except RuntimeError:
+                results[k] = "raised"
+
+        at_once(engine, 3, run)
+        monkeypatch.setattr(hf, helper, real)
+        assert failed, helper
+        if helper == "left_padded":
+            assert results == want
+        else:
+            assert all(results[k] in (want[k], "raised") for k in range(3))
+        assert engine._calls.batcher._batch is None
+
+
+def test_a_thread_interleaving_two_streams_is_not_waited_for_by_another_leader(llama, tokenizer):
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    prefilled, ends = threading.Barrier(2), {}
+
+    def zipped():  # one thread pulling two streams in turn
+        first, second = generate(batched, 0, waiting(prefilled, batched)), generate(batched, 1)
+        for a, b in zip(first, second):
+            for k, item in ((0, a), (1, b)):
+                if isinstance(item, ChatResult):
+                    ends[k] = item
+
+    thread = threading.Thread(target=zipped)
+    thread.start()
+    other = next(i for i in generate(batched, 2, waiting(prefilled, batched), tokens=48) if isinstance(i, ChatResult))
+    thread.join(60)
+    assert batched._calls.batcher.missed_windows <= 2  # the leader does not wait for the stream its thread cannot pull
+    assert other.token_ids == greedy_with(alone, 2, longest(alone), tokens=48).token_ids
+    assert all(ends[k].token_ids == greedy(alone, k).token_ids for k in ends)
+
+
+def test_a_batch_of_calls_that_left_gives_its_memory_back_at_the_next_keep(llama, tokenizer):
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    prefilled, arrived, abort = threading.Barrier(2), threading.Barrier(3), threading.Event()
+
+    def dropped(k):
+        choose, seen = waiting(prefilled, engine), []
+
+        def pick(logits):  # both consumers give up right after the third batched step (of both)
+            if engine._calls.batcher.batched_steps >= 3 and not seen:
+                seen.append(True)
+                arrived.wait(20)
+                abort.wait(20)
+                raise RuntimeError("consumer gone")
+            return choose(logits)
+
+        try:
+            greedy_with(engine, k, pick)
+        except RuntimeError:
+            pass
+
+    threads = [threading.Thread(target=dropped, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    arrived.wait(20)
+    batcher = engine._calls.batcher
+    assert batcher._batch is not None and len(batcher._batch.calls) == 2
+    with engine._lock:  # their leave cannot take the lock: the rows stay in the batch
+        abort.set()
+        for t in threads:
+            t.join(20)
+    assert batcher._batch is not None and not batcher._active
+    engine.chat(branch(3), agent="later", max_new_tokens=1)  # no decode step: only its keep
+    assert batcher._batch is None

@@ -23,23 +23,9 @@ from transformers.cache_utils import DynamicLayer
 from .. import forwards
 from ..kv.block import KVBlock, device_groups
 
-__all__ = [
-    "new_cache",
-    "cache_from_block",
-    "layer_kv",
-    "num_cached",
-    "num_layers",
-    "run_forward",
-    "input_device",
-    "position_mask",
-    "Prefill",
-    "prefill",
-    "kv_at_positions",
-    "kv_reader",
-    "batchable",
-    "left_padded",
-    "take_row",
-]
+__all__ = ["new_cache", "cache_from_block", "layer_kv", "num_cached", "num_layers", "run_forward",
+           "input_device", "position_mask", "Prefill", "prefill", "kv_at_positions", "kv_reader",
+           "batchable", "left_padded", "take_row", "keep_first"]
 
 
 def input_device(model: PreTrainedModel) -> torch.device:
@@ -394,3 +380,10 @@ def take_row(batch: DynamicCache, row: int, pad: int, cache: DynamicCache) -> No
     for source, held in zip(batch.layers, cache.layers):
         held.keys = source.keys[row:row + 1, :, pad:].clone()
         held.values = source.values[row:row + 1, :, pad:].clone()
+
+
+def keep_first(cache: DynamicCache, n: int) -> None:
+    """Keep the first ``n`` slots of every layer of ``cache`` (views: nothing allocated)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+
