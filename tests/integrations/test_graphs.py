@@ -66,6 +66,15 @@ class FanOut(TypedDict):
     answers: Annotated[list, operator.add]
 
 
+def fan_out(branch, questions: list[str]):
+    """A compiled graph sending each question to ``branch`` at once (a ``Send`` fan-out)."""
+    graph = StateGraph(FanOut)
+    graph.add_node("branch", branch)
+    graph.add_conditional_edges(START, lambda s: [Send("branch", {"question": q}) for q in questions])
+    graph.add_edge("branch", END)
+    return graph.compile()
+
+
 def test_send_fan_out_equals_serial_with_reuse_on_and_off(llama, tokenizer):
     systems = ["You are solver one.", "You are solver two.", "You are solver three."]
     for reuse in (True, False):
@@ -101,11 +110,7 @@ def test_parallel_branches_reading_one_document_compute_it_once_and_answer_as_de
                                   HumanMessage(f"{document}\n\nQuestion: {state['question']}")])
             return {"answers": [(state["question"], reply.content, kv(reply)["stats"]["prefix_tokens"])]}
 
-        graph = StateGraph(FanOut)
-        graph.add_node("branch", branch)
-        graph.add_conditional_edges(START, lambda s: [Send("branch", {"question": q}) for q in questions])
-        graph.add_edge("branch", END)
-        return sorted(graph.compile().invoke({"question": "", "answers": []})["answers"])
+        return sorted(fan_out(branch, questions).invoke({"question": "", "answers": []})["answers"])
 
     shared = run(KVCommEngine(llama, tokenizer, config=mechanics(method="rerotate")))
     dense = run(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")))
@@ -192,11 +197,7 @@ def test_an_async_fan_out_steps_its_branches_together_and_answers_as_plain_trans
                                          HumanMessage(f"Question: {state['question']}")])
             return {"answers": [(state["question"], reply.content, kv(reply)["stats"]["batched_steps"])]}
 
-        graph = StateGraph(FanOut)
-        graph.add_node("branch", branch)
-        graph.add_conditional_edges(START, lambda s: [Send("branch", {"question": q}) for q in questions])
-        graph.add_edge("branch", END)
-        return sorted(asyncio.run(graph.compile().ainvoke({"question": "", "answers": []}))["answers"])
+        return sorted(asyncio.run(fan_out(branch, questions).ainvoke({"question": "", "answers": []}))["answers"])
 
     engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
     batched = run(engine)
