@@ -8,7 +8,7 @@
 #      readers' time to first token; benchmarks profile "gpu", workload a);
 #   4. what framed copies cost the sender's decode and save its readers on a GPU (the assumption
 #      behind copying on every decode step): benchmarks.framed_decode, workloads (a) and (c);
-#   5. batched decode steps: the tests of tests/test_batched_decode.py on CUDA, and a decode
+#   5. batched decode steps: the tests of tests/test_batched_decode*.py on CUDA, and a decode
 #      forward of 1 / 2 / 4 / 8 rows on the paper's shape (benchmarks.batched_steps).
 # Each step writes JSON under $OUT (default benchmarks/out/gpu) as soon as it ends.
 #
@@ -87,7 +87,7 @@ echo "results: $OUT/framed/"
 
 start=$(date +%s)
 KVCOMM_TEST_DEVICE=$DEVICE KVCOMM_TEST_DTYPE=float32 timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider \
-  tests/test_batched_decode.py --junitxml "$OUT/batched_decode.xml" 2>&1 | tail -5
+  tests/test_batched_decode.py tests/test_batched_decode_concurrency.py --junitxml "$OUT/batched_decode.xml" 2>&1 | tail -5
 step_json batched_decode_tests "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 
 start=$(date +%s)
