@@ -72,15 +72,21 @@ class Profile:
                 f"{self.e2e_requests} requests (replies <= {self.e2e_reply_tokens})")
 
 
+#: the default profile's (warm-up, measured) requests per phase
+DEFAULT_SIZES = {"a": (2, 2), "b": (2, 4), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 2), "g": (2, 4), "h": (1, 3),
+                 "i": (2, 3), "j": (2, 6)}
+
 PROFILES = {
     "default": Profile("default", reply_tokens=32, a_shape=(5, 256, 512, 32),
-                       sizes={"a": (2, 2), "b": (2, 4), "c": (2, 4), "d": (2, 4), "e": (2, 4), "f": (2, 2),
-                              "g": (2, 4), "h": (1, 3), "i": (2, 3), "j": (2, 6)},
+                       sizes=DEFAULT_SIZES,
                        noise_floor=("b", "i"), decision_requests=17, e2e_reply_tokens=32),
     "quick": Profile("quick", reply_tokens=16, h_reply_tokens=16, a_shape=(4, 128, 256, 16),
                      sizes={p: (1, 1) for p in GRAPH_PHASES}, e2e_requests=3, e2e_reply_tokens=16),
     "smoke": Profile("smoke", reply_tokens=4, h_reply_tokens=4, a_shape=(3, 24, 48, 4),
                      sizes={p: (1, 1) for p in GRAPH_PHASES}, e2e_requests=1, e2e_reply_tokens=4),
+    # the default's graphs without (b) and (i)'s decision-only requests: whole-graph rows alone
+    "graphs": Profile("graphs", reply_tokens=32, a_shape=(5, 256, 512, 32),
+                      sizes=DEFAULT_SIZES, e2e_reply_tokens=32),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh), replies cut to 64 tokens so that
     # every strategy's whole graph fits the check's few minutes
     "gpu": Profile("gpu", a_shape=(5, 512, 1024, 64), sizes={"a": (1, 2)}),

@@ -6,7 +6,8 @@ with its time to first token and first-token logits. All but the limit are a
 :class:`KVCommEngine` with one setting changed, so they share the prompt rendering, the decoding
 and the timing points. The competitors every run compares (``DEFAULT_NAMES``):
 
-- ``dense``: full prefill (``method="dense"``).
+- ``dense``: full prefill, one id per decode step: plain transformers (``method="dense"``,
+  ``draft_tokens=0``, ``batched_decode=False``).
 - ``prefix``: exact prefix caching only, what vLLM and SGLang give (``method="exact_prefix"``).
 - ``pipelined``: exact prefix caching, and every later reader's known prompt computed exactly in
   the sender's turn (:class:`PipelinedPrefill`).
@@ -35,7 +36,9 @@ they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's fi
 served on other receivers' samples audited, ``experimental.audit_new_readers``), ``kvcomm-trust-clear`` /
 ``kvcomm-trust-audited`` (re-rotation trusted on two samples within the KL budget or one within
 a quarter of it, or before any with the first calls so served audited: ``experimental.rerotation_trust``),
-``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
+``dense-drafted`` (dense prefill, decode steps drafting from the call's own ids as the library's
+do by default: what drafting alone gives), ``kvcomm-no-drafts`` (the default, one id per decode
+step, ``draft_tokens=0``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
 measured, ``experimental.short_rerotation_sample=False``),
 ``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
 reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
@@ -70,7 +73,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "rerotate-messages", "kvcomm-messages", "kvcomm-no-audit", "kvcomm-audits-unpriced", "kvcomm-no-versions", "kvcomm-no-budget", "kvcomm-copies", "kvcomm-replies-framed",
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
-         "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone",
+         "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone", "dense-drafted", "kvcomm-no-drafts",
          "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
@@ -182,8 +185,9 @@ def known(name: str) -> bool:
 def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     """The engine settings a strategy name stands for."""
     table = {
-        "dense": {"method": "dense", "batched_decode": False},  # plain transformers: every call steps alone
-        "dense-batched": {"method": "dense"},  # no reuse; parallel calls' decode steps in one forward
+        "dense": {"method": "dense", "batched_decode": False, "draft_tokens": 0},  # plain transformers: one id per step
+        "dense-batched": {"method": "dense", "draft_tokens": 0},  # no reuse; parallel calls' decode steps in one forward
+        "dense-drafted": {"method": "dense", "batched_decode": False},  # no reuse; drafts from the call's own ids
         "prefix": {"method": "exact_prefix", "audit_every": 0},
         "pipelined": {"method": "exact_prefix", "audit_every": 0},
         "rerotate": {"method": "rerotate", "audit_every": 0},
@@ -191,6 +195,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, **PAPER},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-mean-steps-alone": {"method": "kvcomm", "gamma": gamma, "batched_decode": False},
+        "kvcomm-no-drafts": {"method": "kvcomm", "gamma": gamma, "draft_tokens": 0},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
         "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,

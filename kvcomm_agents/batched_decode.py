@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -49,6 +49,7 @@ from .engines import hf
 __all__ = ["DecodeBatcher"]
 
 logger = logging.getLogger("kvcomm_agents")
+T = TypeVar("T")
 
 
 def _owns(lock) -> bool:
@@ -113,22 +114,9 @@ class DecodeBatcher:
     def step(self, call, token: int, position: int) -> torch.Tensor:
         """Feed ``token`` at ``position`` after ``call``'s KV, in one forward with the steps
         posted meanwhile; returns the ``[vocab]`` float32 logits of the next token."""
-        if _owns(self.lock):  # a call made under the engine lock (a plan hook's): a leader may wait for it
-            self.release(call)
-            return self.single(call, token, position)
-        with self._wake:
-            self._active[id(call)] = threading.get_ident()
-            self._lagging.discard(id(call))
-            alone = len(self._active) == 1 and not self._posted and not self._leading and self._batch is None
-            if alone:  # the only call decoding (a graph whose agents run one after another)
-                self._leading = True
-        if alone:
-            try:
-                return self.single(call, token, position)
-            finally:
-                with self._wake:
-                    self._leading = False
-                    self._wake.notify_all()
+        logits = self.if_alone(call, lambda: self.single(call, token, position))
+        if logits is not None:
+            return logits
         mine = _Step(call, token, position, threading.get_ident())
         with self._wake:
             self._posted.append(mine)
@@ -149,6 +137,27 @@ class DecodeBatcher:
         if mine.error is not None:
             raise mine.error
         return mine.logits
+
+    def if_alone(self, call, work: Callable[[], T]) -> Optional[T]:
+        """``work()`` (a forward on ``call``'s own cache, taking the engine lock) where ``call``
+        is the only one decoding (a graph whose agents run one after another) or is made under
+        the engine lock (a plan hook's: a leader may wait for that lock); None otherwise, with
+        nothing run (the caller posts a step)."""
+        if _owns(self.lock):
+            self.release(call)
+            return work()
+        with self._wake:
+            self._active[id(call)] = threading.get_ident()
+            self._lagging.discard(id(call))
+            if len(self._active) > 1 or self._posted or self._leading or self._batch is not None:
+                return None
+            self._leading = True
+        try:
+            return work()
+        finally:
+            with self._wake:
+                self._leading = False
+                self._wake.notify_all()
 
     def leave(self, call) -> None:
         """``call`` steps no more (its reply ended, or its stream closed). Never waits for the

@@ -2,7 +2,7 @@
 
 Render (the engine) -> plan: exact prefix, re-rotated shared segments, the rest computed
 (:mod:`.planner`) -> align the reused KV (:mod:`.alignment`) and prefill in one forward
-(:mod:`.engines.hf`) -> the decode loop, or a teacher-forced reply -> keep the reply's KV, the
+(:mod:`.engines.hf`) -> the decode loop, or a teacher-forced reply (:mod:`.decode_loop`) -> keep the reply's KV, the
 anchors' observations and the framed copies (:mod:`.capture`, :mod:`.framing.framer`), now and then a
 dense audit (:mod:`.audit`) -> the call's :class:`~kvcomm_agents.results.CallStats`. The engine's
 public calls (``stream``, ``replay``) string these steps together.
@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from .alignment import assemble
-from .batched_decode import DecodeBatcher
 from .forwards import ForwardTally, charging
 from .anchors import KVCommAnchors
 from .audit import CallAuditor
@@ -30,7 +29,8 @@ from .kv.store import SegmentStore
 from .identity import WeightsWatch
 from .support import ModelInfo
 from .versions import Versions
-from .decoding import TextAccumulator, TokenSampler
+from .decode_loop import DecodeLoop
+from .decoding import TextAccumulator
 from .engines import hf
 from .framing import FramedDecode, Framer
 from .in_flight import CallsInFlight
@@ -69,6 +69,8 @@ class PreparedCall:
     fingerprint: str = ""  # the model's when it prefilled: nothing of it is kept under other weights
     device: Optional[torch.device] = None  # where its input ids go (read once per call, not per step)
     batched_steps: int = 0  # decode steps run in one forward with other calls' (:mod:`.batched_decode`)
+    drafted: int = 0  # draft ids fed with its decode steps (:mod:`.drafting`)
+    accepted: int = 0  # of those, ids its reply kept
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,7 @@ class CallSteps:
         self.store, self.anchors, self.own_texts = parts.store, parts.anchors, parts.own_texts
         self.versions, self.framer, self.auditor, self.capture = parts.versions, parts.framer, parts.auditor, parts.capture
         self.in_flight = CallsInFlight(parts.capture, min_gain=parts.config.min_match_tokens)
-        self.batcher = (DecodeBatcher(self.model, self.lock, self.step_alone)
-                        if parts.config.batched_decode else None)
+        self.decoding = DecodeLoop(self.model, self.config, self.lock, self.framer, self.info.eos_ids)
 
     @contextmanager
     def prepared(self, layout: PromptLayout, messages: Messages, agent: str, reuse: Optional[bool],
@@ -143,7 +144,7 @@ class CallSteps:
                 done = time.perf_counter()
                 align_s = (assembled - hooked) + pre.align_s
                 self.framer.copy_cost.record_prefill(plan.num_prompt - plan.reused_tokens, done - hooked - align_s)
-                device = self.device
+                device = self.decoding.device
                 framing = self.framer.for_call(plan, layout, agent, self.info.fingerprint, pre.slot_positions,
                                                new_tokens, device, calibrating=self.calibrating.active)
                 call = PreparedCall(layout, plan, pre, started, planned - started, hooked - planned, align_s,
@@ -180,89 +181,6 @@ class CallSteps:
                          refuse_reason=refuse, anchors=self.anchors, versions=self.versions, own_texts=self.own_texts,
                          calibrating=self.calibrating.active, prefill_cost=self.parts.prefill_cost)
 
-    def decode(self, call: PreparedCall, next_id: int, sampler: TokenSampler, text: TextAccumulator,
-               max_new_tokens: int) -> Iterator[str]:
-        """The decode loop from the first token; yields text pieces, returns the finish reason."""
-        position = call.plan.num_prompt
-        try:
-            while True:
-                piece = text.push(next_id)
-                if piece:
-                    yield piece
-                finish = self.finish_reason(next_id, text, max_new_tokens)
-                if finish is not None:
-                    return finish
-                logits = self.step(call, next_id, position)
-                position += 1
-                next_id = sampler(logits)
-        finally:  # a reply that ended, or a stream closed mid-reply
-            self.done_stepping(call)
-
-    def step(self, call: PreparedCall, token: int, position: int) -> torch.Tensor:
-        """One decode step: feed ``token`` at ``position``; returns the ``[vocab]`` float32 logits
-        of the next token. Together with the steps other calls post meanwhile
-        (:mod:`.batched_decode`) unless the call feeds copies with its steps."""
-        if self.batcher is not None and call.framing is None:
-            return self.batcher.step(call, token, position)
-        return self.step_alone(call, token, position)
-
-    def done_stepping(self, call: PreparedCall) -> None:
-        """The call's decode steps are over (:meth:`keep` takes its KV back from a batch)."""
-        if self.batcher is not None:
-            self.batcher.leave(call)
-
-    def step_alone(self, call: PreparedCall, token: int, position: int) -> torch.Tensor:
-        """:meth:`step` on the call's own cache (with the copies' due share). Timed: a step
-        without copies is the baseline a framed call's steps are weighed against
-        (:mod:`.framing.cost`)."""
-        with self.lock, torch.inference_mode(), charging(call.tally, "decode"):
-            started = time.perf_counter()
-            if call.framing is not None:
-                logits = call.framing.forward(self.model, call.pre.cache, [token])[0, -1].float()
-            else:
-                device = call.device or self.device
-                logits = hf.run_forward(
-                    self.model, torch.tensor([[token]], device=device), call.pre.cache,
-                    position_ids=torch.tensor([[position]], device=device),
-                )[0, -1].float()
-            if logits.device.type == "cuda":  # the step's end, not its launch
-                torch.cuda.synchronize(logits.device)
-            seconds = time.perf_counter() - started
-        if call.framing is None:
-            if self.framer.on:  # an engine that never feeds copies needs no baseline
-                self.framer.copy_cost.record_step(seconds)
-        else:
-            call.steps, call.steps_s = call.steps + 1, call.steps_s + seconds
-        return logits
-
-    def force_stepwise(self, call: PreparedCall, ids: list[int]) -> torch.Tensor:
-        """:meth:`force` one decode step per token, as a generated reply costs (the copies ride on
-        the same steps); the same ``[k, vocab]`` logits up to float rounding."""
-        rows = [call.pre.logits]
-        try:
-            for i, token in enumerate(ids[:-1]):
-                rows.append(self.step(call, token, call.plan.num_prompt + i))
-        finally:
-            self.done_stepping(call)
-        return torch.stack([r.to(rows[0].device) for r in rows])
-
-    def force(self, call: PreparedCall, ids: list[int]) -> torch.Tensor:
-        """Feed ``ids[:-1]`` after the prompt in one forward; ``[k, vocab]`` logits predicting each
-        of ``ids`` (row 0: the prompt's last token)."""
-        rows = [call.pre.logits[None]]
-        if len(ids) > 1:
-            n = call.plan.num_prompt
-            with self.lock, torch.inference_mode(), charging(call.tally, "decode"):
-                if call.framing is not None:
-                    rows.append(call.framing.forward(self.model, call.pre.cache, ids[:-1], last_logits_only=False)[0].float())
-                else:
-                    rows.append(hf.run_forward(
-                        self.model, torch.tensor([ids[:-1]], device=self.device), call.pre.cache,
-                        position_ids=torch.arange(n, n + len(ids) - 1, device=self.device)[None],
-                        last_logits_only=False,
-                    )[0].float())
-        return torch.cat([r.to(rows[0].device) for r in rows])
-
     def keep(self, call: PreparedCall, messages: Messages, agent: str,
              text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
         """After the reply: a re-rotation check (:mod:`.rerotation_check`), keep its KV and what
@@ -271,8 +189,7 @@ class CallSteps:
         the audit's dense prefill where the prompt KV held estimates). Returns the reply's
         reference and the audit's KL (None when not audited)."""
         with self.lock, torch.inference_mode():
-            if self.batcher is not None:
-                self.batcher.release(call)  # its decode steps' KV back in its own cache
+            self.decoding.release(call)  # its decode steps' KV back in its own cache
             self.check_rerotation(call, agent)  # before the call's KV is stored
             segment = self.capture_call(call, messages, agent, text.ids, text.text) if self.config.reuse else None
             with charging(call.tally, "audit"):
@@ -345,6 +262,8 @@ class CallSteps:
             prefix_tokens=plan.prefix_length,
             generated_tokens=len(text.ids),
             batched_steps=call.batched_steps,
+            drafted_tokens=call.drafted,
+            accepted_tokens=call.accepted,
             ttft_s=ttft,
             align_s=call.align_s,
             plan_s=call.plan_s,
@@ -366,20 +285,6 @@ class CallSteps:
             forwarded=ForwardedTokens(**call.tally.tokens),
         )
         return ChatResult(text=text.text, token_ids=list(text.ids), segment=segment, finish_reason=finish, stats=stats)
-
-    @property
-    def device(self) -> torch.device:
-        return hf.input_device(self.model)
-
-    def finish_reason(self, token_id: int, text: TextAccumulator, max_new_tokens: int) -> Optional[str]:
-        """Why decoding stops after ``token_id``, or None to go on."""
-        if token_id in self.info.eos_ids:
-            return "stop"
-        if text.stopped:
-            return "stop_string"
-        if len(text.ids) >= max_new_tokens:
-            return "length"
-        return None
 
 
 def _pins(plan: CallPlan) -> list:

@@ -164,6 +164,16 @@ class KVCommConfig(BaseModel):
             "rounding; False: every call steps alone (bit-reproducible replies)."
         ),
     )
+    draft_tokens: int = Field(
+        default=8, ge=0,
+        description=(
+            "Most ids a decode step drafts from the call's own ids (what followed the reply's last "
+            "ids where they occurred before: agents quote the texts passed to them) and checks in "
+            "the same forward, kept while the model picks them (kvcomm_agents.drafting): the same "
+            "reply up to float rounding, in fewer steps. The length adapts per call; a call "
+            "decoding while others do steps in their batch instead. 0: one id per step."
+        ),
+    )
     capture_messages: bool = Field(
         default=True,
         description=(
@@ -207,89 +217,78 @@ class KVCommConfig(BaseModel):
     audit_every: int = Field(
         default=16, ge=0,
         description=(
-            "Prefill every N-th reused call densely as well (at most: audit_share may hold it "
-            "back), after its reply, and record the "
-            "first-token KL(dense || reuse) in its stats (0 = off: no audits, and KVCOMM's "
-            "offsets are never checked). With method='kvcomm' the audit's exact KV is recorded "
-            "in the anchors, one more reuse prefill flips one segment kind's offsets, and a "
-            "kind whose offsets measured worse than none for a receiver is served re-rotated "
-            "only (gate record offsets='off'); calls with a kind sampled fewer than twice for "
-            "their receiver are audited too, one in 4 of that receiver's reused calls "
-            "(docs/anchors.md, 'Offsets checked against dense')."
+            "Prefill every N-th reused call densely as well (at most: audit_share may hold it back), after its "
+            "reply, and record the first-token KL(dense || reuse) in its stats (0 = off: no audits, and KVCOMM's "
+            "offsets are never checked). With method='kvcomm' the audit's exact KV is recorded in the anchors, "
+            "one more reuse prefill flips one segment kind's offsets, and a kind whose offsets measured worse "
+            "than none for a receiver is served re-rotated only (gate record offsets='off'); calls with a kind "
+            "sampled fewer than twice for their receiver are audited too, one in 4 of that receiver's reused "
+            "calls (docs/anchors.md, 'Offsets checked against dense')."
         ),
     )
     audit_share: Optional[float] = Field(
         default=0.05, gt=0.0, le=1.0,
         description=(
-            "Caps the every-N-th audits (audit_every) at this share of the prompt ids reuse "
-            "spared: a due audit waits until the ids the engine's reused calls did not prefill, "
-            "times this share, cover every id audits have forwarded, its own included (a dense "
-            "prefill of the prompt, plus the flipped pass with method='kvcomm'), then runs on "
-            "the first call where it fits. Warm-up audits and probes of the KL budget are not "
-            "held back (the offsets' gate needs them) but are charged to the same account, so "
-            "they may go over it and the every-N-th ones then wait. Default 0.05: a twentieth "
-            "of the prefill reuse spared. None: a fixed cadence, every audit_every-th reused call."
+            "Caps the every-N-th audits (audit_every) at this share of the prompt ids reuse spared: a due audit "
+            "waits until the ids the engine's reused calls did not prefill, times this share, cover every id "
+            "audits have forwarded, its own included (a dense prefill of the prompt, plus the flipped pass with "
+            "method='kvcomm'), then runs on the first call where it fits. Warm-up audits and probes of the KL "
+            "budget are not held back (the offsets' gate needs them) but are charged to the same account, so they"
+            " may go over it and the every-N-th ones then wait. Default 0.05: a twentieth of the prefill reuse "
+            "spared. None: a fixed cadence, every audit_every-th reused call."
         ),
     )
     kl_budget: Optional[float] = Field(
         default=0.015, gt=0.0,
         description=(
-            "Fidelity budget of KVCOMM's estimated offsets (method='kvcomm'; off with "
-            "audit_every=0, where nothing measures it). A receiver reuses a segment kind with "
-            "estimated offsets only once its audits measured a mean first-token KL(dense || "
-            "served) within the budget; until then, and whenever they measure above it, that "
-            "kind's segments are prefilled for that receiver (reason 'over_kl_budget', recorded "
-            "as anchors) but for one decision in 4 (a probe), reused and always audited to gather "
-            "the measure. Versions of a segment computed after the same text are not estimates "
-            "and are always reused. Default 0.015: on the quick benchmark "
-            "KL 0.0319 -> 0.0032 on (b) for 3.08x -> 2.11x TTFT (benchmarks/LAB.md, 'Recorded "
-            "versions and a KL budget'). None: no budget (the gate alone decides)."
+            "Fidelity budget of KVCOMM's estimated offsets (method='kvcomm'; off with audit_every=0, where "
+            "nothing measures it). A receiver reuses a segment kind with estimated offsets only once its audits "
+            "measured a mean first-token KL(dense || served) within the budget; until then, and whenever they "
+            "measure above it, that kind's segments are prefilled for that receiver (reason 'over_kl_budget', "
+            "recorded as anchors) but for one decision in 4 (a probe), reused and always audited to gather the "
+            "measure. Versions of a segment computed after the same text are not estimates and are always reused."
+            " Default 0.015: on the quick benchmark KL 0.0319 -> 0.0032 on (b) for 3.08x -> 2.11x TTFT "
+            "(benchmarks/LAB.md, 'Recorded versions and a KL budget'). None: no budget (the gate alone decides)."
         ),
     )
     recompute_head: int = Field(
         default=16, ge=0,
         description=(
-            "Compute the first N tokens of every reused run in context instead of reusing them "
-            "(cheap fidelity: the tokens right after a change of context deviate most), so a "
-            "matched run shorter than N is computed whole: a few re-rotated ids inside an "
-            "otherwise exact prompt save little, end the prompt's exact prefix for later calls "
-            "and cost a masked forward. Chosen against 4 on the quick benchmark's development "
-            "range (benchmarks/LAB.md, 'A 16-token head': whole graph (a) 0.92x -> 1.35x, (h) "
-            "0.77x -> 1.01x dense). Not where a framed copy of the segment (computed in "
-            "this reader's framing) fits the text before the run's first token: there the context "
-            "did not change. "
-            "0: off."
+            "Compute the first N tokens of every reused run in context instead of reusing them (cheap fidelity: "
+            "the tokens right after a change of context deviate most), so a matched run shorter than N is "
+            "computed whole: a few re-rotated ids inside an otherwise exact prompt save little, end the prompt's "
+            "exact prefix for later calls and cost a masked forward. Chosen against 4 on the quick benchmark's "
+            "development range (benchmarks/LAB.md, 'A 16-token head': whole graph (a) 0.92x -> 1.35x, (h) 0.77x "
+            "-> 1.01x dense). Not where a framed copy of the segment (computed in this reader's framing) fits the"
+            " text before the run's first token: there the context did not change. 0: off."
         ),
     )
     recompute_tail: int = Field(
         default=8, ge=0,
         description=(
-            "Compute the last N tokens of a reused run in context too where the run ends at most "
-            "64 ids before the prompt's end (planner.TAIL_REACH), as recompute_head does its "
-            "first (not where a version computed after the same text fits, nor with own-text "
-            "reuse, whose pieces continue the run): the reader's own "
-            "instruction and its first token attend most to the text right before them, and a "
-            "re-rotated text that follows text its sender never saw deviates there. On the "
-            "development range's held-out prompt formats (j), a task pasted after the team's notes "
-            "and right before the reader's instruction: readers' first-token KL 0.0140 / 0.0335 / "
-            "0.0278 -> 0.0022 / 0.0038 / 0.0072 with 8 (4 and 16 alike), the workload's mean "
-            "0.0068 -> 0.0026 at 16, for 0-5% more tokens per graph on (a)-(j) and no KL change "
-            "on (a)-(i) (benchmarks/LAB.md, 'The end of a run before the reader's text'). 0: off."
+            "Compute the last N tokens of a reused run in context too where the run ends at most 64 ids before "
+            "the prompt's end (planner.TAIL_REACH), as recompute_head does its first (not where a version "
+            "computed after the same text fits, nor with own-text reuse, whose pieces continue the run): the "
+            "reader's own instruction and its first token attend most to the text right before them, and a "
+            "re-rotated text that follows text its sender never saw deviates there. On the development range's "
+            "held-out prompt formats (j), a task pasted after the team's notes and right before the reader's "
+            "instruction: readers' first-token KL 0.0140 / 0.0335 / 0.0278 -> 0.0022 / 0.0038 / 0.0072 with 8 (4 "
+            "and 16 alike), the workload's mean 0.0068 -> 0.0026 at 16, for 0-5% more tokens per graph on (a)-(j)"
+            " and no KL change on (a)-(i) (benchmarks/LAB.md, 'The end of a run before the reader's text'). 0: "
+            "off."
         ),
     )
     recompute_short_runs: int = Field(
         default=64, ge=0,
         description=(
-            "Compute in context, whole, every reused run of at most N tokens that no framed copy "
-            "fitting the text before it serves (a re-rotated, estimated or recorded-version reply, "
-            "note or question); longer runs keep only their head (recompute_head). Re-rotated short runs "
-            "right before a reader's own text carried nearly all of re-rotation's deviation on "
-            "the development range: re-rotation only's readers' first-token KL 0.0144 -> 0.0001 "
-            "on the long document (h), 0.0364 -> 0.0026 on the RAG hand-off (c), 0.0234 -> "
-            "0.0006 on the changing graph (g), for 10-32% more tokens per graph, and with the "
-            "checks then measuring re-rotation within the budget, the default's whole graph "
-            "0.98x -> 1.14x dense on (c) (benchmarks/LAB.md, 'Short runs computed whole'). "
-            "0: only runs within recompute_head."
+            "Compute in context, whole, every reused run of at most N tokens that no framed copy fitting the text"
+            " before it serves (a re-rotated, estimated or recorded-version reply, note or question); longer runs"
+            " keep only their head (recompute_head). Re-rotated short runs right before a reader's own text "
+            "carried nearly all of re-rotation's deviation on the development range: re-rotation only's readers' "
+            "first-token KL 0.0144 -> 0.0001 on the long document (h), 0.0364 -> 0.0026 on the RAG hand-off (c), "
+            "0.0234 -> 0.0006 on the changing graph (g), for 10-32% more tokens per graph, and with the checks "
+            "then measuring re-rotation within the budget, the default's whole graph 0.98x -> 1.14x dense on (c) "
+            "(benchmarks/LAB.md, 'Short runs computed whole'). 0: only runs within recompute_head."
         ),
     )
     recorded_versions: bool = Field(

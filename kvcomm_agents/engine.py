@@ -321,7 +321,7 @@ class KVCommEngine:
         with self._calls.prepared(layout, messages, agent, reuse, max_new_tokens, started) as call:
             first = sampler(call.pre.logits)
             ttft = time.perf_counter() - started
-            finish = yield from self._calls.decode(call, first, sampler, text, max_new_tokens)
+            finish = yield from self._calls.decoding.decode(call, first, sampler, text, max_new_tokens)
             tail = text.flush()
             if tail:
                 yield tail
@@ -346,7 +346,7 @@ class KVCommEngine:
         with self._calls.prepared(layout, messages, agent, reuse, len(ids), started) as call:
             int(torch.argmax(call.pre.logits))  # waits for the device: the first token's time
             ttft = time.perf_counter() - started  # the replayed reply's own forward comes after
-            logits = (self._calls.force_stepwise if stepwise else self._calls.force)(call, ids)
+            logits = (self._calls.decoding.force_stepwise if stepwise else self._calls.decoding.force)(call, ids)
             text = TextAccumulator(self.tokenizer)
             for token in ids:
                 text.push(token)

@@ -40,6 +40,10 @@ class CallStats(BaseModel):
     generated_tokens: int = 0
     batched_steps: int = Field(default=0, description=(
         "Of the decode steps, those run in one forward with other calls' (batched_decode: calls answering at once)."))
+    drafted_tokens: int = Field(default=0, description=(
+        "Draft ids fed with the decode steps, looked up in the call's own ids (draft_tokens); in forwarded.decode."))
+    accepted_tokens: int = Field(default=0, description=(
+        "Of the draft ids, those the reply kept: generated tokens that cost no decode step of their own."))
     ttft_s: float = Field(description="From entering chat to the first generated token id.")
     align_s: float = Field(description="Re-rotation, offsets and cache assembly.")
     plan_s: float = Field(default=0.0, description=(

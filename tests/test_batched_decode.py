@@ -1,6 +1,6 @@
 """Calls answering at once step their decode in one forward (kvcomm_agents/batched_decode.py):
 the same replies, logits and kept KV as calls stepping alone; which caches batch; left padding
-round-trips. Concurrency and failures: tests/test_batched_decode_concurrency.py."""
+round-trips (drafts off: they are tests/test_drafting.py's). Concurrency and failures: tests/test_batched_decode_concurrency.py."""
 
 import threading
 
@@ -18,12 +18,12 @@ from .conftest import tol
 
 @pytest.mark.parametrize("calls", [2, 4])
 def test_calls_decoding_at_once_step_in_one_forward_and_answer_as_each_alone(model, tokenizer, calls):
-    batched = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
-    alone = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    batched = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    alone = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     got, want = at_once(batched, calls, greedy_together(calls)), at_once(alone, calls, greedy_together(calls))
-    batcher = batched._calls.batcher
+    batcher = batched._calls.decoding.batcher
     assert batcher.batched_steps > 0 and batcher.rows >= 2 * batcher.batched_steps  # forwards of several calls ran
-    assert alone._calls.batcher is None
+    assert alone._calls.decoding.batcher is None
     for k in range(calls):
         (result, logits), (alone_result, alone_logits) = got[k], want[k]
         assert result.token_ids == alone_result.token_ids
@@ -39,11 +39,11 @@ def kept(engine) -> dict:
 
 
 def test_a_batched_call_keeps_the_kv_a_call_stepping_alone_keeps(llama, tokenizer):
-    config = KVCommConfig(method="exact_prefix", audit_every=0)
+    config = KVCommConfig(method="exact_prefix", audit_every=0, draft_tokens=0)
     batched = KVCommEngine(llama, tokenizer, config=config)
     alone = KVCommEngine(llama, tokenizer, config=config.model_copy(update={"batched_decode": False}))
     at_once(batched, 3, greedy_together(3)), at_once(alone, 3, greedy_together(3))
-    assert batched._calls.batcher.batched_steps > 0
+    assert batched._calls.decoding.batcher.batched_steps > 0
     got, want = kept(batched), kept(alone)
     assert got.keys() == want.keys() and len(got) == 3  # each prompt plus its reply
     for ids, entry in got.items():

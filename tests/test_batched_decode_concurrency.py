@@ -12,14 +12,14 @@ from .batching import at_once, branch, generate, greedy, greedy_together, greedy
 
 
 def test_a_paused_stream_holds_nobody_back_and_answers_as_alone(llama, tokenizer):
-    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     stepped, resume, out = threading.Event(), threading.Event(), {}
 
     def paused():  # steps, then its consumer stops pulling until told
         stream = generate(batched, 0)
         pieces = [next(stream)]
-        while not batched._calls.batcher._active:
+        while not batched._calls.decoding.batcher._active:
             pieces.append(next(stream))
         stepped.set()
         resume.wait(60)
@@ -29,7 +29,7 @@ def test_a_paused_stream_holds_nobody_back_and_answers_as_alone(llama, tokenizer
     thread.start()
     stepped.wait(60)
     other = greedy(batched, 1)  # waits one window for the paused call, then steps alone
-    assert batched._calls.batcher.missed_windows == 1  # not waited for again
+    assert batched._calls.decoding.batcher.missed_windows == 1  # not waited for again
     resume.set()
     thread.join(60)
     assert other.token_ids == greedy(alone, 1).token_ids
@@ -37,31 +37,31 @@ def test_a_paused_stream_holds_nobody_back_and_answers_as_alone(llama, tokenizer
 
 
 def test_one_thread_interleaving_two_streams_never_waits_for_itself(llama, tokenizer):
-    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     first, second = generate(batched, 0), generate(batched, 1)
     ends = {}
     for a, b in zip(first, second):  # the other stream can only move when this thread pulls it
         for k, item in ((0, a), (1, b)):
             if isinstance(item, ChatResult):
                 ends[k] = item
-    assert batched._calls.batcher.missed_windows == 0
+    assert batched._calls.decoding.batcher.missed_windows == 0
     assert all(ends[k].token_ids == greedy(alone, k).token_ids for k in ends)
 
 
 def test_more_calls_than_rows_all_answer_as_alone(llama, tokenizer):
-    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    batched._calls.batcher.max_rows = 2
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    batched._calls.decoding.batcher.max_rows = 2
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     got = at_once(batched, 4, greedy_together(4))
     assert all(isinstance(got[k], tuple) for k in range(4))  # no call failed
     for k in range(4):
         assert got[k][0].token_ids == greedy(alone, k).token_ids
-    assert batched._calls.batcher.rows <= 2 * batched._calls.batcher.batched_steps
+    assert batched._calls.decoding.batcher.rows <= 2 * batched._calls.decoding.batcher.batched_steps
 
 
 def test_a_call_made_under_the_engine_lock_steps_alone_while_another_leads(llama, tokenizer):
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
     started, locked, out = threading.Event(), threading.Event(), {}
     choose = longest(engine)
 
@@ -82,8 +82,8 @@ def test_a_call_made_under_the_engine_lock_steps_alone_while_another_leads(llama
 
 
 def test_a_stream_closed_mid_reply_leaves_the_batch(llama, tokenizer):
-    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     prefilled = threading.Barrier(3)
 
     def run(engine, k):
@@ -96,15 +96,15 @@ def test_a_stream_closed_mid_reply_leaves_the_batch(llama, tokenizer):
         return next(i for i in stream if isinstance(i, ChatResult))
 
     got = at_once(batched, 3, run)
-    assert batched._calls.batcher.batched_steps > 0
+    assert batched._calls.decoding.batcher.batched_steps > 0
     for k in (1, 2):
         assert got[k].token_ids == greedy(alone, k).token_ids
-    assert batched._calls.batcher._batch is None and not batched._calls.batcher._active
+    assert batched._calls.decoding.batcher._batch is None and not batched._calls.decoding.batcher._active
 
 
 def test_a_batched_forward_that_fails_is_stepped_alone(llama, tokenizer, monkeypatch, caplog):
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     forward, failed = hf.run_forward, []
 
     def failing(model, input_ids, *args, **kwargs):
@@ -118,7 +118,7 @@ def test_a_batched_forward_that_fails_is_stepped_alone(llama, tokenizer, monkeyp
     assert failed and "step alone" in caplog.text
     for k in range(3):
         assert got[k][0].token_ids == greedy(alone, k).token_ids
-    assert engine._calls.batcher._batch is None and not engine._calls.batcher._active
+    assert engine._calls.decoding.batcher._batch is None and not engine._calls.decoding.batcher._active
 
 
 def test_calls_joining_pausing_and_leaving_at_random_all_answer_as_alone(llama, tokenizer):
@@ -127,8 +127,8 @@ def test_calls_joining_pausing_and_leaving_at_random_all_answer_as_alone(llama, 
     import random
     import time
 
-    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     plans = random.Random(0)
     shapes = [(k % 4, plans.randint(4, 24), plans.random() * 0.02, plans.random() < 0.3) for k in range(6)]
     results, errors = {}, []
@@ -159,17 +159,17 @@ def test_calls_joining_pausing_and_leaving_at_random_all_answer_as_alone(llama, 
             continue
         want = next(i for i in generate(alone, branch_k, tokens=tokens) if isinstance(i, ChatResult))
         assert results[k].token_ids == want.token_ids
-    assert batched._calls.batcher.batched_steps > 0
-    assert batched._calls.batcher._batch is None and not batched._calls.batcher._active
+    assert batched._calls.decoding.batcher.batched_steps > 0
+    assert batched._calls.decoding.batcher._batch is None and not batched._calls.decoding.batcher._active
 
 
 def test_a_failed_write_back_or_pack_never_leaves_a_call_on_a_stale_cache(llama, tokenizer, monkeypatch):
     """A pack that fails: every call steps alone and answers as alone. A write-back that fails:
     the batch stays whole, so a call either answers as alone or raises, never a wrong reply."""
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     want = {k: greedy(alone, k).token_ids for k in range(3)}
     for helper in ("left_padded", "take_row"):
-        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+        engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
         real, failed = getattr(hf, helper), []
 
         def once(*args, real=real, failed=failed):
@@ -194,12 +194,12 @@ def test_a_failed_write_back_or_pack_never_leaves_a_call_on_a_stale_cache(llama,
             assert results == want
         else:
             assert all(results[k] in (want[k], "raised") for k in range(3))
-        assert engine._calls.batcher._batch is None
+        assert engine._calls.decoding.batcher._batch is None
 
 
 def test_a_thread_interleaving_two_streams_is_not_waited_for_by_another_leader(llama, tokenizer):
-    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
-    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    batched = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    alone = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0, batched_decode=False))
     prefilled, ends = threading.Barrier(2), {}
 
     def zipped():  # one thread pulling two streams in turn
@@ -213,20 +213,20 @@ def test_a_thread_interleaving_two_streams_is_not_waited_for_by_another_leader(l
     thread.start()
     other = next(i for i in generate(batched, 2, waiting(prefilled, batched), tokens=48) if isinstance(i, ChatResult))
     thread.join(60)
-    assert batched._calls.batcher.missed_windows <= 2  # the leader does not wait for the stream its thread cannot pull
+    assert batched._calls.decoding.batcher.missed_windows <= 2  # the leader does not wait for the stream its thread cannot pull
     assert other.token_ids == greedy_with(alone, 2, longest(alone), tokens=48).token_ids
     assert all(ends[k].token_ids == greedy(alone, k).token_ids for k in ends)
 
 
 def test_a_batch_of_calls_that_left_gives_its_memory_back_at_the_next_keep(llama, tokenizer):
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
     prefilled, arrived, abort = threading.Barrier(2), threading.Barrier(3), threading.Event()
 
     def dropped(k):
         choose, seen = waiting(prefilled, engine), []
 
         def pick(logits):  # both consumers give up right after the third batched step (of both)
-            if engine._calls.batcher.batched_steps >= 3 and not seen:
+            if engine._calls.decoding.batcher.batched_steps >= 3 and not seen:
                 seen.append(True)
                 arrived.wait(20)
                 abort.wait(20)
@@ -242,7 +242,7 @@ def test_a_batch_of_calls_that_left_gives_its_memory_back_at_the_next_keep(llama
     for t in threads:
         t.start()
     arrived.wait(20)
-    batcher = engine._calls.batcher
+    batcher = engine._calls.decoding.batcher
     assert batcher._batch is not None and len(batcher._batch.calls) == 2
     with engine._lock:  # their leave cannot take the lock: the rows stay in the batch
         abort.set()

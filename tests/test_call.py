@@ -112,13 +112,13 @@ def test_force_and_force_stepwise_give_the_teacher_forced_logits(llama, tokenize
     """``force``: the reply in one forward; ``force_stepwise``: one decode step per reply token
     (as a generated reply costs). Both give the logits a dense pass over prompt and reply gives
     for each reply token, and charge the reply's fed tokens as decode."""
-    steps = steps_of(make_engine(llama))
+    steps = steps_of(make_engine(llama, draft_tokens=0))  # drafted steps: tests/test_drafting.py
     layout = render_prompt(tokenizer, RECEIVER)
     n, ids = layout.ids.numel(), forced(tokenizer)
     with torch.inference_mode():
         whole = torch.cat([layout.ids, torch.tensor(ids[:-1])])[None]
         expected = llama(whole).logits[0, n - 1:].float()
-    for force, calls in ((steps.force, 1), (steps.force_stepwise, len(ids) - 1)):
+    for force, calls in ((steps.decoding.force, 1), (steps.decoding.force_stepwise, len(ids) - 1)):
         with steps.prepared(layout, RECEIVER, "s2", False, len(ids), time.perf_counter()) as call:
             before = forwards.calls
             logits = force(call, ids)
@@ -143,23 +143,23 @@ def test_decode_feeds_every_token_but_the_last_and_says_why_it_stopped(llama, to
 
     with steps.prepared(layout, RECEIVER, "s2", None, 6, time.perf_counter()) as call:
         text = TextAccumulator(tokenizer)
-        pieces, finish = drain(steps.decode(call, greedy_no_eos(call.pre.logits), greedy_no_eos, text, 6))
+        pieces, finish = drain(steps.decoding.decode(call, greedy_no_eos(call.pre.logits), greedy_no_eos, text, 6))
         assert finish == "length" and len(text.ids) == 6
         assert call.tally.tokens["decode"] == 5  # the last id is never fed
     assert "".join(pieces) + text.flush() == tokenizer.decode(text.ids)
     with steps.prepared(layout, RECEIVER, "s2", None, 6, time.perf_counter()) as call:  # each id fed at its position
-        torch.testing.assert_close(steps.force(call, text.ids), torch.stack(seen), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(steps.decoding.force(call, text.ids), torch.stack(seen), atol=1e-4, rtol=1e-4)
     picks = iter([5, 6, eos, 7])
     with steps.prepared(layout, RECEIVER, "s2", None, 6, time.perf_counter()) as call:
         text = TextAccumulator(tokenizer)
-        _, finish = drain(steps.decode(call, next(picks), lambda logits: next(picks), text, 6))
+        _, finish = drain(steps.decoding.decode(call, next(picks), lambda logits: next(picks), text, 6))
         assert (finish, text.ids, call.tally.tokens["decode"]) == ("stop", [5, 6, eos], 2)
     stopped = TextAccumulator(tokenizer, stop=["answer"])
     for token in tokenizer("The answer is", add_special_tokens=False)["input_ids"]:
         stopped.push(token)
-    assert stopped.stopped and steps.finish_reason(stopped.ids[-1], stopped, 100) == "stop_string"
-    assert steps.finish_reason(eos, stopped, 100) == "stop"  # an end-of-sequence id comes first
-    assert steps.finish_reason(5, TextAccumulator(tokenizer), 1) is None
+    assert stopped.stopped and steps.decoding.finish_reason(stopped.ids[-1], stopped, 100) == "stop_string"
+    assert steps.decoding.finish_reason(eos, stopped, 100) == "stop"  # an end-of-sequence id comes first
+    assert steps.decoding.finish_reason(5, TextAccumulator(tokenizer), 1) is None
 
 
 def test_keep_stores_the_reply_charges_the_audit_and_the_result_reports_the_tally(llama, tokenizer, make_engine):
@@ -170,7 +170,7 @@ def test_keep_stores_the_reply_charges_the_audit_and_the_result_reports_the_tall
     results = {}
     for reuse in (None, False):
         with steps.prepared(layout, RECEIVER, "s2", reuse, len(ids), time.perf_counter()) as call:
-            steps.force(call, ids)
+            steps.decoding.force(call, ids)
             text = TextAccumulator(tokenizer)
             for token in ids:
                 text.push(token)
@@ -201,7 +201,7 @@ def test_capture_call_keeps_nothing_when_the_cache_lacks_the_reply_kv(llama, tok
     with steps.prepared(layout, messages, "s1", None, len(ids), time.perf_counter()) as call:
         assert steps.capture_call(call, messages, "s1", ids, REPLY) is None  # the reply was never fed
         assert engine.store.stats().segments == 0
-        steps.force(call, ids)
+        steps.decoding.force(call, ids)
         ref = steps.capture_call(call, messages, "s1", ids, REPLY)
     assert ref.kind == ("s1", "assistant") and ref.num_tokens == len(ids) - 1
     assert {s.ref.kind for s in (engine.store.get(ref.id), engine.store.find_text(messages[1]["content"],

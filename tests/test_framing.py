@@ -194,7 +194,7 @@ def test_reply_copies_riding_on_generated_steps_are_measured_against_plain_steps
     feeding reply copies one sample of (copy ids, seconds beyond as many plain steps), weighed
     when plain steps are first seen if it came before them; a replay's one-forward pass gives
     none (its cost is not a decode's)."""
-    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    engine = KVCommEngine(model, tokenizer, config=FRAMED.model_copy(update={"draft_tokens": 0}))  # a drafted forward is no plain step
     cost = engine._framer.copy_cost
     _debate(engine, tokenizer, "You are a solver.", rounds=1)  # replays: no steps timed
     assert not cost._steps and not cost._copies["reply"]

@@ -151,7 +151,7 @@ def test_copies_riding_on_generated_steps_are_measured_against_plain_steps(model
     a call without copies gives plain steps; the planner's generated call feeding the task's
     copy gives one sample of (its text ids, seconds beyond as many plain steps)."""
     monkeypatch.setattr(framer_module, "texts_alone", lambda device: False)
-    engine = KVCommEngine(model, tokenizer, config=FRAMED)
+    engine = KVCommEngine(model, tokenizer, config=FRAMED.model_copy(update={"draft_tokens": 0}))  # a drafted forward is no plain step
     cost = engine._framer.copy_cost
     _pipeline(engine, tokenizer, requests=1)  # replays: the rule learned, no steps timed
     assert not cost._steps and not cost._copies["text"]

@@ -203,6 +203,6 @@ def test_an_async_fan_out_steps_its_branches_together_and_answers_as_plain_trans
     batched = run(engine)
     plain = run(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", batched_decode=False)))
     assert [(q, text) for q, text, _ in batched] == [(q, text) for q, text, _ in plain]
-    assert engine._calls.batcher.rows > 0  # the branches stepped together
-    assert sum(n for _, _, n in batched) == engine._calls.batcher.rows  # every batched row is some call's
+    assert engine._calls.decoding.batcher.rows > 0  # the branches stepped together
+    assert sum(n for _, _, n in batched) == engine._calls.decoding.batcher.rows  # every batched row is some call's
     assert all(n == 0 for _, _, n in plain)
