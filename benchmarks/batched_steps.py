@@ -1,12 +1,13 @@
-"""What one decode forward costs for B calls at once: the ground for batching siblings' steps
-(:mod:`kvcomm_agents.batched_decode`).
+"""What one decode forward costs for B calls at once, or for one call checking a draft: the
+ground for batching siblings' steps (:mod:`kvcomm_agents.batched_decode`) and for drafts' lengths
+(:mod:`kvcomm_agents.drafting`).
 
-For each cached length and batch size, B rows of random ids are prefilled, then decode steps of
-one token per row are timed (the median of ``--steps``); per row is that divided by B. Prints a
-table and writes JSON.
+For each cached length and batch size, B rows of random ids are prefilled, then decode forwards
+of q ids per row are timed (the median of ``--steps``), each cut back to the cached length after
+it; per row is that divided by B. Prints a table and writes JSON.
 
     python -m benchmarks.batched_steps [--model embedded] [--lengths 300,800,1600] [--rows 1,2,4]
-                                       [--device cpu] [--dtype float32]
+                                       [--ids 1] [--device cpu] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -27,36 +28,44 @@ from .models import load
 __all__ = ["measure", "table"]
 
 
-def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, seed: int = 0) -> list[dict]:
-    """One record per (cached length, rows): the median seconds of a decode forward."""
+def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, seed: int = 0,
+            ids: tuple[int, ...] = (1,)) -> list[dict]:
+    """One record per (cached length, rows, ids per row): the median seconds of a decode forward."""
     generator = torch.Generator().manual_seed(seed)
     device = hf.input_device(model)
     out = []
     for length in lengths:
         for b in rows:
-            ids = torch.randint(100, vocab, (b, length), generator=generator).to(device)
+            prompt = torch.randint(100, vocab, (b, length), generator=generator).to(device)
             with torch.inference_mode():
                 cache = hf.new_cache(model)
-                hf.run_forward(model, ids, cache)
-                times = []
-                for i in range(steps):
-                    token = torch.randint(100, vocab, (b, 1), generator=generator).to(device)
-                    started = time.perf_counter()
-                    hf.run_forward(model, token, cache, position_ids=torch.full((b, 1), length + i, device=device))
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    times.append(time.perf_counter() - started)
-            step = statistics.median(times)
-            out.append({"cached": length, "rows": b, "step_s": step, "per_row_s": step / b})
+                hf.run_forward(model, prompt, cache)
+                for q in ids:
+                    positions = torch.arange(length, length + q, device=device).expand(b, q)
+                    times = []
+                    for _ in range(steps):
+                        tokens = torch.randint(100, vocab, (b, q), generator=generator).to(device)
+                        started = time.perf_counter()
+                        hf.run_forward(model, tokens, cache, position_ids=positions, last_logits_only=False)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize(device)
+                        times.append(time.perf_counter() - started)
+                        hf.keep_first(cache, length)
+                    step = statistics.median(times)
+                    out.append({"cached": length, "rows": b, "ids": q, "step_s": step, "per_row_s": step / b})
     return out
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| cached tokens | rows | forward ms | per row ms | per row × one row |", "|---|---|---|---|---|"]
-    alone = {r["cached"]: r["per_row_s"] for r in records if r["rows"] == 1}
+    """Per record: the forward, per row, and one row of one id's forward over the row's (above
+    1.00x: a row costs less than stepping it alone)."""
+    lines = ["| cached tokens | rows | ids per row | forward ms | per row ms | one row of one id ÷ per row |",
+             "|---|---|---|---|---|---|"]
+    alone = {r["cached"]: r["per_row_s"] for r in records if r["rows"] == 1 and r.get("ids", 1) == 1}
     for r in records:
         ratio = alone[r["cached"]] / r["per_row_s"] if r["cached"] in alone else float("nan")
-        lines.append(f"| {r['cached']} | {r['rows']} | {1000 * r['step_s']:.1f} | {1000 * r['per_row_s']:.1f} | {ratio:.2f}x |")
+        lines.append(f"| {r['cached']} | {r['rows']} | {r.get('ids', 1)} | {1000 * r['step_s']:.1f} | "
+                     f"{1000 * r['per_row_s']:.1f} | {ratio:.2f}x |")
     return "\n".join(lines)
 
 
@@ -65,6 +74,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--lengths", default="300,800,1600")
     parser.add_argument("--rows", default="1,2,4")
+    parser.add_argument("--ids", default="1", help="ids per row of each forward (a draft of q - 1 ids and the token)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -72,7 +82,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     loaded = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     records = measure(loaded.model, [int(x) for x in args.lengths.split(",")], [int(x) for x in args.rows.split(",")],
-                      args.steps, len(loaded.tokenizer))
+                      args.steps, len(loaded.tokenizer), ids=tuple(int(x) for x in args.ids.split(",")))
     print(table(records))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -261,7 +261,9 @@ LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined ex
           "kvcomm-mean-tail-0": "default without the run tail (`recompute_tail=0`)",
           "kvcomm-trust-clear": "default trusting re-rotation on a clear sample (`rerotation_trust=\"clear_sample\"`)",
           "kvcomm-remembered": "default, measurements remembered from earlier engines (`remember_measurements`)",
-          "kvcomm-no-short-sample": "default without the short first sample (`short_rerotation_sample=False`)"}
+          "kvcomm-no-short-sample": "default without the short first sample (`short_rerotation_sample=False`)",
+          "kvcomm-no-drafts": "default without drafts (`draft_tokens=0`)",
+          "dense-drafted": "dense prefill, drafted decode"}
 DEFAULT = "kvcomm-mean"
 
 
@@ -299,6 +301,26 @@ def front_table(summary: dict) -> str:
             f"{_f(d['reader_ttft_speedup'], 'x')} ({_f(d.get('reader_from_start_speedup'), 'x')}) | "
             f"{_f(d['reader_kl_mean'], 'kl')} ({_f(rerotate, 'kl')}{floor_kl}) | "
             f"{_label(verdict.get('fastest'))} / {_label(verdict.get('closest'))} |")
+    return "\n".join(out)
+
+
+def side_by_side(summary: dict) -> str:
+    """One row per workload: dense's whole-graph time and time per output token, then per other
+    strategy its graph × dense, tokens × dense and time per output token."""
+    phases = [info for info in summary["phases"].values() if info.get("graphs")]
+    names = list(dict.fromkeys(r["strategy"] for info in phases for r in info["graphs"] if r["strategy"] != "dense"))
+    out = ["| workload | requests | dense graph s (TPOT ms) | " + " | ".join(_label(n) for n in names) + " |",
+           "|---" * (len(names) + 3) + "|",
+           "| | | | " + " | ".join("graph × dense, tokens × dense, TPOT ms" for _ in names) + " |"]
+    for phase, info in summary["phases"].items():
+        rows = {r["strategy"]: r for r in info.get("graphs", [])}
+        if "dense" not in rows:
+            continue
+        base = rows["dense"]
+        out.append(f"| ({phase}) {info['title'].split(') ', 1)[-1]} | {base['requests']} | "
+                   f"{_f(base['wall_median_s'], 's')} ({_f(base.get('tpot_ms'), 'ms')}) | " + " | ".join(
+                       f"{_f(rows[n]['speedup_vs_dense'], 'x')}, {_f(rows[n]['tokens_vs_dense'], 'x')}, "
+                       f"{_f(rows[n].get('tpot_ms'), 'ms')}" if n in rows else "-" for n in names) + " |")
     return "\n".join(out)
 
 

@@ -185,7 +185,7 @@ def known(name: str) -> bool:
 def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     """The engine settings a strategy name stands for."""
     table = {
-        "dense": {"method": "dense", "batched_decode": False, "draft_tokens": 0},  # plain transformers: one id per step
+        "dense": KVCommConfig.plain_transformers().model_dump(exclude_defaults=True),
         "dense-batched": {"method": "dense", "draft_tokens": 0},  # no reuse; parallel calls' decode steps in one forward
         "dense-drafted": {"method": "dense", "batched_decode": False},  # no reuse; drafts from the call's own ids
         "prefix": {"method": "exact_prefix", "audit_every": 0},

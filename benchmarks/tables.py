@@ -1,8 +1,8 @@
-"""``python -m benchmarks.tables SUMMARY.json [--front] [--phases b,i]``: the Markdown tables the docs quote, made
+"""``python -m benchmarks.tables SUMMARY.json [--front | --side-by-side] [--phases b,i]``: the Markdown tables the docs quote, made
 from a committed run summary (``python -m benchmarks --summary``), so every figure in the README
 and ``docs/benchmarks.md`` traces to a file. A test regenerates every block marked
 
-    <!-- generated: python -m benchmarks.tables benchmarks/results/<name>.json [--front] [--phases b,i] -->
+    <!-- generated: python -m benchmarks.tables benchmarks/results/<name>.json [--front | --side-by-side] [--phases b,i] -->
     ...
     <!-- end generated -->
 
@@ -18,19 +18,20 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .graph_report import front_table, workload_tables
+from .graph_report import front_table, side_by_side, workload_tables
 
 __all__ = ["render", "generated_blocks", "rewrite", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-_BLOCK = re.compile(r"(?P<opening><!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?P<front> --front)?"
+_BLOCK = re.compile(r"(?P<opening><!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?: --(?P<table>front|side-by-side))?"
                     r"(?: --phases (?P<phases>\S+))? -->)\n(?P<body>(?:(?!<!-- generated:).)*?)\n?<!-- end generated -->",
                     re.S)  # a body never runs into the next block; an empty one is a block too
 
 
-def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) -> str:
-    """The front table (one row per workload) or every workload's table, with the run's sample;
-    only ``phases`` where given. A parallel-branches summary (:mod:`.parallel_branches`) is its one table."""
+def render(summary: dict, *, table: Optional[str] = None, phases: Optional[list[str]] = None) -> str:
+    """Every workload's table, or (``table``) the front table or every strategy side by side (one
+    row per workload each), with the run's sample; only ``phases`` where given. A
+    parallel-branches summary (:mod:`.parallel_branches`) is its one table."""
     if summary.get("kind") == "parallel_branches":
         from .parallel_branches import described
 
@@ -44,12 +45,12 @@ def render(summary: dict, *, front: bool, phases: Optional[list[str]] = None) ->
             + (", every request on fresh engines (each a graph's first)" if summary.get("cold") else "")
             + (", `kvcomm-remembered` starting from the measurements earlier engines left (`--remembered`)"
                if summary.get("remembered") else "") + ".\n\n")
-    return head + (front_table(summary) if front else workload_tables(summary))
+    return head + {"front": front_table, "side-by-side": side_by_side}.get(table, workload_tables)(summary)
 
 
-def generated_blocks(text: str) -> list[tuple[str, bool, Optional[list[str]], str]]:
-    """``(summary path, front, phases, body)`` of every generated block of a page."""
-    return [(m["path"], bool(m["front"]), m["phases"].split(",") if m["phases"] else None, m["body"])
+def generated_blocks(text: str) -> list[tuple[str, Optional[str], Optional[list[str]], str]]:
+    """``(summary path, table, phases, body)`` of every generated block of a page."""
+    return [(m["path"], m["table"], m["phases"].split(",") if m["phases"] else None, m["body"])
             for m in _BLOCK.finditer(text)]
 
 
@@ -62,7 +63,7 @@ def rewrite(page: Path) -> int:
     def fresh(match: re.Match) -> str:
         nonlocal changed
         summary = json.loads((ROOT / match["path"]).read_text())
-        body = render(summary, front=bool(match["front"]), phases=match["phases"].split(",") if match["phases"] else None)
+        body = render(summary, table=match["table"], phases=match["phases"].split(",") if match["phases"] else None)
         changed += body != match["body"]
         return f"{match['opening']}\n{body}\n<!-- end generated -->"
 
@@ -75,7 +76,11 @@ def main(argv=None) -> None:
     parser.add_argument("summary", type=Path, nargs="?")
     parser.add_argument("--rewrite", nargs="+", type=Path, metavar="PAGE",
                         help="regenerate every generated block of these pages in place (no summary argument)")
-    parser.add_argument("--front", action="store_true", help="the front table only (one row per workload)")
+    tables = parser.add_mutually_exclusive_group()
+    tables.add_argument("--front", action="store_const", const="front", dest="table",
+                        help="the front table only (one row per workload)")
+    tables.add_argument("--side-by-side", action="store_const", const="side-by-side", dest="table",
+                        help="every strategy's whole graph side by side (one row per workload)")
     parser.add_argument("--phases", default=None, help="comma-separated: only these workloads")
     args = parser.parse_args(argv)
     if args.rewrite:
@@ -84,7 +89,7 @@ def main(argv=None) -> None:
         return
     if args.summary is None:
         parser.error("give a summary file, or --rewrite PAGE...")
-    print(render(json.loads(args.summary.read_text()), front=args.front,
+    print(render(json.loads(args.summary.read_text()), table=args.table,
                  phases=args.phases.split(",") if args.phases else None))
 
 

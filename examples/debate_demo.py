@@ -177,7 +177,7 @@ def main(argv=None) -> None:
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts it, ~40 s) ...")
     config = KVCommConfig(method=args.method, experimental={"own_text": args.own_text})
     reuse = KVCommEngine.from_pretrained(config=config)
-    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(method="dense"))
+    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig.plain_transformers())
     warm_up(reuse, dense)
     print(f"{len(questions)} question(s) from {source}, {args.agents} solvers, greedy, "
           f"max {args.max_new_tokens} new tokens, on {describe_device(reuse)}; "

@@ -53,7 +53,7 @@ def engines(config: KVCommConfig | None = None) -> tuple[KVCommEngine, KVCommEng
     """A reuse engine on the embedded model and a dense engine sharing its weights: plain
     transformers, every call prefilling its whole prompt and stepping its decode alone."""
     reuse = KVCommEngine.from_pretrained(config=config)
-    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig(method="dense", batched_decode=False))
+    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig.plain_transformers())
     for engine in (reuse, dense):  # first-call overheads off the measured calls
         engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
         engine.store.clear()

@@ -120,14 +120,13 @@ class KVCommConfig(BaseModel):
     method: Method = Field(
         default="kvcomm",
         description=(
-            "How shared text is reused. 'kvcomm': re-rotated and corrected with offsets learned "
-            "from anchors; a segment the gate judges new is prefilled and becomes an anchor "
-            "(default: on 40 GSM8K debates first-token KL against dense 3x lower than "
-            "'rerotate'). 'rerotate': every shared segment found is re-rotated to its new "
-            "position, no correction (fastest, least faithful). 'exact_prefix': only the longest "
-            "prefix an earlier call computed is reused, exactly (what vLLM and SGLang give). "
-            "'dense': no reuse at all, plain transformers token for token (no KV kept); also "
-            "the way to run a model re-rotation does not support."
+            "How shared text is reused. 'kvcomm': re-rotated and corrected with offsets learned from anchors; a "
+            "segment the gate judges new is prefilled and becomes an anchor (default: on 40 GSM8K debates "
+            "first-token KL against dense 3x lower than 'rerotate'). 'rerotate': every shared segment found is "
+            "re-rotated to its new position, no correction (fastest, least faithful). 'exact_prefix': only the "
+            "longest prefix an earlier call computed is reused, exactly (what vLLM and SGLang give). 'dense': no "
+            "reuse at all (no KV kept; plain_transformers() also steps one id at a time, alone); also the way to "
+            "run a model re-rotation does not support."
         ),
     )
     min_match_tokens: int = Field(
@@ -148,30 +147,29 @@ class KVCommConfig(BaseModel):
     dense_when_cheaper: bool = Field(
         default=True,
         description=(
-            "Compute the whole prompt in one causal forward (dense_reason 'little_reuse', the "
-            "decisions that reused saying so) when the plan reuses too little of it to pay for the "
-            "masked forward that reused KV needs (kvcomm_agents.prefill_cost: a 2,048-token prompt "
-            "reusing 2% of it costs 1.14x dense on a CPU). CPU only; False: always reuse what was "
-            "planned."
+            "Compute the whole prompt in one causal forward (dense_reason 'little_reuse', the decisions that "
+            "reused saying so) when the plan reuses too little of it to pay for the masked forward that reused KV"
+            " needs (kvcomm_agents.prefill_cost: a 2,048-token prompt reusing 2% of it costs 1.14x dense on a "
+            "CPU). CPU only; False: always reuse what was planned."
         ),
     )
     batched_decode: bool = Field(
         default=True,
         description=(
-            "Run the decode steps of calls answering at once (a LangGraph fan-out's branches) in "
-            "one forward, each call's KV left-padded into a batch (kvcomm_agents.batched_decode): "
-            "each step streams the weights once for all. Rows agree with a lone call's up to float "
-            "rounding; False: every call steps alone (bit-reproducible replies)."
+            "Run the decode steps of calls answering at once (a LangGraph fan-out's branches) in one forward, "
+            "each call's KV left-padded into a batch (kvcomm_agents.batched_decode): each step streams the "
+            "weights once for all. Rows agree with a lone call's up to float rounding; False: every call steps "
+            "alone (bit-reproducible replies)."
         ),
     )
     draft_tokens: int = Field(
         default=8, ge=0,
         description=(
-            "Most ids a decode step drafts from the call's own ids (what followed the reply's last "
-            "ids where they occurred before: agents quote the texts passed to them) and checks in "
-            "the same forward, kept while the model picks them (kvcomm_agents.drafting): the same "
-            "reply up to float rounding, in fewer steps. The length adapts per call; a call "
-            "decoding while others do steps in their batch instead. 0: one id per step."
+            "Most ids a decode step drafts from the call's own ids (what followed the reply's last ids where they"
+            " occurred before: agents quote the texts passed to them) and checks in the same forward, kept while "
+            "the model picks them (kvcomm_agents.drafting): the same reply up to float rounding, in fewer steps. "
+            "The length adapts per call; a call decoding while others do steps in their batch instead. 0: one id "
+            "per step."
         ),
     )
     capture_messages: bool = Field(
@@ -304,15 +302,12 @@ class KVCommConfig(BaseModel):
     measured_rerotation: bool = Field(
         default=True,
         description=(
-            "Measure each receiver's re-rotation on its calls without estimates (one reuse "
-            "prefill after the reply, charged to the call; kvcomm_agents.rerotation_check) and, "
-            "once the samples (every receiver's, one enough under experimental.rerotation_trust's "
-            "default; the receiver's own, where it has any, within the budget too) put it within "
-            "kl_budget, "
-            "serve re-rotated what the gate would "
-            "compute (gate offsets 'rerotated'), with no text copy for that reader "
-            "(method='kvcomm' with a KL budget and audits on). False: what the gate refuses is "
-            "computed."
+            "Measure each receiver's re-rotation on its calls without estimates (one reuse prefill after the "
+            "reply, charged to the call; kvcomm_agents.rerotation_check) and, once the samples (every receiver's,"
+            " one enough under experimental.rerotation_trust's default; the receiver's own, where it has any, "
+            "within the budget too) put it within kl_budget, serve re-rotated what the gate would compute (gate "
+            "offsets 'rerotated'), with no text copy for that reader (method='kvcomm' with a KL budget and audits"
+            " on). False: what the gate refuses is computed."
         ),
     )
     remember_measurements: Union[bool, str] = Field(
@@ -328,48 +323,43 @@ class KVCommConfig(BaseModel):
     reply_copies: bool = Field(
         default=False,
         description=(
-            "Compute each reply a second time, as its readers will see it: after the text they "
-            "put before it (learned from earlier calls: the sender's prompt without its generation "
-            "header, then a lead-in such as 'Solver 2 answered:'), fed with the sender's own "
-            "decode steps in the same cache, and recorded as a version the first reader reuses "
-            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing.replies). Off by "
-            "default: on one device a copy computes in the sender's turn what its reader would "
-            "compute, so it brings the reader's first token sooner and the graph's end later: "
-            "on one H200 (the paper's shape, random 8B weights) 1.57x dense with copies against "
-            "1.68x without (benchmarks/LAB.md, 'Copies off by default'). True: for readers' "
-            "first token at the graph's cost "
-            "(40 GSM8K debates on a CPU: readers 2.2x -> 3.95x dense to the first token)."
+            "Compute each reply a second time, as its readers will see it: after the text they put before it "
+            "(learned from earlier calls: the sender's prompt without its generation header, then a lead-in such "
+            "as 'Solver 2 answered:'), fed with the sender's own decode steps in the same cache, and recorded as "
+            "a version the first reader reuses (method='kvcomm' with recorded_versions; "
+            "kvcomm_agents.framing.replies). Off by default: on one device a copy computes in the sender's turn "
+            "what its reader would compute, so it brings the reader's first token sooner and the graph's end "
+            "later: on one H200 (the paper's shape, random 8B weights) 1.57x dense with copies against 1.68x "
+            "without (benchmarks/LAB.md, 'Copies off by default'). True: for readers' first token at the graph's "
+            "cost (40 GSM8K debates on a CPU: readers 2.2x -> 3.95x dense to the first token)."
         ),
     )
     text_copies: bool = Field(
         default=False,
         description=(
-            "Compute shared prompt text (a task, documents) a second time for each later reader, "
-            "after that reader's own prefix (its system text: learned from earlier calls, its KV "
-            "taken from the exact-prefix store), fed with the first reader's decode steps and "
-            "recorded as a version the later readers reuse (method='kvcomm' with "
-            "recorded_versions; kvcomm_agents.framing.texts). On CUDA the copies ride on the first "
-            "reader's decode steps (up to 256 text ids per generated token, the rest after its "
-            "reply); on a CPU each is computed after the reply in a forward of its own, about "
-            "the prefill it saves its reader. None for a reader whose re-rotation was measured "
-            "within kl_budget (measured_rerotation). Off by default, as reply_copies: work moved "
-            "into the first reader's turn, not removed (benchmarks/LAB.md, 'Copies off by "
-            "default'). "
-            "True: each later reader reuses the text as computed after its own prefix."
+            "Compute shared prompt text (a task, documents) a second time for each later reader, after that "
+            "reader's own prefix (its system text: learned from earlier calls, its KV taken from the exact-prefix"
+            " store), fed with the first reader's decode steps and recorded as a version the later readers reuse "
+            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing.texts). On CUDA the copies ride on "
+            "the first reader's decode steps (up to 256 text ids per generated token, the rest after its reply); "
+            "on a CPU each is computed after the reply in a forward of its own, about the prefill it saves its "
+            "reader. None for a reader whose re-rotation was measured within kl_budget (measured_rerotation). Off"
+            " by default, as reply_copies: work moved into the first reader's turn, not removed "
+            "(benchmarks/LAB.md, 'Copies off by default'). True: each later reader reuses the text as computed "
+            "after its own prefix."
         ),
     )
     copies_when_cheaper: bool = Field(
         default=True,
         description=(
             "With copies on (reply_copies, text_copies), feed them only while they cost at most the prefill they "
-            "spare their readers, per copy id, as measured on this engine's calls "
-            "(kvcomm_agents.framing.cost): a copy that costs more only moves work into the "
-            "sender's turn, and the graph finishes later. Reply copies are weighed on every "
-            "device (what the sender's decode steps took beyond plain ones); text copies too: "
-            "timed whole where each is computed in a forward of its own (a CPU), with the reply "
-            "copies where they ride on the same decode steps (CUDA). A kind loses on the median "
-            "of two measurements, or on its first where that costs more than twice the prefill "
-            "per id (measured: benchmarks/LAB.md). False: copies whatever they cost."
+            "spare their readers, per copy id, as measured on this engine's calls (kvcomm_agents.framing.cost): a"
+            " copy that costs more only moves work into the sender's turn, and the graph finishes later. Reply "
+            "copies are weighed on every device (what the sender's decode steps took beyond plain ones); text "
+            "copies too: timed whole where each is computed in a forward of its own (a CPU), with the reply "
+            "copies where they ride on the same decode steps (CUDA). A kind loses on the median of two "
+            "measurements, or on its first where that costs more than twice the prefill per id (measured: "
+            "benchmarks/LAB.md). False: copies whatever they cost."
         ),
     )
     shared_runs: Literal["anywhere", "messages"] = Field(
@@ -386,6 +376,12 @@ class KVCommConfig(BaseModel):
         default_factory=ExperimentalSettings,
         description="The paper's variants (estimator, own-text offsets) and anchor pool details; see ExperimentalSettings.",
     )
+
+    @classmethod
+    def plain_transformers(cls) -> "KVCommConfig":
+        """No reuse, one id per decode step, every call alone: token for token what plain
+        transformers computes (the reference every figure is measured against)."""
+        return cls(method="dense", batched_decode=False, draft_tokens=0)
 
     @property
     def reuse(self) -> bool:

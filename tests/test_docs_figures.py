@@ -14,25 +14,25 @@ PAGES = ["README.md", "docs/benchmarks.md"]
 def test_generated_tables_match_their_summary_files(page):
     blocks = generated_blocks((ROOT / page).read_text())
     assert blocks, f"{page} quotes no generated table"
-    for path, front, phases, body in blocks:
+    for path, table, phases, body in blocks:
         summary = json.loads((ROOT / path).read_text())
         assert summary["split"] == "report", f"{path}: figures must come from the report range"
-        assert body == render(summary, front=front, phases=phases), f"{page}: the table from {path} is stale"
+        assert body == render(summary, table=table, phases=phases), f"{page}: the table from {path} is stale"
 
 
 def test_a_changed_figure_is_caught():
     text = (ROOT / "docs/benchmarks.md").read_text()
-    path, front, phases, body = generated_blocks(text)[0]
+    path, table, phases, body = generated_blocks(text)[0]
     summary = json.loads((ROOT / path).read_text())
     summary["phases"][next(iter(summary["phases"]))]["graphs"][0]["wall_median_s"] += 1.0
-    assert render(summary, front=front, phases=phases) != body
+    assert render(summary, table=table, phases=phases) != body
 
 
 def test_rewrite_regenerates_a_stale_block_in_place(tmp_path):
     from benchmarks.tables import rewrite
 
     text = (ROOT / "docs/benchmarks.md").read_text()
-    path, front, phases, body = generated_blocks(text)[0]
+    path, table, phases, body = generated_blocks(text)[0]
     page = tmp_path / "page.md"
     page.write_text(text.replace(body, "a stale table", 1))
     assert rewrite(page) == 1 and page.read_text() == text
@@ -42,8 +42,8 @@ def test_rewrite_regenerates_a_stale_block_in_place(tmp_path):
 def _first_block() -> tuple[str, str, str]:
     """docs/benchmarks.md's text, its first generated block's opening marker, and that block's body."""
     text = (ROOT / "docs/benchmarks.md").read_text()
-    path, front, phases, body = generated_blocks(text)[0]
-    marker = f"<!-- generated: python -m benchmarks.tables {path}{' --front' if front else ''}" \
+    path, table, phases, body = generated_blocks(text)[0]
+    marker = f"<!-- generated: python -m benchmarks.tables {path}{' --' + table if table else ''}" \
              f"{' --phases ' + ','.join(phases) if phases else ''} -->"
     return text, marker, body
 

@@ -133,13 +133,15 @@ def test_short_samples_measure_the_cut_prompt_beside_the_whole_one(tmp_path):
 
 
 def test_batched_steps_times_a_forward_per_length_and_rows(tmp_path):
-    """``benchmarks.batched_steps`` on a tiny model: one record per (length, rows), per row the
-    forward divided by the rows, a table and the JSON."""
+    """``benchmarks.batched_steps`` on a tiny model: one record per (length, rows, ids per row),
+    per row the forward divided by the rows, a table and the JSON."""
     from benchmarks import batched_steps
 
     out = tmp_path / "steps.json"
-    batched_steps.main(["--model", "random:tiny", "--lengths", "8,16", "--rows", "1,3", "--steps", "2", "--out", str(out)])
+    batched_steps.main(["--model", "random:tiny", "--lengths", "8,16", "--rows", "1,3", "--ids", "1,4", "--steps", "2",
+                        "--out", str(out)])
     records = json.loads(out.read_text())["records"]
-    assert [(r["cached"], r["rows"]) for r in records] == [(8, 1), (8, 3), (16, 1), (16, 3)]
+    assert [(r["cached"], r["rows"], r["ids"]) for r in records] == [
+        (length, rows, ids) for length in (8, 16) for rows in (1, 3) for ids in (1, 4)]
     assert all(r["step_s"] > 0 and r["per_row_s"] * r["rows"] == pytest.approx(r["step_s"]) for r in records)
-    assert "| 16 | 3 |" in batched_steps.table(records)
+    assert "| 16 | 3 | 4 |" in batched_steps.table(records)
