@@ -74,18 +74,20 @@ class LowerBound(Strategy):
         ttft = time.perf_counter() - t0
         reply = list(forced_ids) if forced_ids is not None else [first]
         rows = [pre.logits]
-        drafts = NgramDraft([*layout.ids.tolist(), reply[0]], DRAFT_TOKENS)  # as the library's calls decode
+        drafts = (NgramDraft([*layout.ids.tolist(), reply[0]], DRAFT_TOKENS)  # as the library's calls decode
+                  if hf.batchable(pre.cache) else None)  # (a sliding-window cache cannot be cut back)
         while len(rows) < len(reply):
             r = len(rows)
-            draft = drafts.draft(len(reply) - r - 1)
+            draft = drafts.draft(len(reply) - r - 1) if drafts is not None else []
             out = hf.run_forward(self.model, torch.tensor([[reply[r - 1], *draft]], device=self.device), pre.cache,
                                  position_ids=torch.arange(n + r - 1, n + r + len(draft), device=self.device)[None],
                                  last_logits_only=False)[0].float()
             kept = next((i for i, d in enumerate(draft) if d != reply[r + i]), len(draft))
             rows.extend(out[:kept + 1])
-            hf.keep_first(pre.cache, hf.num_cached(pre.cache) - (len(draft) - kept))
-            drafts.settle(len(draft), kept)
-            drafts.extend(reply[r:r + kept + 1])
+            if drafts is not None:
+                hf.keep_first(pre.cache, hf.num_cached(pre.cache) - (len(draft) - kept))
+                drafts.settle(len(draft), kept)
+                drafts.extend(reply[r:r + kept + 1])
         greedy = 0
         while greedy < len(reply) and int(torch.argmax(rows[greedy])) == reply[greedy]:
             greedy += 1

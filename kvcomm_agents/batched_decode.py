@@ -159,6 +159,11 @@ class DecodeBatcher:
                 self._leading = False
                 self._wake.notify_all()
 
+    def busy(self, call) -> bool:
+        """Whether other calls are decoding now (advisory, without the condition: their steps
+        would batch; :meth:`if_alone` decides)."""
+        return bool(self._posted) or self._batch is not None or len(self._active) > (id(call) in self._active)
+
     def leave(self, call) -> None:
         """``call`` steps no more (its reply ended, or its stream closed). Never waits for the
         engine lock (a dropped stream's cleanup may run anywhere, even inside this batcher's own

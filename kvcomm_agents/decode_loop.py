@@ -12,7 +12,8 @@ a step runs:
   row by row, picks them (:meth:`DecodeLoop.advance`); the KV of the refused ids is cut off.
   The picker is called once per chosen id, on the row a token-by-token step would give it, so
   greedy picks are the same argmax and sampled ones the same draws from the same distribution,
-  up to float rounding of a forward over several ids.
+  up to float rounding of a forward over several ids (where a stop string completes inside a
+  draft, the picker has also picked the draft's later ids, which the reply drops).
 
 Every forward takes the engine lock, never across a yield, and is charged to the call as
 ``decode``.
@@ -70,9 +71,9 @@ class DecodeLoop:
                         yield piece
                     finish = self.finish_reason(token, text, max_new_tokens)
                     if finish is not None:
-                        fed_after = len(chosen) - 1 - i  # ids of a draft fed from the reply's last on
+                        fed_after = len(chosen) - 1 - i  # a stop string ending inside a draft
                         if fed_after:  # the KV a reply ending here leaves: its last id never fed
-                            hf.keep_first(call.pre.cache, hf.num_cached(call.pre.cache) - fed_after)
+                            self._cut(call, fed_after)
                             call.accepted -= fed_after - 1  # picked, but after the reply's end
                         return finish
                 chosen = self.advance(call, chosen[-1], position, sampler, drafts, room=max_new_tokens - len(text.ids))
@@ -84,9 +85,11 @@ class DecodeLoop:
                 room: int, rows: Optional[list] = None) -> list[int]:
         """Feed ``token`` at ``position`` (with a draft, where one is found and the call decodes
         alone); returns the ids picked from the step's rows: the draft's ids while ``pick``
-        chose them, then ``pick``'s own id. ``room``: ids the reply may still take; ``rows``,
-        if given, receives each ``[vocab]`` row that was picked from."""
-        draft = drafts.draft(room - 1) if drafts is not None else []
+        chose them, then ``pick``'s own id (an end-of-sequence id ends the picks). The KV of
+        every picked id but the last is in the call's cache after it. ``room``: ids the reply
+        may still take; ``rows``, if given, receives each ``[vocab]`` row that was picked from."""
+        alone = self.batcher is None or not self.batcher.busy(call)  # else its steps batch: no lookup
+        draft = drafts.draft(room - 1) if drafts is not None and alone else []
         logits = self._verify(call, [token, *draft], position) if draft else None
         if logits is None:
             draft = []
@@ -96,12 +99,12 @@ class DecodeLoop:
             picked.append(pick(row))
             if rows is not None:
                 rows.append(row)
-            if len(picked) > len(draft) or picked[-1] != draft[len(picked) - 1]:
+            if len(picked) > len(draft) or picked[-1] != draft[len(picked) - 1] or picked[-1] in self.eos_ids:
                 break
         if draft:
-            refused = len(draft) - (len(picked) - 1)
+            refused = len(draft) - (len(picked) - 1)  # fed, but not followed by a pick
             if refused:
-                hf.keep_first(call.pre.cache, hf.num_cached(call.pre.cache) - refused)
+                self._cut(call, refused)
             drafts.settle(len(draft), len(picked) - 1)
             call.drafted, call.accepted = call.drafted + len(draft), call.accepted + len(picked) - 1
         if drafts is not None:
@@ -193,6 +196,12 @@ class DecodeLoop:
         return None
 
     # ---- drafts ---------------------------------------------------------------------------
+    def _cut(self, call, n: int) -> None:
+        """Drop the call's last ``n`` cached slots (fed with a draft, not kept), under the engine
+        lock: siblings may be reading the call's prompt KV (:mod:`.in_flight`)."""
+        with self.lock:
+            hf.keep_first(call.pre.cache, hf.num_cached(call.pre.cache) - n)
+
     def _drafts(self, call, first: int) -> Optional[NgramDraft]:
         """The call's draft source, None where it does not draft (``draft_tokens=0``, copies
         fed with its steps, a cache that cannot be cut back: sliding-window or quantized)."""

@@ -13,7 +13,7 @@ A forward of more ids costs more: on the embedded model on 2 CPU cores, 9 ids af
 cost ~1.8x one id (``python -m benchmarks.batched_steps --rows 1 --ids 1,3,5,9``), so a draft
 that is mostly refused slows the step it rides on. Hence the length adapts per call: the first draft is 2 ids, a draft accepted
 whole doubles the next one (up to the configured most), a refused one is cut to what was
-accepted (at least 1); and a draft is only taken after a match of 3 ids, else 2.
+accepted (at least 1); and the reply's last 3 ids are looked up, else its last 2.
 """
 
 from __future__ import annotations
@@ -42,18 +42,14 @@ class NgramDraft:
         self.most, self.sizes = most, sizes
         self.length = min(first, most)  # the next draft's length
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]  # n-gram -> index just after it
+        self._indexed = 0  # the n-grams ending before ids[_indexed] are in _ends (indexed when a draft is asked)
         self.drafted = 0  # ids proposed by :meth:`draft` and fed
         self.accepted = 0  # of those, ids the model's picks agreed with
         self.extend(ids)
 
     def extend(self, ids: Sequence[int]) -> None:
         """Append the ids chosen since (a step's picks)."""
-        for token in ids:
-            self.ids.append(int(token))
-            end = len(self.ids) - 1  # index every n-gram that ends before the newest id
-            for n, ends in zip(self.sizes, self._ends):
-                if end >= n:
-                    ends[tuple(self.ids[end - n:end])] = end
+        self.ids.extend(int(token) for token in ids)
 
     def draft(self, room: int) -> list[int]:
         """What followed the last earlier occurrence of the ids' tail (the longest n-gram that
@@ -61,6 +57,11 @@ class NgramDraft:
         k = min(room, self.length)
         if k < 1:
             return []
+        for end in range(self._indexed, len(self.ids)):  # every n-gram ending before the newest id
+            for n, ends in zip(self.sizes, self._ends):
+                if end >= n:
+                    ends[tuple(self.ids[end - n:end])] = end
+        self._indexed = len(self.ids)
         for n, ends in zip(self.sizes, self._ends):
             if len(self.ids) > n:
                 end = ends.get(tuple(self.ids[-n:]))

@@ -136,6 +136,32 @@ def test_a_reply_ending_inside_a_draft_keeps_the_kv_up_to_its_end(llama, tokeniz
     assert_same_kv_kept(on, off)
 
 
+def test_an_end_of_sequence_id_inside_a_draft_ends_the_picks(llama, tokenizer, monkeypatch):
+    """A reply quoting text that an end-of-sequence id follows in the prompt drafts that id: the
+    picker is called once per reply id (no row beyond the end), the KV kept as without drafts."""
+    on, off = engines(llama, tokenizer, method="exact_prefix")
+    reference = greedy_with(off, 0, longest(off), tokens=12).token_ids + [tokenizer.eos_token_id]
+    off.store.clear()
+
+    def scripted(engine):
+        rows = []
+
+        def pick(logits):
+            rows.append(logits)
+            return reference[len(rows) - 1]
+
+        result = next(i for i in engine._generate(branch(0), "a", 24, pick, None, None, None)
+                      if isinstance(i, ChatResult))
+        return result, rows
+
+    want, _ = scripted(off)
+    proposing(monkeypatch, reference + [5, 6, 7])  # the draft runs on past the end
+    got, rows = scripted(on)
+    assert got.token_ids == want.token_ids == reference and got.finish_reason == "stop"
+    assert len(rows) == len(reference) and got.stats.accepted_tokens > 0
+    assert_same_kv_kept(on, off)
+
+
 def test_sampled_replies_draw_the_same_ids_with_drafts(llama, tokenizer, monkeypatch):
     on, off = engines(llama, tokenizer, method="dense")
     want = off.chat(branch(1), agent="a", max_new_tokens=20, temperature=0.8, seed=7)
