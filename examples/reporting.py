@@ -77,14 +77,16 @@ def _decisions(calls: list[CallStats]) -> str:
 
 def print_agent_table(reuse_calls: list[CallStats], dense_calls: list[CallStats]) -> None:
     """Per agent, in order of first appearance: calls, prompt tokens, reused share, mean time to
-    first token with reuse and dense, the ratio, and the reuse decisions."""
+    first token with reuse and dense, the ratio, the reply's ids kept from drafts (generated
+    without a decode step of their own), and the reuse decisions."""
     by_agent: dict[str, list[CallStats]] = defaultdict(list)
     dense_by_agent: dict[str, list[CallStats]] = defaultdict(list)
     for call in reuse_calls:
         by_agent[call.agent].append(call)
     for call in dense_calls:
         dense_by_agent[call.agent].append(call)
-    head = f"{'agent':<16} {'calls':>5} {'prompt':>6} {'reused':>6} {'TTFT reuse':>10} {'TTFT dense':>10} {'speed-up':>8}  decisions"
+    head = (f"{'agent':<16} {'calls':>5} {'prompt':>6} {'reused':>6} {'TTFT reuse':>10} {'TTFT dense':>10} "
+            f"{'speed-up':>8} {'drafted':>7}  decisions")
     print("\n" + head)
     for agent, calls in by_agent.items():
         dense = dense_by_agent.get(agent, [])
@@ -93,13 +95,15 @@ def print_agent_table(reuse_calls: list[CallStats], dense_calls: list[CallStats]
         ttft = 1000 * sum(c.ttft_s for c in calls) / len(calls)
         dense_ttft = 1000 * sum(c.ttft_s for c in dense) / len(dense) if dense else float("nan")
         opted = " (reuse off)" if all(c.opted_out for c in calls) else ""
+        drafted = sum(c.accepted_tokens for c in calls) / max(1, sum(c.generated_tokens for c in calls))
         print(f"{agent:<16} {len(calls):>5} {prompt:>6.0f} {100 * share:>5.0f}% {ttft:>8.0f}ms {dense_ttft:>8.0f}ms "
-              f"{dense_ttft / ttft:>7.2f}x  {_decisions(calls)}{opted}")
+              f"{dense_ttft / ttft:>7.2f}x {100 * drafted:>6.0f}%  {_decisions(calls)}{opted}")
     summary = ReuseSummary.of(reuse_calls)
     rate = "-" if summary.reuse_rate is None else f"{100 * summary.reuse_rate:.0f}%"
     print(f"reuse rate {rate} of {summary.eligible} calls with shared text ({summary.opted_out} opted out); "
           f"token share {100 * summary.token_share:.0f}%. TTFT: means per agent, the dense pipeline ran "
-          "on a second engine in the same process.")
+          "on a second engine in the same process. drafted: the replies' ids kept from drafts (no decode "
+          "step of their own).")
 
 
 def print_graph_totals(reuse: list[tuple[float, int]], dense: list[tuple[float, int]]) -> None:
