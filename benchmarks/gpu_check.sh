@@ -8,8 +8,9 @@
 #      readers' time to first token; benchmarks profile "gpu", workload a);
 #   4. what framed copies cost the sender's decode and save its readers on a GPU (the assumption
 #      behind copying on every decode step): benchmarks.framed_decode, workloads (a) and (c);
-#   5. batched decode steps: the tests of tests/test_batched_decode*.py on CUDA, and a decode
-#      forward of 1 / 2 / 4 / 8 rows on the paper's shape (benchmarks.batched_steps).
+#   5. batched and drafted decode steps: the tests of tests/test_batched_decode*.py and
+#      tests/test_drafting.py on CUDA, a decode forward of 1 / 2 / 4 / 8 rows, and of one row
+#      feeding 1 / 3 / 5 / 9 ids (a draft), on the paper's shape (benchmarks.batched_steps).
 # Each step writes JSON under $OUT (default benchmarks/out/gpu) as soon as it ends.
 #
 #   bash benchmarks/gpu_check.sh --fetch   # here, with internet: wheels the GPU machine lacks
@@ -87,11 +88,17 @@ echo "results: $OUT/framed/"
 
 start=$(date +%s)
 KVCOMM_TEST_DEVICE=$DEVICE KVCOMM_TEST_DTYPE=float32 timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider \
-  tests/test_batched_decode.py tests/test_batched_decode_concurrency.py --junitxml "$OUT/batched_decode.xml" 2>&1 | tail -5
+  -m "not embedded" tests/test_batched_decode.py tests/test_batched_decode_concurrency.py tests/test_drafting.py \
+  --junitxml "$OUT/batched_decode.xml" 2>&1 | tail -5
 step_json batched_decode_tests "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 
 start=$(date +%s)
 timeout 120 "$PYTHON" -m benchmarks.batched_steps --model "$MODEL" --device "$DEVICE" --dtype "$FRAMED_DTYPE" \
   --lengths 512,2048 --rows 1,2,4,8 --out "$OUT/batched_steps.json" 2>&1 | grep -v "it/s]$" | tail -12
 step_json batched_steps "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
+
+start=$(date +%s)
+timeout 120 "$PYTHON" -m benchmarks.batched_steps --model "$MODEL" --device "$DEVICE" --dtype "$FRAMED_DTYPE" \
+  --lengths 512,2048 --rows 1 --ids 1,3,5,9 --out "$OUT/draft_steps.json" 2>&1 | grep -v "it/s]$" | tail -12
+step_json draft_steps "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 
