@@ -10,10 +10,10 @@ one forward and keeps the draft's ids for as long as the model's own pick from e
 token gives, up to float rounding of a forward over several ids.
 
 A forward of more ids costs more: on the embedded model on 2 CPU cores, 9 ids after 300 cached
-cost ~1.8x one id (``python -m benchmarks.batched_steps --rows 1 --ids 1,3,5,9``), so a draft
-that is mostly refused slows the step it rides on. Hence the length adapts per call: the first draft is 2 ids, a draft accepted
-whole doubles the next one (up to the configured most), a refused one is cut to what was
-accepted (at least 1); and the reply's last 3 ids are looked up, else its last 2.
+cost ~1.9x one id (``benchmarks/results/draft-steps.json``), so a draft that is mostly refused
+slows the step it rides on. Hence the length adapts per call: the first draft is 2 ids, a draft
+accepted whole doubles the next one (up to the configured most), a refused one is cut to what
+was accepted (at least 1); and the reply's last 3 ids are looked up, else its last 2.
 """
 
 from __future__ import annotations
