@@ -2,9 +2,10 @@
 
 Render (the engine) -> plan: exact prefix, re-rotated shared segments, the rest computed
 (:mod:`.planner`) -> align the reused KV (:mod:`.alignment`) and prefill in one forward
-(:mod:`.engines.hf`) -> the decode loop, or a teacher-forced reply (:mod:`.decode_loop`) -> keep the reply's KV, the
-anchors' observations and the framed copies (:mod:`.capture`, :mod:`.framing.framer`), now and then a
-dense audit (:mod:`.audit`) -> the call's :class:`~kvcomm_agents.results.CallStats`. The engine's
+(:mod:`.engines.hf`) -> the decode loop, or a teacher-forced reply (:mod:`.decode_loop`) -> keep
+the reply's KV, the anchors' observations and the framed copies (:mod:`.capture`,
+:mod:`.framing.framer`), now and then a dense audit (:mod:`.audit`) -> the call's
+:class:`~kvcomm_agents.results.CallStats`. The engine's
 public calls (``stream``, ``replay``) string these steps together.
 """
 

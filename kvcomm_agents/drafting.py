@@ -43,8 +43,6 @@ class NgramDraft:
         self.length = min(first, most)  # the next draft's length
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]  # n-gram -> index just after it
         self._indexed = 0  # the n-grams ending before ids[_indexed] are in _ends (indexed when a draft is asked)
-        self.drafted = 0  # ids proposed by :meth:`draft` and fed
-        self.accepted = 0  # of those, ids the model's picks agreed with
         self.extend(ids)
 
     def extend(self, ids: Sequence[int]) -> None:
@@ -71,7 +69,6 @@ class NgramDraft:
 
     def settle(self, drafted: int, accepted: int) -> None:
         """After a draft of ``drafted`` ids of which the first ``accepted`` were kept: the next
-        draft's length (doubled after a whole draft, else what was accepted, at least 1)."""
-        self.drafted += drafted
-        self.accepted += accepted
+        draft's length (doubled after a whole draft, else what was accepted, at least 1). The
+        call counts what it drafted and kept (``CallStats.drafted_tokens``, ``accepted_tokens``)."""
         self.length = min(self.most, 2 * self.length) if accepted == drafted else max(1, accepted)

@@ -43,7 +43,6 @@ def test_the_draft_length_doubles_after_a_whole_draft_and_shrinks_to_what_was_ke
     assert drafts.length == 3
     drafts.settle(3, 0)
     assert drafts.length == 1  # never below one
-    assert (drafts.drafted, drafts.accepted) == (25, 17)
     with pytest.raises(ValueError):
         NgramDraft([], most=0)
 
@@ -193,9 +192,10 @@ def test_calls_decoding_at_once_answer_as_alone_with_drafts_on(llama, tokenizer,
 
 
 def test_draft_tokens_0_feeds_one_id_per_step(llama, tokenizer):
-    ids = tokenizer(f"{QUESTION} {QUESTION}")["input_ids"]
+    ids = tokenizer(f"{QUESTION} {QUESTION}")["input_ids"]  # drafted where drafts are on (the test above)
     off = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
-    assert off.replay(branch(0), agent="a", reply_ids=ids, stepwise=True).result.stats.drafted_tokens == 0
+    stats = off.replay(branch(0), agent="a", reply_ids=ids, stepwise=True).result.stats
+    assert stats.drafted_tokens == stats.accepted_tokens == 0 and stats.forwarded.decode == len(ids) - 1
 
 
 @pytest.mark.embedded
