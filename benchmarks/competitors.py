@@ -8,7 +8,7 @@ import time
 import torch
 
 from kvcomm_agents import KVCommConfig
-from kvcomm_agents.drafting import NgramDraft
+from kvcomm_agents.drafting import NgramDraft, RecentReplies
 from kvcomm_agents.engines import hf
 from kvcomm_agents.prompt import render_prompt
 
@@ -16,7 +16,7 @@ from .outcome import CallOutcome, Strategy, cuda_peak_extra, cuda_peak_start
 
 __all__ = ["LowerBound"]
 
-DRAFT_TOKENS = KVCommConfig().draft_tokens
+DEFAULT = KVCommConfig()
 
 
 class LowerBound(Strategy):
@@ -25,8 +25,9 @@ class LowerBound(Strategy):
     longest exact prefix any earlier call computed (what prefix caching gives every strategy),
     take exact KV from a dense prefill run beforehand, left out of the figure
     (``untimed_tokens``, ``untimed_s``); the call computes only the rest of its prompt, under the
-    position mask, and decodes its reply as the library's calls do (drafts from its own ids,
-    ``KVCommConfig.draft_tokens``): a reuse method that lost nothing and cost nothing."""
+    position mask, and decodes its reply as the library's calls do (drafts from its own ids, else
+    its last replies: ``KVCommConfig.draft_tokens``, ``draft_recent_replies``): a reuse method
+    that lost nothing and cost nothing."""
 
     generates = False
 
@@ -35,6 +36,7 @@ class LowerBound(Strategy):
         self.model, self.tokenizer = model, tokenizer
         self.device = model.get_input_embeddings().weight.device
         self.seen: list[torch.Tensor] = []  # every earlier call's prompt and reply ids
+        self.recent = RecentReplies(DEFAULT.draft_recent_replies)  # as an engine's decode steps keep them
 
     def _prefix(self, ids: torch.Tensor) -> int:
         """The longest common prefix of ``ids`` with an earlier call's prompt and reply."""
@@ -55,6 +57,7 @@ class LowerBound(Strategy):
         if not stepwise:  # a warm-up call: only what prefix caching would remember of it
             reply = list(forced_ids or [])
             self.seen.append(torch.cat([ids, torch.tensor(reply[:-1], dtype=torch.long)]))
+            self.recent.add(reply)
             return CallOutcome(ttft_s=0.0, before_prefill_s=0.0, prompt_tokens=n, reused_tokens=0, logits=None,
                                greedy_prefix=None, token_ids=reply, text="")
         found = shared_text_positions(self.tokenizer, messages, list(shared_texts), n) if shared_texts else None
@@ -74,7 +77,7 @@ class LowerBound(Strategy):
         ttft = time.perf_counter() - t0
         reply = list(forced_ids) if forced_ids is not None else [first]
         rows = [pre.logits]
-        drafts = (NgramDraft([*layout.ids.tolist(), reply[0]], DRAFT_TOKENS)  # as the library's calls decode
+        drafts = (NgramDraft([*layout.ids.tolist(), reply[0]], DEFAULT.draft_tokens, recent=self.recent)  # as the library's calls
                   if hf.batchable(pre.cache) else None)  # (a sliding-window cache cannot be cut back)
         while len(rows) < len(reply):
             r = len(rows)
@@ -92,6 +95,7 @@ class LowerBound(Strategy):
         while greedy < len(reply) and int(torch.argmax(rows[greedy])) == reply[greedy]:
             greedy += 1
         self.seen.append(torch.cat([ids, torch.tensor(reply[:-1], dtype=torch.long)]))
+        self.recent.add(reply)
         return CallOutcome(
             ttft_s=ttft, before_prefill_s=0.0, prompt_tokens=n, reused_tokens=len(shared), logits=pre.logits.cpu(),
             greedy_prefix=greedy, token_ids=reply, text="", peak_extra_bytes=cuda_peak_extra(self.device, start),

@@ -36,9 +36,10 @@ they cost, ``copies_when_cheaper=False``), ``kvcomm-audit-new`` (a receiver's fi
 served on other receivers' samples audited, ``experimental.audit_new_readers``), ``kvcomm-trust-clear`` /
 ``kvcomm-trust-audited`` (re-rotation trusted on two samples within the KL budget or one within
 a quarter of it, or before any with the first calls so served audited: ``experimental.rerotation_trust``),
-``dense-drafted`` (dense prefill, decode steps drafting from the call's own ids as the library's
-do by default: what drafting alone gives), ``kvcomm-no-drafts`` (the default, one id per decode
-step, ``draft_tokens=0``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
+``dense-drafted`` (dense prefill, decode steps drafting from the call's own ids and the engine's
+last replies as the library's do by default: what drafting alone gives), ``kvcomm-no-drafts``
+(the default, one id per decode step, ``draft_tokens=0``), ``kvcomm-own-drafts`` (drafts from the
+call's own ids only, ``draft_recent_replies=0``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
 measured, ``experimental.short_rerotation_sample=False``),
 ``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
 reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
@@ -74,7 +75,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
          "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone", "dense-drafted", "kvcomm-no-drafts",
-         "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
+         "kvcomm-own-drafts", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -187,7 +188,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
     table = {
         "dense": KVCommConfig.plain_transformers().model_dump(exclude_defaults=True),
         "dense-batched": {"method": "dense", "draft_tokens": 0},  # no reuse; parallel calls' decode steps in one forward
-        "dense-drafted": {"method": "dense", "batched_decode": False},  # no reuse; drafts from the call's own ids
+        "dense-drafted": {"method": "dense", "batched_decode": False},  # no reuse; drafts as the default decodes
         "prefix": {"method": "exact_prefix", "audit_every": 0},
         "pipelined": {"method": "exact_prefix", "audit_every": 0},
         "rerotate": {"method": "rerotate", "audit_every": 0},
@@ -196,6 +197,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-mean-steps-alone": {"method": "kvcomm", "gamma": gamma, "batched_decode": False},
         "kvcomm-no-drafts": {"method": "kvcomm", "gamma": gamma, "draft_tokens": 0},
+        "kvcomm-own-drafts": {"method": "kvcomm", "gamma": gamma, "draft_recent_replies": 0},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
         "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,

@@ -189,6 +189,7 @@ class CallSteps:
         reply's versions in its readers' framing (:mod:`.framing`: fed with the decode, or over
         the audit's dense prefill where the prompt KV held estimates). Returns the reply's
         reference and the audit's KL (None when not audited)."""
+        self.decoding.recent.add(text.ids)  # a draft source for the calls after it
         with self.lock, torch.inference_mode():
             self.decoding.release(call)  # its decode steps' KV back in its own cache
             self.check_rerotation(call, agent)  # before the call's KV is stored

@@ -162,16 +162,16 @@ class KVCommConfig(BaseModel):
             "alone (bit-reproducible replies)."
         ),
     )
-    draft_tokens: int = Field(
-        default=8, ge=0,
-        description=(
-            "Most ids a decode step drafts from the call's own ids (what followed the reply's last ids where they"
-            " occurred before: agents quote the texts passed to them) and checks in the same forward, kept while "
-            "the model picks them (kvcomm_agents.drafting): the same reply up to float rounding, in fewer steps. "
-            "The length adapts per call; a call decoding while others do steps in their batch instead. 0: one id "
-            "per step."
-        ),
-    )
+    draft_tokens: int = Field(default=8, ge=0, description=(
+        "Most ids a decode step drafts from the call's own ids (what followed the reply's last ids where they"
+        " occurred before: agents quote the texts passed to them) and checks in the same forward, kept while "
+        "the model picks them (kvcomm_agents.drafting): the same reply up to float rounding, in fewer steps. "
+        "The length adapts per call; a call decoding while others do steps in their batch instead. 0: one id "
+        "per step."))
+    draft_recent_replies: int = Field(default=6, ge=0, description=(
+        "Replies (the engine's last ones, any request's) a draft is looked up in where the call's own ids hold "
+        "no match: siblings answering one task word their replies alike. Drafts change no output, but a "
+        "step's time tells whether a guess matched: 0 where tenants must not see each other's timing."))
     capture_messages: bool = Field(
         default=True,
         description=(

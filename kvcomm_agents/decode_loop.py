@@ -7,8 +7,8 @@ a step runs:
   :class:`~kvcomm_agents.framing.FramedDecode`);
 - batched: steps of calls answering at once run in one forward (:mod:`.batched_decode`,
   ``KVCommConfig.batched_decode``);
-- drafted: a call decoding alone feeds a draft looked up in its own ids (:mod:`.drafting`,
-  ``KVCommConfig.draft_tokens``) with its token, and keeps the draft's ids while the picker,
+- drafted: a call decoding alone feeds a draft looked up in its own ids, else in the engine's
+  last replies (:mod:`.drafting`, ``KVCommConfig.draft_tokens``) with its token, and keeps the draft's ids while the picker,
   row by row, picks them (:meth:`DecodeLoop.advance`); the KV of the refused ids is cut off.
   The picker is called once per chosen id, on the row a token-by-token step would give it, so
   greedy picks are the same argmax and sampled ones the same draws from the same distribution,
@@ -29,7 +29,7 @@ import torch
 from .batched_decode import DecodeBatcher
 from .config import KVCommConfig
 from .decoding import TextAccumulator
-from .drafting import NgramDraft
+from .drafting import NgramDraft, RecentReplies
 from .engines import hf
 from .forwards import charging
 from .framing import Framer
@@ -53,6 +53,7 @@ class DecodeLoop:
     def __init__(self, model, config: KVCommConfig, lock, framer: Framer, eos_ids: frozenset) -> None:
         self.model, self.config, self.lock, self.framer, self.eos_ids = model, config, lock, framer, eos_ids
         self.batcher = DecodeBatcher(model, lock, self.step_alone) if config.batched_decode else None
+        self.recent = RecentReplies(config.draft_recent_replies if config.draft_tokens else 0)  # drafts' second source
 
     @property
     def device(self) -> torch.device:
@@ -207,7 +208,7 @@ class DecodeLoop:
         fed with its steps, a cache that cannot be cut back: sliding-window or quantized)."""
         if self.config.draft_tokens < 1 or call.framing is not None or not hf.batchable(call.pre.cache):
             return None
-        return NgramDraft([*call.layout.ids.tolist(), first], self.config.draft_tokens)
+        return NgramDraft([*call.layout.ids.tolist(), first], self.config.draft_tokens, recent=self.recent)
 
     def _verify(self, call, tokens: list[int], position: int) -> Optional[torch.Tensor]:
         """``tokens`` fed at ``position`` on in one forward; their ``[q, vocab]`` float32 rows.

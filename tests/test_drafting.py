@@ -1,4 +1,5 @@
-"""Decode steps that check drafts looked up in the call's own ids (kvcomm_agents/drafting.py,
+"""Decode steps that check drafts looked up in the call's own ids, else in the engine's last
+replies (kvcomm_agents/drafting.py,
 kvcomm_agents/decode_loop.py): where the draft source proposes, the reply, its logits and the KV
 kept are those of one id per step; only the number of forwards changes. The draft source is the
 seam: an oracle (the reference reply's next ids) or a liar (wrong ids) stands in for the n-gram
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kvcomm_agents import ChatResult, KVCommConfig, KVCommEngine
-from kvcomm_agents.drafting import NgramDraft
+from kvcomm_agents.drafting import NgramDraft, RecentReplies
 from kvcomm_agents.kv.store import PrefixEntry
 
 from .batching import at_once, branch, generate, greedy_together, greedy_with, longest
@@ -45,6 +46,25 @@ def test_the_draft_length_doubles_after_a_whole_draft_and_shrinks_to_what_was_ke
     assert drafts.length == 1  # never below one
     with pytest.raises(ValueError):
         NgramDraft([], most=0)
+
+
+def test_recent_replies_draft_where_the_calls_own_ids_hold_no_match():
+    recent = RecentReplies(keep=2)
+    recent.add([1, 2, 3, 4, 5])
+    recent.add([7, 2, 3, 6, 6])
+    drafts = NgramDraft([9, 2, 3], most=4, recent=recent, first=4)
+    assert drafts.draft(room=4) == [6, 6]  # (2, 3) last ended in the newest reply holding it
+    drafts = NgramDraft([1, 2, 3, 8, 9, 2, 3], most=4, recent=recent, first=4)
+    assert drafts.draft(room=4) == [8, 9, 2, 3]  # the call's own (2, 3) before the replies' (1, 2, 3)...
+    drafts = NgramDraft([0, 1, 2, 3], most=4, recent=recent, first=4)
+    assert drafts.draft(room=4) == [4, 5]  # ...but a reply's 3-gram before the call's 2-gram
+    recent.add([8, 8, 8])
+    assert len(recent) == 2  # the oldest went: (1, 2, 3) with it, (2, 3) is left
+    assert NgramDraft([0, 1, 2, 3], most=4, recent=recent, first=4).draft(room=4) == [6, 6]
+    RecentReplies(keep=0).add([1, 2, 3, 4])
+    assert len(RecentReplies(keep=0)) == 0
+    with pytest.raises(ValueError):
+        NgramDraft([], most=4, recent=RecentReplies(keep=1, sizes=(4,)))
 
 
 # ---- the decode loop, with the draft source replaced ----------------------------------------
@@ -189,6 +209,24 @@ def test_calls_decoding_at_once_answer_as_alone_with_drafts_on(llama, tokenizer,
     for k in range(3):
         assert got[k][0].token_ids == want[k].token_ids
     assert on._calls.decoding.batcher.batched_steps > 0
+
+
+def test_a_sibling_reusing_an_earlier_reply_drafts_from_it(model, tokenizer):
+    """A reply that is not in the call's prompt but was an earlier call's reply is drafted from
+    it (``draft_recent_replies``); the logits are the one-forward replay's."""
+    ids = tokenizer(f"{QUESTION} The answer is 72 clips.")["input_ids"]
+    stats, logits = {}, {}
+    for keep in (6, 0):
+        engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense", draft_recent_replies=keep))
+        engine.replay(branch(0), agent="a", reply_ids=ids, stepwise=True)  # the sibling before
+        replayed = engine.replay(branch(1), agent="b", reply_ids=ids, stepwise=True)
+        stats[keep], logits[keep] = replayed.result.stats, replayed.logits
+    want = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    torch.testing.assert_close(logits[6], want.replay(branch(1), agent="b", reply_ids=ids).logits,
+                               atol=tol(1e-4), rtol=1e-4)
+    assert stats[6].accepted_tokens >= len(ids) - 8  # the whole reply drafted after its first ids
+    assert stats[6].accepted_tokens > stats[0].accepted_tokens  # its own ids hold less of it
+    assert stats[6].forwarded.decode == len(ids) - 1 + stats[6].drafted_tokens - stats[6].accepted_tokens
 
 
 def test_draft_tokens_0_feeds_one_id_per_step(llama, tokenizer):
