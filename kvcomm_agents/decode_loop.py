@@ -8,8 +8,9 @@ a step runs:
 - batched: steps of calls answering at once run in one forward (:mod:`.batched_decode`,
   ``KVCommConfig.batched_decode``);
 - drafted: a call decoding alone feeds a draft looked up in its own ids, else in the engine's
-  last replies (:mod:`.drafting`, ``KVCommConfig.draft_tokens``) with its token, and keeps the draft's ids while the picker,
-  row by row, picks them (:meth:`DecodeLoop.advance`); the KV of the refused ids is cut off.
+  last replies (:mod:`.drafting`, ``KVCommConfig.draft_tokens``), with its token, and keeps the
+  draft's ids while the picker, row by row, picks them (:meth:`DecodeLoop.advance`); the KV of
+  the refused ids is cut off.
   The picker is called once per chosen id, on the row a token-by-token step would give it, so
   greedy picks are the same argmax and sampled ones the same draws from the same distribution,
   up to float rounding of a forward over several ids (where a stop string completes inside a
