@@ -184,10 +184,10 @@ class CallSteps:
 
     def keep(self, call: PreparedCall, messages: Messages, agent: str,
              text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:
-        """After the reply: a re-rotation check (:mod:`.rerotation_check`), keep its KV and what
-        else the call computed, the audit, then the
-        reply's versions in its readers' framing (:mod:`.framing`: fed with the decode, or over
-        the audit's dense prefill where the prompt KV held estimates). Returns the reply's
+        """After the reply: recorded as a draft source (:mod:`.drafting`), a re-rotation check
+        (:mod:`.rerotation_check`), keep its KV and what else the call computed, the audit, then
+        the reply's versions in its readers' framing (:mod:`.framing`: fed with the decode, or
+        over the audit's dense prefill where the prompt KV held estimates). Returns the reply's
         reference and the audit's KL (None when not audited)."""
         self.decoding.recent.add(text.ids)  # a draft source for the calls after it
         with self.lock, torch.inference_mode():

@@ -159,7 +159,7 @@ class KVCommConfig(BaseModel):
             "Run the decode steps of calls answering at once (a LangGraph fan-out's branches) in one forward, "
             "each call's KV left-padded into a batch (kvcomm_agents.batched_decode): each step streams the "
             "weights once for all. Rows agree with a lone call's up to float rounding; False: every call steps "
-            "alone (bit-reproducible replies)."
+            "alone (with draft_recent_replies=0, replies that depend on the request alone, bit for bit)."
         ),
     )
     draft_tokens: int = Field(default=8, ge=0, description=(
@@ -169,9 +169,10 @@ class KVCommConfig(BaseModel):
         "The length adapts per call; a call decoding while others do steps in their batch instead. 0: one id "
         "per step."))
     draft_recent_replies: int = Field(default=6, ge=0, description=(
-        "Replies (the engine's last ones, any request's) a draft is looked up in where the call's own ids hold "
-        "no match: siblings answering one task word their replies alike. Drafts change no output, but a "
-        "step's time tells whether a guess matched: 0 where tenants must not see each other's timing."))
+        "Replies (the engine's last ones, any request's) a draft n-gram is looked up in where the call's own "
+        "ids do not hold it: siblings answering one task word their replies alike. Output changes at most by "
+        "float rounding, but a step's time and stats.accepted_tokens tell whether another request's reply "
+        "matched a guess: 0 where tenants share an engine (kvcomm_agents.drafting)."))
     capture_messages: bool = Field(
         default=True,
         description=(

@@ -45,7 +45,7 @@ class DecodeLoop:
 
     Args:
         model: the engine's model.
-        config: the engine's settings (``batched_decode``, ``draft_tokens``).
+        config: the engine's settings (``batched_decode``, ``draft_tokens``, ``draft_recent_replies``).
         lock: the engine lock.
         framer: the engine's copies (a step without copies is their cost baseline).
         eos_ids: ids that end a reply.

@@ -1,4 +1,4 @@
-"""Drafts for a decode step, looked up in the text the call already holds.
+"""Drafts for a decode step, looked up in the text the call already holds, else in recent replies.
 
 Agents quote each other: a judge repeats a solver's answer, a reviewer the coder's lines, a
 solver the question's numbers, and a reply often repeats its own prompt's wording. Where the
@@ -15,10 +15,13 @@ slows the step it rides on. Hence the length adapts per call: the first draft is
 accepted whole doubles the next one (up to the configured most), a refused one is cut to what
 was accepted (at least 1); and the reply's last 3 ids are looked up, else its last 2.
 
-Where the call's own ids hold no match, the engine's last few replies do (:class:`RecentReplies`,
+Where the call's own ids hold no match for the tail's n-gram of a given length, the engine's
+last few replies are looked up for it before a shorter n-gram is tried (:class:`RecentReplies`,
 ``KVCommConfig.draft_recent_replies``): siblings answering the same task, or an agent's earlier
 reply to a similar one, word their replies alike. Drafts only decide how many ids a step feeds,
-never which are kept, so a draft from another request's reply changes no output.
+never which are kept, so a draft from another request's reply changes no output beyond float
+rounding; but that rounding, and the call's drafted and kept counts, then depend on what the
+engine answered before (``draft_recent_replies=0``: only on the request itself).
 """
 
 from __future__ import annotations
@@ -88,8 +91,8 @@ class NgramDraft:
     Args:
         ids: the call's ids so far (prompt, then the reply's ids chosen so far).
         most: the longest draft (``KVCommConfig.draft_tokens``).
-        recent: the engine's recent replies, looked up where the call's ids hold no match
-            (None: only the call's ids).
+        recent: the engine's recent replies, looked up for an n-gram the call's ids do not hold
+            before a shorter one is tried (None: only the call's ids).
         sizes: the n-gram lengths matched, longest first.
         first: the first draft's length.
     """

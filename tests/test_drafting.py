@@ -56,13 +56,14 @@ def test_recent_replies_draft_where_the_calls_own_ids_hold_no_match():
     assert drafts.draft(room=4) == [6, 6]  # (2, 3) last ended in the newest reply holding it
     drafts = NgramDraft([1, 2, 3, 8, 9, 2, 3], most=4, recent=recent, first=4)
     assert drafts.draft(room=4) == [8, 9, 2, 3]  # the call's own (2, 3) before the replies' (1, 2, 3)...
-    drafts = NgramDraft([0, 1, 2, 3], most=4, recent=recent, first=4)
-    assert drafts.draft(room=4) == [4, 5]  # ...but a reply's 3-gram before the call's 2-gram
+    drafts = NgramDraft([2, 3, 0, 1, 2, 3], most=4, recent=recent, first=4)
+    assert drafts.draft(room=4) == [4, 5]  # ...but a reply's 3-gram before the call's 2-gram (2, 3)
     recent.add([8, 8, 8])
     assert len(recent) == 2  # the oldest went: (1, 2, 3) with it, (2, 3) is left
     assert NgramDraft([0, 1, 2, 3], most=4, recent=recent, first=4).draft(room=4) == [6, 6]
-    RecentReplies(keep=0).add([1, 2, 3, 4])
-    assert len(RecentReplies(keep=0)) == 0
+    none = RecentReplies(keep=0)
+    none.add([1, 2, 3, 4])
+    assert len(none) == 0 and NgramDraft([1, 2, 3], most=4, recent=none).draft(room=4) == []
     with pytest.raises(ValueError):
         NgramDraft([], most=4, recent=RecentReplies(keep=1, sizes=(4,)))
 
