@@ -9,7 +9,7 @@ runs (b) end to end (each strategy feeding itself, the dense pipeline run too): 
 A finished phase is reloaded only when its signature (commit, library versions, settings and
 every agent's prompt) is unchanged; ``--fresh`` reruns it.
 
-    python -m benchmarks [--profile quick|default|smoke|gpu] [--model embedded|random:<shape>|PATH]
+    python -m benchmarks [--profile quick|default|smoke|gpu|graphs|long-replies] [--model embedded|random:<shape>|PATH]
                          [--phases a,b,...] [--strategies dense,...] [--split report|dev] [--out DIR]
 """
 
@@ -87,6 +87,10 @@ PROFILES = {
     # the default's graphs without (b) and (i)'s decision-only requests: whole-graph rows alone
     "graphs": Profile("graphs", reply_tokens=32, a_shape=(5, 256, 512, 32),
                       sizes=DEFAULT_SIZES, e2e_reply_tokens=32),
+    # replies as long as a reasoning agent's (the other profiles cut them to 32 tokens, below the
+    # 64-token short-text rule): what reuse of long replies gives and costs
+    "long-replies": Profile("long-replies", reply_tokens=160, h_reply_tokens=96, a_shape=(5, 256, 512, 160),
+                            sizes={p: (1, 3) for p in GRAPH_PHASES}, e2e_reply_tokens=160),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh), replies cut to 64 tokens so that
     # every strategy's whole graph fits the check's few minutes
     "gpu": Profile("gpu", a_shape=(5, 512, 1024, 64), sizes={"a": (1, 2)}),
