@@ -264,6 +264,7 @@ LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined ex
           "kvcomm-no-short-sample": "default without the short first sample (`short_rerotation_sample=False`)",
           "kvcomm-no-drafts": "default without drafts (`draft_tokens=0`)",
           "kvcomm-own-drafts": "default, drafts from the call's own ids only (`draft_recent_replies=0`)",
+          "kvcomm-rerotate-replies": "default, replies re-rotated alone too (`rerotate_replies=True`)",
           "dense-drafted": "dense prefill, drafted decode"}
 DEFAULT = "kvcomm-mean"
 

@@ -3,7 +3,8 @@
 A call whose prompt KV holds no estimate (computed, exact prefixes, versions computed after the
 same text) answers with dense's first-token logits (versions: within their measured error,
 :mod:`.versions.match`). After its reply, the same prompt planned with re-rotation only (every
-shared segment found is re-rotated, its head recomputed: ``method="rerotate"``) is prefilled
+shared segment found is re-rotated, its head recomputed: ``method="rerotate"``; replies
+computed, as the gate would serve them: ``experimental.rerotate_replies``) is prefilled
 once more, and ``KL(call || re-rotated)`` on the first token is what serving this receiver
 re-rotated would have cost (:meth:`.anchors.tracker.OffsetTracker.record_rerotated`). One
 reuse prefill (only the tokens re-rotation computes), charged to the call as audit tokens, and
@@ -19,6 +20,7 @@ it is the receiver's first sample, and the reader itself is served re-rotated.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -30,6 +32,7 @@ from .engines import hf
 from .fidelity import first_token_kl
 from .kv.block import KVBlock
 from .kv.rope import RopeRotator
+from .kv.segments import is_reply
 from .kv.store import SegmentStore
 from .plan import CallPlan
 from .prefill_cost import PrefillCost
@@ -89,7 +92,7 @@ class RerotationCheck:
         few short runs found in another text, as in a first agent's prompt). Run before the call's own KV is
         stored (the store as the call saw it). ``logits``: ``[vocab]`` the call's first-token
         logits."""
-        plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
+        plan = self._plan(layout, agent)
         if not plan.runs or (self.prefill_cost is not None and not self.prefill_cost.worth_reusing(plan)):
             return None  # little to re-rotate: a plan never served, and a sample costing most of a prefill
         pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), assemble(plan, self.rotator),
@@ -97,6 +100,15 @@ class RerotationCheck:
         kl = first_token_kl(logits, pre.logits)
         self.anchors.tracker.record_rerotated(agent, kl)
         return kl
+
+    def _plan(self, layout: PromptLayout, agent: str) -> CallPlan:
+        """``layout`` planned with re-rotation only, as the gate's fallback would serve it: runs
+        of replies computed unless ``experimental.rerotate_replies`` (the gate never serves a
+        reply re-rotated alone then, so a sample must not measure one)."""
+        plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
+        if self.config.experimental.rerotate_replies:
+            return plan
+        return replace(plan, runs=tuple(run for run in plan.runs if not is_reply(run.segment.ref.kind)))
 
     def short_sample_due(self, agent: str) -> bool:
         """Whether a short sample may be taken before ``agent``'s call is planned: KVCOMM with
@@ -116,12 +128,11 @@ class RerotationCheck:
         the budget; returns it, or None where nothing was forwarded (no run longer than
         :data:`SHORT_SAMPLE_IDS`, or a sample forwarding more than half the ids of the whole
         check: the reader's dense prefill and its re-rotated one)."""
-        whole = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
+        whole = self._plan(layout, agent)
         cut = cut_runs(whole.prompt_ids, whole.runs, SHORT_SAMPLE_IDS)
         if cut is None:
             return None
-        short = plan_call(PromptLayout.of_ids(cut), store=self.store, fingerprint=self.fingerprint,
-                          config=self._rerotate, agent=agent)
+        short = self._plan(PromptLayout.of_ids(cut), agent)
         if not short.runs or 2 * _sample_ids(short) > _check_ids(whole):
             return None
         self._short_sampled.add(self.fingerprint)

@@ -18,6 +18,7 @@ import torch
 os.environ["KVCOMM_REMEMBER_MEASUREMENTS"] = "0"  # no engine starts from what an earlier test measured
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.config import ExperimentalSettings
 from kvcomm_agents.alignment import assemble
 from kvcomm_agents.engines import hf
 from kvcomm_agents.testing import tiny_llama, tiny_qwen2, tiny_tokenizer
@@ -87,11 +88,18 @@ def model(request, llama, qwen2):
 #: run at the cadence a test sets, whatever reuse spared (tests/test_audit.py prices them).
 MECHANICS = {"recompute_head": 4, "recompute_tail": 0, "recompute_short_runs": 0, "reply_copies": True, "text_copies": True,
              "copies_when_cheaper": False, "audit_share": None}
+#: the experimental settings those tests start from: replies re-rotated like any text (the tests'
+#: replies are short; tests/test_rerotation_check.py tests the default)
+MECHANICS_EXPERIMENTAL = {"rerotate_replies": True}
 
 
 def mechanics(**config) -> KVCommConfig:
-    """A :class:`KVCommConfig` for a test of the reuse mechanics (:data:`MECHANICS`, then ``config``)."""
-    return KVCommConfig(**{**MECHANICS, **config})
+    """A :class:`KVCommConfig` for a test of the reuse mechanics (:data:`MECHANICS`, then ``config``;
+    ``experimental`` merged into :data:`MECHANICS_EXPERIMENTAL`)."""
+    given = config.pop("experimental", {})
+    given = given.model_dump(exclude_unset=True) if isinstance(given, ExperimentalSettings) else given
+    experimental = {**MECHANICS_EXPERIMENTAL, **given}
+    return KVCommConfig(**{**MECHANICS, **config, "experimental": experimental})
 
 
 @pytest.fixture

@@ -104,6 +104,27 @@ def test_a_receiver_within_the_budget_is_served_re_rotated_and_its_text_copies_s
     assert all(d.gate is None or d.gate.offsets != "rerotated" for d in strict_read.stats.decisions)
 
 
+def test_a_reply_is_never_served_re_rotated_alone_by_default(model, tokenizer):
+    """``experimental.rerotate_replies`` off (the default): within a generous budget the reviewer
+    is served the task re-rotated, but the planner's reply, which no version fits, is computed;
+    the check measures the prompt so (the reply computed: more audit ids than where replies are
+    re-rotated). On, the reply is served re-rotated too (its gate record says so, not "own": the
+    receiver's own offsets were refused over the budget)."""
+    served, audit_ids = {}, {}
+    for rerotate_replies in (False, True):
+        engine = KVCommEngine(model, tokenizer, config=mechanics(
+            kl_budget=50.0, reply_copies=False, experimental={"rerotate_replies": rerotate_replies}))
+        audit_ids[rerotate_replies] = _hand_off(engine, tokenizer, 0).result.stats.forwarded.audit
+        assert engine.anchors.tracker.rerotation_within_budget("reviewer", 50.0)
+        read = _hand_off(engine, tokenizer, 1).result
+        served[rerotate_replies] = {d.segment.kind: d for d in read.stats.shared_decisions if d.gate}
+    assert served[False][("user", None)].gate.offsets == "rerotated"
+    reply = served[False][("planner", "assistant")]
+    assert reply.status == "prefilled" and reply.reason in ("new_anchor", "over_kl_budget"), reply
+    assert served[True][("planner", "assistant")].gate.offsets == "rerotated"
+    assert audit_ids[False] > audit_ids[True] > 0
+
+
 def test_one_check_far_under_the_budget_is_enough(model, tokenizer):
     """``rerotation_trust="clear_sample"``: one check at a quarter of the budget or less
     (``clear_margin``) trusts re-rotation at once: the reviewer's next call is served

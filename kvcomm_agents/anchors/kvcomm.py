@@ -25,7 +25,7 @@ from ..errors import AnchorFileError, BudgetWarning
 from ..kv.block import KVBlock
 from ..kv.block_count import BlockCount
 from ..kv.rope import RopeRotator
-from ..kv.segments import CONTEXT_TOKENS, Kind, KVSegment
+from ..kv.segments import CONTEXT_TOKENS, Kind, KVSegment, is_reply
 from ..plan import CallPlan, OwnTextPiece, ReusedRun
 from .estimate import Estimator, OffsetEstimate, estimate_offsets
 from .gate import GateVerdict, judge
@@ -56,6 +56,8 @@ class KVCommAnchors:
         freeze: the engine's freeze count (shared with its own-text store).
         kl_budget: audited first-token KL above which a receiver's segments of a kind are
             prefilled rather than reused with estimated offsets (:mod:`.tracker`; None: none).
+        rerotate_replies: a reply the gate refuses may be served re-rotated alone, as other
+            texts are, where re-rotation was measured within the budget (:meth:`decide`).
     """
 
     def __init__(
@@ -71,8 +73,9 @@ class KVCommAnchors:
         activation_top_p: float = 0.9,
         freeze: Optional[BlockCount] = None,
         kl_budget: Optional[float] = None,
+        rerotate_replies: bool = False,
     ) -> None:
-        self.kl_budget = kl_budget
+        self.kl_budget, self.rerotate_replies = kl_budget, rerotate_replies
         self.max_anchors, self.eviction_window, self.max_bytes = max_anchors, eviction_window, max_bytes
         self.estimator, self.gamma, self.min_anchors = estimator, gamma, min_anchors
         self.temperature, self.activation_top_p = temperature, activation_top_p
@@ -99,7 +102,7 @@ class KVCommAnchors:
             max_bytes=c.anchor_max_bytes if c.anchor_max_bytes is not None else default_max_bytes,
             estimator=x.estimator, gamma=c.gamma, min_anchors=x.min_anchors, temperature=x.anchor_temperature,
             activation_top_p=x.activation_top_p, freeze=freeze,
-            kl_budget=c.kl_budget if c.audit_every or not can_audit else None,
+            kl_budget=c.kl_budget if c.audit_every or not can_audit else None, rerotate_replies=x.rerotate_replies,
         )
         anchors.tracker.clear_margin = 0.25 if x.rerotation_trust == "clear_sample" else 1.0
         if not can_audit:
@@ -179,17 +182,20 @@ class KVCommAnchors:
             if verdict.reuse and not verdict.context_matched:
                 if not self.tracker.within_budget(receiver, segment.ref.kind, self.kl_budget):
                     verdict.reuse, verdict.over_budget = False, True
-                    return self._rerotated_instead(receiver, verdict)
+                    return self._rerotated_instead(receiver, verdict, segment)
                 verdict.offsets_on = (self.tracker.offsets_on(receiver, segment.ref.kind)
                                       and not self.tracker.unmeasured_probe(receiver, segment.ref.kind))
                 if not self.frozen and not verdict.own_offsets:
                     pool.credit(verdict.candidates, verdict.weights, self.activation_top_p)
-            return verdict if verdict.reuse else self._rerotated_instead(receiver, verdict)
+            return verdict if verdict.reuse else self._rerotated_instead(receiver, verdict, segment)
 
-    def _rerotated_instead(self, receiver: str, verdict: GateVerdict) -> GateVerdict:
+    def _rerotated_instead(self, receiver: str, verdict: GateVerdict, segment: KVSegment) -> GateVerdict:
         """A refused ``verdict`` turned into re-rotation alone where the receiver's re-rotation
-        was measured within the KL budget (:meth:`.tracker.OffsetTracker.rerotation_within_budget`)."""
-        if self.tracker.rerotation_within_budget(receiver, self.kl_budget):
+        was measured within the KL budget (:meth:`.tracker.OffsetTracker.rerotation_within_budget`),
+        never for a reply unless ``rerotate_replies``: a reply re-rotated alone deviates far more,
+        and far less predictably, than the texts the samples measure (``ExperimentalSettings.rerotate_replies``)."""
+        if (self.rerotate_replies or not is_reply(segment.ref.kind)) and \
+                self.tracker.rerotation_within_budget(receiver, self.kl_budget):
             verdict.reuse, verdict.rerotated, verdict.offsets_on = True, True, False
         return verdict
 

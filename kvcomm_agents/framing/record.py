@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..engines import hf
-from ..kv.segments import CONTEXT_TOKENS, KVSegment
+from ..kv.segments import CONTEXT_TOKENS, KVSegment, is_reply
 from ..plan import CallPlan
 from ..prompt import PromptLayout
 from ..versions.match import MIN_CONTEXT_MATCH, framed_receiver
@@ -92,7 +92,7 @@ def _record_lead_out(framed: FramedDecode, cache, index: int, plan: CallPlan, ve
     for text, at, text_start, length in store.find_runs(ids[skip:], fingerprint,
                                                         torch.ones(len(ids) - skip, dtype=torch.bool), len(ids) - skip):
         at += skip
-        if text.ref.kind[1] == "assistant":
+        if is_reply(text.ref.kind):
             continue  # a reply that repeats the closing line: not what readers read it as
         receiver = _lead_out_receiver(versions, text, turn)
         if receiver is None:

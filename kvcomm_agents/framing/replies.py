@@ -46,7 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..kv.segments import CONTEXT_TOKENS, KVSegment
+from ..kv.segments import CONTEXT_TOKENS, KVSegment, is_reply
 from ..plan import CallPlan
 from .rules import ALIGN_IDS, COVERED, MAX_LEAD_IN, MAX_READERS, align_lead_in
 
@@ -97,7 +97,7 @@ def lead_out(plan: CallPlan, reply_end: int) -> tuple[int, ...]:
     ids; () otherwise."""
     spans = sorted((_found_at(item), item.prompt_start + item.length)
                    for item in (*plan.runs, *plan.observations)
-                   if not getattr(item, "own_text", False) and item.segment.ref.kind[1] != "assistant"
+                   if not getattr(item, "own_text", False) and not is_reply(item.segment.ref.kind)
                    and reply_end <= _found_at(item) <= reply_end + LEAD_OUT_GAP)
     if not spans or spans[0][1] - spans[0][0] > MAX_LEAD_OUT:
         return ()
@@ -128,7 +128,7 @@ class ReaderFraming:
         for item in (*plan.runs, *plan.observations):
             segment: KVSegment = item.segment
             skipped = getattr(item, "head", 0)  # a run's head: its first tokens computed in context
-            if getattr(item, "own_text", False) or segment.ref.kind[1] != "assistant" or not segment.context_ids:
+            if getattr(item, "own_text", False) or not is_reply(segment.ref.kind) or not segment.context_ids:
                 continue
             if item.segment_start != skipped or item.segment_start + item.length < COVERED * segment.num_tokens:
                 continue  # not the reply pasted whole (a run of it found inside other text)

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..kv.segments import CONTEXT_TOKENS, KVSegment
+from ..kv.segments import CONTEXT_TOKENS, KVSegment, is_reply
 from ..plan import CallPlan
 from ..prompt import PromptLayout
 from ..versions.match import same_window
@@ -48,7 +48,7 @@ def _shared_text(item) -> Optional[KVSegment]:
     """The segment of a plan item that is shared user, tool or document text held from its first
     token (not a reply: those are framed by their sender, :mod:`.replies`)."""
     segment: KVSegment = item.segment
-    if getattr(item, "own_text", False) or segment.ref.kind[1] == "assistant":
+    if getattr(item, "own_text", False) or is_reply(segment.ref.kind):
         return None
     if len(segment.context_ids) < ALIGN_IDS or item.segment_start != getattr(item, "head", 0):
         return None

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .block import KVBlock
 
-__all__ = ["SegmentRef", "KVSegment", "content_hash", "Kind", "CONTEXT_TOKENS"]
+__all__ = ["SegmentRef", "KVSegment", "content_hash", "Kind", "CONTEXT_TOKENS", "is_reply"]
 
 #: How many ids before a segment (or an anchor's recorded offsets) are kept to say in which
 #: context its KV was computed: the nearest text shapes a token's KV most.
@@ -25,6 +25,11 @@ CONTEXT_TOKENS = 64
 #: What produced a segment: ``(agent, "assistant")`` for replies, ``("user", None)`` for user
 #: text, ``(tool_name, "tool")`` for tool results, ``("document", None)`` for ``add_segment``.
 Kind = tuple[str, Optional[str]]
+
+
+def is_reply(kind: Kind) -> bool:
+    """Whether a segment of ``kind`` is an agent's reply (``(agent, "assistant")``)."""
+    return kind[1] == "assistant"
 
 
 def content_hash(text: str, token_ids: tuple[int, ...] | list[int]) -> str:
