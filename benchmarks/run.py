@@ -88,8 +88,9 @@ PROFILES = {
     "graphs": Profile("graphs", reply_tokens=32, a_shape=(5, 256, 512, 32),
                       sizes=DEFAULT_SIZES, e2e_reply_tokens=32),
     # replies as long as a reasoning agent's (the other profiles cut them to 32 tokens, below the
-    # 64-token short-text rule): what reuse of long replies gives and costs
-    "long-replies": Profile("long-replies", reply_tokens=160, h_reply_tokens=96, a_shape=(5, 256, 512, 160),
+    # 64-token short-text rule): what reuse of long replies gives and costs; (h) is the
+    # prefill-heavy graph by definition, its notes stay short
+    "long-replies": Profile("long-replies", reply_tokens=160, a_shape=(5, 256, 512, 160),
                             sizes={p: (1, 3) for p in GRAPH_PHASES}, e2e_reply_tokens=160),
     # the paper's shape on one GPU (benchmarks/gpu_check.sh), replies cut to 64 tokens so that
     # every strategy's whole graph fits the check's few minutes
