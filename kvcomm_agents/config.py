@@ -79,9 +79,9 @@ class ExperimentalSettings(BaseModel):
         ),
     )
     rerotate_replies: bool = Field(default=False, description=(
-        "Serve a reply that no version fits re-rotated alone where re-rotation was measured within the "
-        "budget, as other texts are. Off: such a reply is reused with estimated offsets within the budget or "
-        "computed (re-rotated replies read 0.003-0.5 nats, 0.03 typical; benchmarks/LAB.md, 'Long replies')."))
+        "Serve a reply no version fits re-rotated alone where re-rotation was measured within the budget, "
+        "as other texts are. Off: estimated offsets within the budget, else computed (re-rotated replies "
+        "read 0.003-0.5 nats; benchmarks/LAB.md, 'Replies never re-rotated alone')."))
     short_rerotation_sample: bool = Field(default=True, description=(
         "Before the model's first re-rotation sample, measure re-rotation on the reader's prompt with "
         "its long reused runs cut to 128 ids; within a quarter of the KL budget, serve it re-rotated."))

@@ -214,7 +214,8 @@ def test_after_approximate_kv_only_the_base_version_is_taken():
     ids = tuple(range(900, 940)) + task.token_ids + reply.token_ids + (7,)
     at = 80  # the reply's first prompt position
     config = mechanics()
-    anchors = KVCommAnchors(estimator="mean", max_bytes=1 << 30, kl_budget=config.kl_budget)
+    anchors = KVCommAnchors(estimator="mean", max_bytes=1 << 30, kl_budget=config.kl_budget,
+                            rerotate_replies=config.experimental.rerotate_replies)
     versions = Versions(anchors)
     rotator = RopeRotator(torch.ones(DIM // 2))
     assert versions.record(framed_receiver(0), reply, reply.kv, at, ids[at - CONTEXT_TOKENS:at], rotator,
