@@ -311,8 +311,8 @@ class KVCommConfig(BaseModel):
             "reply, charged to the call; kvcomm_agents.rerotation_check) and, once the samples (every receiver's,"
             " one enough under experimental.rerotation_trust's default; the receiver's own, where it has any, "
             "within the budget too) put it within kl_budget, serve re-rotated what the gate would compute (gate "
-            "offsets 'rerotated'), with no text copy for that reader (method='kvcomm' with a KL budget and audits"
-            " on). False: what the gate refuses is computed."
+            "offsets 'rerotated'; replies only with experimental.rerotate_replies), with no text copy for that "
+            "reader (method='kvcomm' with a KL budget and audits on). False: what the gate refuses is computed."
         ),
     )
     remember_measurements: Union[bool, str] = Field(

@@ -68,7 +68,8 @@ class GateRecord(BaseModel):
         "kvcomm_agents.framing, kvcomm_agents.framing.texts), 'base' (the segment's own KV was computed after the same text: no "
         "offsets), 'off' (re-rotated only: audits measured that this kind's offsets hurt this receiver, or a "
         "KL-budget probe of a kind not measured yet), or 'rerotated' (the gate would have computed it, but "
-        "re-rotation alone was measured within kl_budget for this receiver: kvcomm_agents.anchors.tracker).")
+        "re-rotation alone was measured within kl_budget for this receiver: kvcomm_agents.anchors.tracker; "
+        "never a reply unless experimental.rerotate_replies).")
 
 
 class SegmentDecision(BaseModel):

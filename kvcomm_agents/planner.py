@@ -392,8 +392,8 @@ def _gate_record(verdict) -> GateRecord:
     """What the stats say about one gate verdict."""
     offsets = None
     if verdict.reuse:
-        # re-rotated alone first: a refused verdict of the receiver's own offsets may be served so
-        offsets = ("rerotated" if verdict.rerotated else "own" if verdict.own_offsets
+        # re-rotated alone first: a refused (or probed) verdict of the receiver's own offsets may be served so
+        offsets = ("rerotated" if verdict.rerotated else "own" if verdict.own_offsets and verdict.offsets_on
                    else "framed" if is_framed(verdict.source) else "recorded" if verdict.source is not None
                    else "base" if verdict.base_fits else "estimated" if verdict.offsets_on else "off")
     return GateRecord(decision="reuse" if verdict.reuse else "new_anchor", anchors=verdict.anchors,

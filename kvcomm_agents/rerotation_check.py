@@ -102,9 +102,10 @@ class RerotationCheck:
         return kl
 
     def _plan(self, layout: PromptLayout, agent: str) -> CallPlan:
-        """``layout`` planned with re-rotation only, as the gate's fallback would serve it: runs
-        of replies computed unless ``experimental.rerotate_replies`` (the gate never serves a
-        reply re-rotated alone then, so a sample must not measure one)."""
+        """``layout`` planned with re-rotation only, runs of replies computed unless
+        ``experimental.rerotate_replies`` (the gate's fallback never serves a reply re-rotated
+        alone then, so a sample must not measure one). Conservative: where a refused reply is
+        served, the text after it is computed too, which this plan re-rotates."""
         plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
         if self.config.experimental.rerotate_replies:
             return plan

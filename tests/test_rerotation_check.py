@@ -225,3 +225,19 @@ def test_a_restarted_engine_serves_re_rotated_from_its_first_call_on_what_an_ear
     forgetful = KVCommEngine(model, tokenizer, config=config.model_copy(update={"remember_measurements": False}))
     read = _hand_off(forgetful, tokenizer, 1).result
     assert all(d.gate is None or d.gate.offsets != "rerotated" for d in read.stats.decisions)
+
+
+def test_a_reader_trusted_with_re_rotation_still_gets_reply_copies_by_default(model, tokenizer):
+    """With reply copies on, the planner's framing learned from a reviewer whose re-rotation is
+    trusted stays a rule its replies may be copied for: by default the reviewer would compute
+    the reply, and the copy is what spares it that. With replies re-rotated alone too, the copy
+    would never be read: the rule is dropped. (A sender whose own prompt holds re-rotated KV
+    feeds no copy either way: ``Framer.for_call``.)"""
+    for rerotate_replies in (False, True):
+        engine = KVCommEngine(model, tokenizer, config=mechanics(
+            kl_budget=50.0, text_copies=False, experimental={"rerotate_replies": rerotate_replies}))
+        for r in range(2):
+            _hand_off(engine, tokenizer, r)
+        assert engine.anchors.tracker.rerotation_within_budget("reviewer", 50.0)
+        assert engine._framer.reply_framing.rules("planner")  # learned from the reviewer's prompts
+        assert bool(engine._framer._rules("planner", 64, 48)) is not rerotate_replies

@@ -118,3 +118,27 @@ def test_cut_runs_keeps_each_long_runs_first_ids():
     cut = cut_runs(ids, runs, 8)
     assert cut.tolist() == list(range(18)) + list(range(50, 78)) + list(range(90, 100))
     assert cut_runs(ids, runs, 40) is None
+
+
+def test_a_long_reply_is_not_what_a_sample_measures_by_default(model, tokenizer):
+    """A reader whose only long shared text is another agent's reply: by default the reply is
+    computed (``experimental.rerotate_replies`` off), and neither the short sample nor the check
+    measures re-rotating it (no sample, no audit ids); with replies re-rotated, the short sample
+    measures it and the reader is served the reply re-rotated."""
+    reply_ids = tokenizer(DOCUMENT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for rerotate_replies in (False, True):
+        engine = KVCommEngine(model, tokenizer, config=KVCommConfig(
+            kl_budget=50.0, remember_measurements=False,
+            experimental=ExperimentalSettings(rerotate_replies=rerotate_replies)))
+        engine.replay(_messages(SENDER)[:1] + [{"role": "user", "content": "Write the library's guide."}],
+                      agent="writer", reply_ids=reply_ids)
+        read = engine.replay([{"role": "system", "content": READERS[0]},
+                              {"role": "user", "content": f"The guide:\n{DOCUMENT}"}],
+                             agent="reader", reply_ids=[tokenizer.eos_token_id]).result.stats
+        reply = [d for d in read.shared_decisions if d.segment.kind == ("writer", "assistant")]
+        assert reply, read.decisions
+        samples = engine.anchors.tracker.rerotation_samples("reader")
+        if rerotate_replies:
+            assert samples and reply[0].gate.offsets == "rerotated", read.decisions
+        else:
+            assert samples == [] and read.forwarded.audit == 0 and reply[0].status == "prefilled", read.decisions

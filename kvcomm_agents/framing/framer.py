@@ -103,15 +103,18 @@ class Framer:
         """The reply framings learned for ``agent``'s replies that fit the model's positions after
         an ``n``-id prompt and ``new_tokens`` reply ids, and that some reader not served re-rotated
         (:meth:`_rerotates`) gave: a copy for readers who reuse the reply re-rotated is paid for
-        in the sender's forwards and never read."""
+        in the sender's forwards and never read. Only where replies are served re-rotated at all
+        (``experimental.rerotate_replies``): else a reader trusted with re-rotated text computes
+        the reply, and the copy is what spares it that."""
         if not self.replies_pay():
             return []
         limit = self.info.max_positions
         framing = self.reply_framing
+        rerotated = self.anchors.rerotate_replies
         return [r for r in framing.rules(agent)
                 if 0 < n - r.drop and (limit is None or n - r.drop + len(r.lead_in) + new_tokens + 1  # + the tail
                                        + len(r.lead_out) <= limit)
-                and not all(self._rerotates(reader) for reader in framing.readers(agent, r))]
+                and not (rerotated and all(self._rerotates(reader) for reader in framing.readers(agent, r)))]
 
     def after_audit(self, model, plan: CallPlan, agent: str, fingerprint: str, dense, reply: Optional[KVSegment],
                     fed: Sequence[int], tail: Sequence[int] = ()) -> tuple[int, float]:
