@@ -4,7 +4,7 @@ A call whose prompt KV holds no estimate (computed, exact prefixes, versions com
 same text) answers with dense's first-token logits (versions: within their measured error,
 :mod:`.versions.match`). After its reply, the same prompt planned with re-rotation only (every
 shared segment found is re-rotated, its head recomputed: ``method="rerotate"``; replies
-computed, as the gate would serve them: ``experimental.rerotate_replies``) is prefilled
+computed, since the gate's fallback never re-rotates them alone: ``experimental.rerotate_replies``) is prefilled
 once more, and ``KL(call || re-rotated)`` on the first token is what serving this receiver
 re-rotated would have cost (:meth:`.anchors.tracker.OffsetTracker.record_rerotated`). One
 reuse prefill (only the tokens re-rotation computes), charged to the call as audit tokens, and
