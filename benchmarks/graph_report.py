@@ -265,6 +265,8 @@ LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined ex
           "kvcomm-no-drafts": "default without drafts (`draft_tokens=0`)",
           "kvcomm-own-drafts": "default, drafts from the call's own ids only (`draft_recent_replies=0`)",
           "kvcomm-rerotate-replies": "default, replies re-rotated alone too (`rerotate_replies=True`)",
+          "kvcomm-no-spans": "default, texts matched alone (`shared_runs=\"anywhere\"`)",
+          "rerotate-no-spans": "re-rotation only, texts matched alone (`shared_runs=\"anywhere\"`)",
           "dense-drafted": "dense prefill, drafted decode"}
 DEFAULT = "kvcomm-mean"
 

@@ -42,7 +42,8 @@ last replies as the library's do by default: what drafting alone gives), ``kvcom
 call's own ids only, ``draft_recent_replies=0``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
 measured, ``experimental.short_rerotation_sample=False``), ``kvcomm-rerotate-replies`` (replies served
 re-rotated alone where re-rotation was measured within the budget, ``experimental.rerotate_replies``),
-``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
+``kvcomm-no-spans`` / ``rerotate-no-spans`` (no run of an earlier prompt preferred over the texts it holds,
+``shared_runs="anywhere"``), ``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
 reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
 ``--remembered FOLDER``, writing its own there: ``remember_measurements``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
@@ -76,7 +77,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
          "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone", "dense-drafted", "kvcomm-no-drafts",
-         "kvcomm-own-drafts", "kvcomm-rerotate-replies", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
+         "kvcomm-own-drafts", "kvcomm-rerotate-replies", "kvcomm-no-spans", "rerotate-no-spans", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -225,6 +226,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
                                    "experimental": ExperimentalSettings(short_rerotation_sample=False)},
         "kvcomm-rerotate-replies": {"method": "kvcomm", "gamma": gamma,
                                     "experimental": ExperimentalSettings(rerotate_replies=True)},
+        "kvcomm-no-spans": {"method": "kvcomm", "gamma": gamma, "shared_runs": "anywhere"},
+        "rerotate-no-spans": {"method": "rerotate", "audit_every": 0, "shared_runs": "anywhere"},
         # the default remembering what earlier engines measured (the folder: ``build(remembered=...)``)
         "kvcomm-remembered": {"method": "kvcomm", "gamma": gamma},
         # the default, then CacheBlend-style recompute of the reused tokens that deviate most

@@ -367,16 +367,14 @@ class KVCommConfig(BaseModel):
             "benchmarks/LAB.md). False: copies whatever they cost."
         ),
     )
-    shared_runs: Literal["anywhere", "messages"] = Field(
-        default="anywhere",
-        description=(
-            "Where shared text is looked for. 'anywhere': besides whole segments per message, any "
-            "run of at least min_match_tokens token ids an earlier call computed (its messages, "
-            "reply or whole prompt), wherever it sits in a message (a rolling-hash index). "
-            "'messages': only a segment's whole text (or a message's reference), the matching "
-            "before token runs (kept for comparison)."
-        ),
-    )
+    shared_runs: Literal["spans", "anywhere", "messages"] = Field(default="spans", description=(
+        "Where shared text is looked for. 'anywhere': besides whole segments per message, any run of "
+        "at least min_match_tokens token ids an earlier call computed (its messages, reply or whole "
+        "prompt), wherever it sits in a message (a rolling-hash index). 'spans': as 'anywhere', and a "
+        "run of an earlier prompt holding found texts with at least 64 ids of the same text before "
+        "each (an earlier reader's question and replies, pasted alike) is reused in their place: their "
+        "KV computed after what precedes them here. 'messages': only a segment's whole text (or a "
+        "message's reference), kept for comparison."))
     experimental: ExperimentalSettings = Field(
         default_factory=ExperimentalSettings,
         description="The paper's variants (estimator, own-text offsets) and anchor pool details; see ExperimentalSettings.",

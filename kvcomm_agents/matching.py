@@ -18,11 +18,12 @@ from typing import Optional
 import torch
 from pydantic import ValidationError
 
-from .kv.segments import KVSegment, SegmentRef
+from .kv.segments import CONTEXT_TOKENS, KVSegment, SegmentRef
 from .kv.store import SegmentStore
 from .prompt import PromptLayout
 
-__all__ = ["Occurrence", "TokenMatch", "find_occurrences", "find_token_matches", "match_runs"]
+__all__ = ["Occurrence", "TokenMatch", "find_occurrences", "find_shared", "find_spans", "find_token_matches",
+           "match_runs"]
 
 
 @dataclass(frozen=True)
@@ -83,23 +84,87 @@ class TokenMatch:
         return (self.prompt_start, self.prompt_start + self.length)
 
 
+def find_shared(layout: PromptLayout, store: SegmentStore, fingerprint: str, prefix_length: int,
+                searched: str = "spans", longer_than: int = 0) -> list[Occurrence | TokenMatch]:
+    """Every shared text of the prompt, in prompt order (message order where spans tie): the
+    segments its messages refer to or contain; with ``searched="spans"``, runs of earlier prompts
+    holding some of them with the text around them in their place (:func:`find_spans`, runs longer
+    than ``longer_than`` ids); with ``"spans"`` or ``"anywhere"``, every other shared token run
+    (:func:`find_token_matches`). ``searched``: ``KVCommConfig.shared_runs``."""
+    found: list = find_occurrences(layout, store, fingerprint)
+    if searched == "spans":
+        found, spans = find_spans(layout, store, fingerprint, found, prefix_length, longer_than)
+        found += spans
+    if searched in ("spans", "anywhere"):
+        found += find_token_matches(layout, store, fingerprint, found, prefix_length)
+    found.sort(key=lambda item: item.token_span(layout)[0])
+    return found
+
+
 def find_token_matches(layout: PromptLayout, store: SegmentStore, fingerprint: str, occurrences: list[Occurrence],
                        prefix_length: int) -> list[TokenMatch]:
     """Shared token runs inside messages' text, outside the exact prefix, the occurrences' spans
     and the last prompt token (whose logits start the reply), in prompt order. A run does not
     cross from one message's text into the template around it."""
     n = int(layout.ids.numel())
-    free = torch.zeros(n, dtype=torch.bool)
-    for span in layout.content_spans:  # message text only: template glue is cheap and context-bound
-        if span is not None:
-            tokens = layout.tokens_within(*span)
-            free[tokens.start : tokens.stop] = True
-    free[:prefix_length] = False
+    free = _content(layout, prefix_length)
     for occ in occurrences:
         start, end = occ.token_span(layout)
         free[start:end] = False
     return [TokenMatch(segment, start, segment_start, length, _message_at(layout, start))
             for segment, start, segment_start, length in store.find_runs(layout.ids, fingerprint, free, n - 1)]
+
+
+def find_spans(layout: PromptLayout, store: SegmentStore, fingerprint: str, occurrences: list[Occurrence],
+               prefix_length: int, longer_than: int) -> tuple[list[Occurrence], list[TokenMatch]]:
+    """Runs of earlier prompts holding short found texts (an earlier reader's prompt holding the
+    question and the replies since, pasted alike), each after at least
+    :data:`~.kv.segments.CONTEXT_TOKENS` ids of the run: there, a text's KV was computed after the
+    same text it follows here, nearer to this prompt than its own segment's KV (computed after its
+    producer's prompt), which a text of at most ``longer_than`` ids (``recompute_short_runs``)
+    would have computed whole. Each such run replaces the texts it holds.
+
+    A run counts where it is longer than ``longer_than`` ids (re-rotated, not computed whole) and
+    than the texts it holds together. A short text nearer the run's start bounds it, and so does
+    a text held in part or a longer one (its own segment and versions serve it as before). A
+    message whose reference failed (``failure``) holds nothing else to reuse (runs stay inside one
+    message's text), so no run replaces it. Returns the occurrences left, in their order, and the
+    runs, in prompt order."""
+    n = int(layout.ids.numel())
+    free = _content(layout, prefix_length)
+    spans = sorted((occ.token_span(layout), i) for i, occ in enumerate(occurrences) if occ.failure is None)
+    taken: set[int] = set()
+    runs = []
+    for segment, start, segment_start, length in store.find_runs(layout.ids, fingerprint, free, n - 1, longest=True):
+        end, held = start + length, []
+        for (first, last), i in spans:
+            if last <= start or first >= end:
+                continue
+            short = last - first <= longer_than
+            if short and start <= first and last <= end and first - start >= CONTEXT_TOKENS:
+                held.append(i)
+            elif held:
+                end = first  # the run ends where this text starts
+                break
+            else:  # and starts again after it
+                segment_start, start = segment_start + max(last, start) - start, max(last, start)
+        if not held or end - start <= longer_than or end - start <= sum(
+                occurrences[i].token_span(layout)[1] - occurrences[i].token_span(layout)[0] for i in held):
+            continue
+        taken.update(held)
+        runs.append(TokenMatch(segment, start, segment_start, end - start, _message_at(layout, start)))
+    return [occ for i, occ in enumerate(occurrences) if i not in taken], runs
+
+
+def _content(layout: PromptLayout, prefix_length: int) -> torch.Tensor:
+    """``[n]`` bool: the prompt positions inside messages' text past the exact prefix."""
+    free = torch.zeros(int(layout.ids.numel()), dtype=torch.bool)
+    for span in layout.content_spans:  # message text only: template glue is cheap and context-bound
+        if span is not None:
+            tokens = layout.tokens_within(*span)
+            free[tokens.start : tokens.stop] = True
+    free[:prefix_length] = False
+    return free
 
 
 def _message_at(layout: PromptLayout, position: int) -> int:

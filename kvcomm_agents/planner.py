@@ -4,7 +4,8 @@ Order of business:
 
 1. the longest exact prefix the store holds (any earlier prompt plus its reply) is reused as is;
 2. shared segments are found in the prompt (:mod:`.matching`): by reference or whole text per
-   message, then any other run of token ids an earlier call computed, wherever it sits;
+   message, a run of an earlier prompt holding some of them with the text around them instead
+   of each alone, then any other run of token ids an earlier call computed, wherever it sits;
 3. runs of at least ``min_match_tokens`` after the prefix (and before the last prompt token, whose
    logits start the reply) are re-rotated, their first ``recompute_head`` ids computed in
    context (a run of at most ``recompute_short_runs`` ids is computed whole);
@@ -32,7 +33,7 @@ from .config import KVCommConfig
 from .kv.own_text import OwnTextStore, own_text_pieces
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .kv.store import SegmentStore
-from .matching import Occurrence, TokenMatch, find_occurrences, find_token_matches, match_runs
+from .matching import Occurrence, TokenMatch, find_shared, match_runs
 from .prefill_cost import PrefillCost
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
@@ -103,11 +104,10 @@ def plan_call(
                           twins=lambda segment: store.twins(segment, fingerprint),
                           home=lambda segment_id: _held(store.get(segment_id), fingerprint))
     decisions = []
-    found: list = find_occurrences(layout, store, fingerprint)
-    if refuse_reason is None and config.reuse and config.method != "exact_prefix" \
-            and config.shared_runs == "anywhere":
-        found += find_token_matches(layout, store, fingerprint, found, prefix.length if prefix else 0)
-    found.sort(key=lambda item: item.token_span(layout)[0])  # stable: message order where spans tie
+    searched = config.shared_runs if refuse_reason is None and config.reuse and config.method != "exact_prefix" \
+        else "messages"
+    found = find_shared(layout, store, fingerprint, prefix.length if prefix else 0, searched,
+                        config.recompute_short_runs)
     for occ in found:
         if refuse_reason is None and occ.failure is None:
             occ, (status, reason, reused, gate) = decider.decide(occ)

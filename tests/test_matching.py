@@ -4,9 +4,9 @@ is irrelevant here, the tiny byte-level tokenizer (edges tokenize differently in
 import torch
 
 from kvcomm_agents.kv.block import KVBlock
-from kvcomm_agents.kv.segments import KVSegment
+from kvcomm_agents.kv.segments import CONTEXT_TOKENS, KVSegment
 from kvcomm_agents.kv.store import SegmentStore
-from kvcomm_agents.matching import find_occurrences, match_runs
+from kvcomm_agents.matching import find_occurrences, find_shared, find_spans, match_runs
 from kvcomm_agents.prompt import PromptLayout
 from kvcomm_agents.testing import tiny_tokenizer
 
@@ -108,3 +108,84 @@ def test_references_are_resolved_or_say_why_not():
     assert found[5].segment is None and found[5].ref is None
     assert found[6].limit == edited.index("makes") and found[6].start == lay.content_spans[6][0]
     assert found[7].token_span(lay) == (0, 0)  # no content: no tokens
+
+
+# ---- runs of an earlier prompt holding found texts (shared_runs="spans") ----------------------
+LONG_QUESTION = ("Natalia sold 48 clips to her friends in April, and then she sold half as many clips in May. "
+                 "Her brother sold a third as many clips as she did in both months together, and her cousin "
+                 "sold twice as many as her brother in June. How many clips did the three of them sell in all?")
+
+
+def _spans_setting(question: str, reply_first: bool = False, earlier_system: str = "You are solver two.",
+                   question_alone: bool = False, reply: str = REPLY, after: str = ""):
+    """A store holding a reply, the first agent's message (the question after a heading; with
+    ``question_alone``, the question alone: a text found whole) and an earlier reader's whole
+    prompt (the question, then the reply pasted after a lead-in; with ``reply_first``, the reply
+    first; ``after``, a text found whole after it) and the next reader's prompt pasting them alike
+    after another system text."""
+    store = SegmentStore(1 << 20)
+    text, reply = reply, make_segment(reply)
+    store.put(reply)
+    if after:
+        store.put(make_segment(after, kind=("tool", "tool")))
+    store.put(make_segment(question if question_alone else f"Problem: {question}", kind=("user", None)))
+    pasted = f"Solver 1 said: {text}\n\n{question}" if reply_first else f"{question}\n\nSolver 1 said: {text}"
+    pasted += f"\n\n{after}" if after else ""
+    earlier = layout(earlier_system, f"{pasted}\n\nNow check it.")
+    n = earlier.ids.numel()
+    store.put_prefix(earlier.ids, KVBlock.stacked(torch.zeros(2, 1, n, 4), torch.zeros(2, 1, n, 4)), "m")
+    lay = layout("You are the judge of this debate.", f"{pasted}\n\nSolver 2 said: I agree.")
+    return store, reply, lay
+
+
+def test_a_run_of_an_earlier_prompt_holding_a_text_with_its_context_replaces_it():
+    store, reply, lay = _spans_setting(LONG_QUESTION)
+    found = find_occurrences(lay, store, "m")
+    assert [o.segment_id for o in found] == [reply.id]  # the question is found by its ids only
+    reply_span = found[0].token_span(lay)
+    kept, spans = find_spans(lay, store, "m", found, 0, 64)
+    assert kept == [] and len(spans) == 1
+    span = spans[0]
+    assert span.segment.ref.kind == SegmentStore.PREFIX_KIND
+    start, end = span.token_span(lay)
+    assert start <= reply_span[0] - CONTEXT_TOKENS and end >= reply_span[1]  # the reply, after the same 64 ids and more
+    assert lay.ids[start:end].tolist() == list(span.segment.token_ids[span.segment_start:span.segment_start + span.length])
+    assert find_shared(lay, store, "m", 0, "spans", 64) == [span]
+    # texts matched alone: the reply its own segment, the question a run of ids
+    alone = find_shared(lay, store, "m", 0, "anywhere", 64)
+    assert [o.segment_id for o in alone if o.found_by == "content"] == [reply.id] and len(alone) > 1
+    assert [o.segment_id for o in find_shared(lay, store, "m", 0, "messages", 64)] == [reply.id]
+    # found wherever the earlier prompt's indexed windows fall (its system text of any length)
+    for system in ("You are solver 2.", "You are solver number two.", "Be brief.", "You check sums, carefully."):
+        store, reply, lay = _spans_setting(LONG_QUESTION, earlier_system=system)
+        kept, spans = find_spans(lay, store, "m", find_occurrences(lay, store, "m"), 0, 64)
+        assert kept == [] and len(spans) == 1, system
+
+
+def test_a_text_with_too_little_of_the_same_context_before_it_is_matched_alone():
+    for question, reply_first in (("How many clips did Natalia sell?", False), (LONG_QUESTION, True)):
+        store, reply, lay = _spans_setting(question, reply_first)  # a few ids of the run before the reply
+        found = find_occurrences(lay, store, "m")
+        assert [o.segment_id for o in found] == [reply.id]
+        assert find_spans(lay, store, "m", found, 0, 64) == (found, []), question
+    # a longer text found whole keeps its own segment (and its versions): the run starts after it
+    store, reply, lay = _spans_setting(LONG_QUESTION, question_alone=True)
+    found = find_occurrences(lay, store, "m")
+    assert len(found) == 2 and find_spans(lay, store, "m", found, 0, 64) == (found, [])
+    # a longer text is never held: its own segment (and its versions) serve it as before
+    store, reply, lay = _spans_setting(LONG_QUESTION, reply=LONG_QUESTION.upper())
+    found = find_occurrences(lay, store, "m")
+    assert [o.segment_id for o in found] == [reply.id] and find_spans(lay, store, "m", found, 0, 64) == (found, [])
+    store, reply, lay = _spans_setting(LONG_QUESTION, after=LONG_QUESTION.upper())  # the run ends where it starts
+    found = find_occurrences(lay, store, "m")
+    kept, (span,) = find_spans(lay, store, "m", found, 0, 64)
+    assert [o.segment_id for o in kept] == [found[1].segment_id] and span.token_span(lay)[1] <= found[1].token_span(lay)[0]
+    # a message whose reference cannot be served keeps its failure
+    store, reply, lay = _spans_setting(LONG_QUESTION)
+    gone = layout(*[lay.content(i) for i in range(2)], refs=[None, make_segment("never stored").ref])
+    found = find_occurrences(gone, store, "m")
+    assert [o.failure for o in found] == ["not_found"] and find_spans(gone, store, "m", found, 0, 64) == (found, [])
+    # a run no longer than the short-run rule would be computed whole: it replaces nothing
+    store, reply, lay = _spans_setting(LONG_QUESTION)
+    found = find_occurrences(lay, store, "m")
+    assert find_spans(lay, store, "m", found, 0, 10_000) == (found, [])

@@ -7,6 +7,7 @@ from kvcomm_agents.anchors import KVCommAnchors
 from kvcomm_agents.config import KVCommConfig
 from kvcomm_agents.kv.block import KVBlock
 from kvcomm_agents.kv.store import SegmentStore
+from kvcomm_agents.matching import find_occurrences
 from kvcomm_agents.planner import plan_call
 from kvcomm_agents.prompt import render_prompt
 
@@ -131,3 +132,21 @@ def test_a_prefix_holding_a_runs_first_ids_by_chance_leaves_its_head_and_short_r
     again = plan_call(layout, store=store, fingerprint="m", config=heads)
     (run,) = [r for r in again.runs if r.segment.id == reply.id]
     assert again.prefix_length == start + 5 and run.prompt_start == start + 5 and run.head == 0
+
+
+def test_a_short_reply_held_by_an_earlier_readers_prompt_is_reused_with_it():
+    from .test_matching import LONG_QUESTION, _spans_setting
+
+    store, reply, lay = _spans_setting(LONG_QUESTION)
+    config = mechanics(method="rerotate", recompute_head=16, recompute_short_runs=64)
+    plan = plan_call(lay, store=store, fingerprint="m", config=config, agent="judge")
+    (decision,) = plan.decisions
+    assert (decision.segment.kind, decision.status, decision.found_by) == (SegmentStore.PREFIX_KIND, "reused", "tokens")
+    reply_span = next(o.token_span(lay) for o in find_occurrences(lay, store, "m") if o.segment_id == reply.id)
+    reused = set(plan.reused_positions().tolist())
+    assert set(range(*reply_span)) <= reused  # the reply (a short run alone) is served with the text before it
+    assert plan.runs[0].head == 16 and plan.runs[0].prompt_start == decision.span[0] + 16
+    partition(plan)
+    alone = plan_call(lay, store=store, fingerprint="m", config=config.model_copy(update={"shared_runs": "anywhere"}))
+    assert ("prefilled", "short_run") in [(d.status, d.reason) for d in alone.decisions if d.segment_id == reply.id]
+    assert not set(range(*reply_span)) & set(alone.reused_positions().tolist())

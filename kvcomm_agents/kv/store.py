@@ -219,13 +219,14 @@ class SegmentStore:
 
     # ---- shared token runs anywhere ---------------------------------------------------------
     def find_runs(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor,
-                  upper: int) -> list[tuple[KVSegment, int, int, int]]:
+                  upper: int, longest: bool = False) -> list[tuple[KVSegment, int, int, int]]:
         """Runs of ``token_ids`` that a stored entry of ``fingerprint`` holds, wherever they sit.
 
         Args:
             token_ids: ``[n]`` int64 prompt ids.
             free: ``[n]`` bool, the positions a run may cover.
             upper: runs end before this position.
+            longest: the longest run through each position (:func:`.run_index.scan`).
 
         Returns:
             ``(segment, prompt_start, segment_start, length)`` in prompt order, not overlapping,
@@ -250,13 +251,13 @@ class SegmentStore:
 
             # fetch what the tier holds of this prompt (outside the lock); the scan below then finds it here
             with self._lock:
-                wanted = [tier.item(key) for key, *_ in scan(ids, free, self._runs, anywhere, upper)]
+                wanted = [tier.item(key) for key, *_ in scan(ids, free, self._runs, anywhere, upper, longest)]
             for item in wanted:
                 if item is not None:
                     tier.fetch(item)
         with self._lock:
             found = []
-            for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper):
+            for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper, longest):
                 entry = self._entries[key]
                 self._touch(key)
                 found.append((self._segment_view(entry), start, source_start, length))

@@ -52,3 +52,14 @@ def test_the_longest_source_wins_and_removed_entries_are_gone():
     index.remove("long")
     assert _runs(index, prompt) == [("short", 1, 0, 4)] and len(index) == 1
     assert list(scan(prompt, torch.ones(8, dtype=torch.bool), index, lambda key: False, 8)) == []
+
+
+def test_the_longest_run_through_a_position_wins_where_asked_wherever_its_entry_was_indexed():
+    index = TokenRunIndex(8)  # windows of 4 ids indexed every 5
+    text = torch.arange(100, 140)
+    index.add("text", text)  # indexed from the text's first id
+    index.add("prompt", torch.cat([torch.arange(900, 903), text, torch.arange(200, 230)]))  # the text 3 ids in
+    prompt = torch.cat([torch.arange(10), text, torch.arange(200, 230), torch.tensor([7])])
+    assert _runs(index, prompt) == [("text", 10, 0, 40), ("prompt", 50, 43, 30)]  # first found at 10 wins
+    free = torch.ones(prompt.numel(), dtype=torch.bool)
+    assert list(scan(prompt, free, index, lambda key: True, prompt.numel(), longest=True)) == [("prompt", 10, 3, 70)]
