@@ -100,3 +100,36 @@ def test_a_refused_segment_computed_whole_does_not_compute_the_text_after_it(mod
                           reply_ids=[tokenizer.eos_token_id]).result.stats
     reasons = {d.segment.kind[1] == "assistant": d.reason for d in stats.shared_decisions}  # the reply, the question
     assert reasons == {False: "new_anchor", True: "after_new_anchor" if short == 0 else "new_anchor"}, reasons
+
+
+#: a question long enough (in the tiny tokenizer's ids) that a reply pasted after it has 64 ids of it before
+LONG_QUESTION = ("Natalia sold 48 clips to her friends in April, and then she sold half as many clips in May. "
+                 "Her brother sold a third as many clips as she did in both months together, and her cousin "
+                 "sold twice as many as her brother in June. How many clips did the three of them sell in all?")
+
+
+def test_a_short_reply_an_earlier_reader_read_after_the_same_text_is_reused_from_its_prompt(llama, tokenizer, make_engine):
+    """Short runs computed whole (``recompute_short_runs=64``): the first reader of a reply pasted
+    after a question computes both (its prompt is then stored exact); the next reader, pasting
+    both alike after its own system text, reuses that prompt for them (``shared_runs="spans"``:
+    one decision of kind ``("prompt", None)``, the reply's ids reused). Texts matched alone, it
+    computes the reply."""
+    def third_call(shared_runs: str):
+        engine = make_engine(llama, recompute_head=4, recompute_short_runs=64, shared_runs=shared_runs,
+                             reply_copies=False, text_copies=False)
+        first = replayed(engine, [{"role": "system", "content": "You are solver one."},
+                                  {"role": "user", "content": "Name a number."}], "s1")
+        pasted = f"{LONG_QUESTION}\n\nSolver 1 said: {first.text}"
+        replayed(engine, [{"role": "system", "content": "You are solver two."},
+                          {"role": "user", "content": f"{pasted}\n\nNow check it."}], "s2", text="I agree with it.")
+        messages = [{"role": "system", "content": "You are the judge of this debate."},
+                    {"role": "user", "content": f"{pasted}\n\nSolver 2 agreed."}]
+        return engine.replay(messages, agent="judge", reply_ids=[tokenizer.eos_token_id]).result.stats
+
+    spans, alone = third_call("spans"), third_call("anywhere")
+    reply = next(d.span for d in alone.decisions if d.segment is not None and d.segment.kind == ("s1", "assistant"))
+    assert [(d.status, d.reason) for d in alone.decisions if d.span == reply] == [("prefilled", "short_run")]
+    (span,) = [d for d in spans.decisions if d.status == "reused"]
+    assert span.segment.kind == ("prompt", None) and span.span[0] <= reply[0] - 64 and span.span[1] >= reply[1]
+    covered = {p for a, b in spans.reused_spans for p in range(a, b)}
+    assert set(range(*reply)) <= covered and spans.reused_tokens > alone.reused_tokens
