@@ -131,8 +131,10 @@ def find_spans(layout: PromptLayout, store: SegmentStore, fingerprint: str, occu
     message's text), so no run replaces it. Returns the occurrences left, in their order, and the
     runs, in prompt order."""
     n = int(layout.ids.numel())
-    free = _content(layout, prefix_length)
     spans = sorted((occ.token_span(layout), i) for i, occ in enumerate(occurrences) if occ.failure is None)
+    if not any(last - first <= longer_than and first - prefix_length >= CONTEXT_TOKENS for (first, last), _ in spans):
+        return occurrences, []  # no text a run could hold: no second scan of the prompt
+    free = _content(layout, prefix_length)
     taken: set[int] = set()
     runs = []
     for segment, start, segment_start, length in store.find_runs(layout.ids, fingerprint, free, n - 1, longest=True):
