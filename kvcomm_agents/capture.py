@@ -160,7 +160,8 @@ class CallCapture:
         is not stored again."""
         if not self.config.capture_messages:
             return
-        found = {d.message_index for d in plan.decisions if d.found_by != "tokens"}  # partly shared: kept
+        # partly shared: kept; a span holds found texts (their message is not new either)
+        found = {d.message_index for d in plan.decisions if d.found_by != "tokens"}
         for index, (role, name) in enumerate(roles):
             kind = message_kind(role, name)
             content = layout.content(index)

@@ -1,10 +1,11 @@
 """Find shared text in a prompt: stored segments located as runs of the prompt's own token ids.
 
-Two passes. First, a message's shared text is found by its ``segment`` reference or verbatim by
+Three passes. First, a message's shared text is found by its ``segment`` reference or verbatim by
 content, then matched token by token: a prompt token matches a segment token when its id and its
 character offset inside the shared text agree with the segment's. Edge tokens that tokenize
-differently in context do not match (they are computed). Second, the prompt positions no occurrence
-covers are scanned for runs of token ids that any stored entry holds (an earlier call's message,
+differently in context do not match (they are computed). Then (``shared_runs="spans"``) a run of
+an earlier prompt holding short found texts with 64 ids of the same text before each takes their
+place (:func:`find_spans`). Last, the prompt positions no occurrence covers are scanned for runs of token ids that any stored entry holds (an earlier call's message,
 reply or whole prompt), wherever they sit (:meth:`~.kv.store.SegmentStore.find_runs`): the task
 text embedded in a new message, a reply quoted in part. No model needed: token ids, character
 offsets, the store.
@@ -67,8 +68,8 @@ class TokenMatch:
     segment_start: int
     length: int
     message_index: int
+    found_by: str = "tokens"  # "span": a run of an earlier prompt in place of the short texts it holds (find_spans)
 
-    found_by = "tokens"
     edited = False
     failure = None
 
@@ -126,7 +127,7 @@ def find_spans(layout: PromptLayout, store: SegmentStore, fingerprint: str, occu
 
     A run counts where it is longer than ``longer_than`` ids (re-rotated, not computed whole) and
     than the texts it holds together. A short text nearer the run's start bounds it, and so does
-    a text held in part or a longer one (its own segment and versions serve it as before). A
+    a text held in part or a longer one (its own segment and versions serve it). A
     message whose reference failed (``failure``) holds nothing else to reuse (runs stay inside one
     message's text), so no run replaces it. Returns the occurrences left, in their order, and the
     runs, in prompt order."""
@@ -154,7 +155,7 @@ def find_spans(layout: PromptLayout, store: SegmentStore, fingerprint: str, occu
                 occurrences[i].token_span(layout)[1] - occurrences[i].token_span(layout)[0] for i in held):
             continue
         taken.update(held)
-        runs.append(TokenMatch(segment, start, segment_start, end - start, _message_at(layout, start)))
+        runs.append(TokenMatch(segment, start, segment_start, end - start, _message_at(layout, start), "span"))
     return [occ for i, occ in enumerate(occurrences) if i not in taken], runs
 
 

@@ -28,6 +28,7 @@ DecisionReason = Literal[
     "reference",  # reused: found by the message's SegmentRef
     "content",  # reused: found by its text inside a message
     "tokens",  # reused: a run of token ids an earlier call computed, found wherever it sits
+    "span",  # reused: a run of an earlier prompt, in place of the short texts it holds (shared_runs="spans")
     "exact_prefix",  # reused: it lies inside the exact prefix
     "not_found",  # prefilled: the referenced segment is not in the store
     "evicted",  # prefilled: the referenced segment was evicted for the byte budget
@@ -80,9 +81,10 @@ class SegmentDecision(BaseModel):
     segment: Optional[SegmentRef] = Field(description="The segment (None if only its id was known).")
     segment_id: str
     message_index: int = Field(description="Index of the message it was found in (-1: outside any message's content).")
-    found_by: Literal["reference", "content", "tokens"] = Field(
+    found_by: Literal["reference", "content", "tokens", "span"] = Field(
         default="content", description="By the message's segment reference, by the segment's whole text, "
-        "or as a run of token ids shared with any earlier call (prompt or reply) wherever it sits.")
+        "as a run of token ids shared with any earlier call (prompt or reply) wherever it sits, or as a "
+        "run of an earlier prompt holding short texts found here (shared_runs='spans').")
     span: tuple[int, int] = Field(description="Token span [start, end) in the prompt.")
     status: Literal["reused", "prefilled"]
     reason: DecisionReason

@@ -124,7 +124,10 @@ def test_a_short_reply_an_earlier_reader_read_after_the_same_text_is_reused_from
                           {"role": "user", "content": f"{pasted}\n\nNow check it."}], "s2", text="I agree with it.")
         messages = [{"role": "system", "content": "You are the judge of this debate."},
                     {"role": "user", "content": f"{pasted}\n\nSolver 2 agreed."}]
-        return engine.replay(messages, agent="judge", reply_ids=[tokenizer.eos_token_id]).result.stats
+        stats = engine.replay(messages, agent="judge", reply_ids=[tokenizer.eos_token_id]).result.stats
+        # the judge's message holds found texts: not stored again as a new user message
+        assert engine.store.find_text(messages[1]["content"], engine.fingerprint) is None
+        return stats
 
     spans, alone = third_call("spans"), third_call("anywhere")
     reply = next(d.span for d in alone.decisions if d.segment is not None and d.segment.kind == ("s1", "assistant"))

@@ -146,7 +146,7 @@ def test_a_run_of_an_earlier_prompt_holding_a_text_with_its_context_replaces_it(
     kept, spans = find_spans(lay, store, "m", found, 0, 64)
     assert kept == [] and len(spans) == 1
     span = spans[0]
-    assert span.segment.ref.kind == SegmentStore.PREFIX_KIND
+    assert span.segment.ref.kind == SegmentStore.PREFIX_KIND and span.found_by == "span"
     start, end = span.token_span(lay)
     assert start <= reply_span[0] - CONTEXT_TOKENS and end >= reply_span[1]  # the reply, after the same 64 ids and more
     assert lay.ids[start:end].tolist() == list(span.segment.token_ids[span.segment_start:span.segment_start + span.length])
@@ -172,7 +172,7 @@ def test_a_text_with_too_little_of_the_same_context_before_it_is_matched_alone()
     store, reply, lay = _spans_setting(LONG_QUESTION, question_alone=True)
     found = find_occurrences(lay, store, "m")
     assert len(found) == 2 and find_spans(lay, store, "m", found, 0, 64) == (found, [])
-    # a longer text is never held: its own segment (and its versions) serve it as before
+    # a longer text is never held: its own segment (and its versions) serve it
     store, reply, lay = _spans_setting(LONG_QUESTION, reply=LONG_QUESTION.upper())
     found = find_occurrences(lay, store, "m")
     assert [o.segment_id for o in found] == [reply.id] and find_spans(lay, store, "m", found, 0, 64) == (found, [])

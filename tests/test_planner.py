@@ -141,7 +141,7 @@ def test_a_short_reply_held_by_an_earlier_readers_prompt_is_reused_with_it():
     config = mechanics(method="rerotate", recompute_head=16, recompute_short_runs=64)
     plan = plan_call(lay, store=store, fingerprint="m", config=config, agent="judge")
     (decision,) = plan.decisions
-    assert (decision.segment.kind, decision.status, decision.found_by) == (SegmentStore.PREFIX_KIND, "reused", "tokens")
+    assert (decision.segment.kind, decision.status, decision.found_by) == (SegmentStore.PREFIX_KIND, "reused", "span")
     reply_span = next(o.token_span(lay) for o in find_occurrences(lay, store, "m") if o.segment_id == reply.id)
     reused = set(plan.reused_positions().tolist())
     assert set(range(*reply_span)) <= reused  # the reply (a short run alone) is served with the text before it
