@@ -161,20 +161,21 @@ def summarize_decisions(answers: list[dict]) -> list[dict]:
 EXACT_KL = 1e-6
 
 
-def is_variant_of_default(name: str) -> bool:
-    """Whether strategy ``name`` is the default with a setting changed (an ablation, not a
-    competitor): every ``kvcomm-*`` strategy but the default and the paper's."""
-    return name.startswith("kvcomm-") and name not in (DEFAULT, "kvcomm-paper")
+def is_ablation(name: str) -> bool:
+    """Whether strategy ``name`` is the default or re-rotation only with a setting changed (an
+    ablation, not a competitor): every ``kvcomm-*`` strategy but the default and the paper's,
+    and every ``rerotate-*`` one."""
+    return name.startswith("kvcomm-") and name not in (DEFAULT, "kvcomm-paper") or name.startswith("rerotate-")
 
 
 def fastest_and_closest(rows: list[dict]) -> dict[str, dict[str, Optional[str]]]:
     """Per phase: the strategy with the fastest whole graph, and, of the approximate ones (readers'
     KL above :data:`EXACT_KL`), the one with the lowest readers' KL (dense, the lower bound and
-    the noise floor are references, the default's variants ablations: none is a candidate)."""
+    the noise floor are references, ablations: none is a candidate)."""
     out = {}
     for phase in sorted({r["phase"] for r in rows}):
         candidates = [r for r in rows if r["phase"] == phase and r["strategy"] not in ("dense", "lower-bound")
-                      and not r["strategy"].startswith("noise-floor") and not is_variant_of_default(r["strategy"])]
+                      and not r["strategy"].startswith("noise-floor") and not is_ablation(r["strategy"])]
         timed = [r for r in candidates if r["speedup_vs_dense"] is not None]
         fidel = [r for r in candidates if r["reader_kl_mean"] is not None and r["reader_kl_mean"] > EXACT_KL]
         out[phase] = {"fastest": max(timed, key=lambda r: r["speedup_vs_dense"])["strategy"] if timed else None,
@@ -296,7 +297,7 @@ def front_table(summary: dict) -> str:
             continue
         d, base = rows[DEFAULT], rows["dense"]
         others = [r for n, r in rows.items() if n not in ("dense", DEFAULT, "lower-bound")
-                  and not n.startswith("noise-floor") and not is_variant_of_default(n)
+                  and not n.startswith("noise-floor") and not is_ablation(n)
                   and r["speedup_vs_dense"] is not None]
         best = max(others, key=lambda r: r["speedup_vs_dense"], default=None)
         limit = rows.get("lower-bound", {}).get("speedup_vs_dense")

@@ -35,7 +35,5 @@ def assemble(plan: CallPlan, rotator: RopeRotator, position_offset: int = 0) -> 
         pieces.append((kv, run.shift + position_offset))
     block = KVBlock.assembled(pieces, rotator)
     if plan.recompute is not None:
-        positions = torch.cat([torch.arange(plan.prefix_length)]
-                              + [torch.arange(run.prompt_start, run.prompt_end) for run in plan.runs])
-        block = block.select((~torch.isin(positions, plan.recompute)).nonzero().flatten())
+        block = block.select((~torch.isin(plan.storage_positions(), plan.recompute)).nonzero().flatten())
     return block

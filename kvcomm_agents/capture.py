@@ -20,7 +20,7 @@ from .kv.own_text import OwnTextStore
 from .kv.rope import RopeRotator
 from .kv.segments import CONTEXT_TOKENS, Kind, KVSegment, SegmentRef, content_hash
 from .kv.store import SegmentStore
-from .plan import CallPlan
+from .plan import UNSERVED_REFERENCES, CallPlan
 from .prompt import PromptLayout
 
 __all__ = ["align_ids_to_text", "message_kind", "CallCapture", "KVAt"]
@@ -129,9 +129,8 @@ class CallCapture:
         exact = plan.first_rerotated() if plan.runs else ids.numel()
         if exact < self.config.experimental.min_prefix_tokens:
             return
-        hit = self.store.longest_prefix(ids[:exact], self.fingerprint)
-        if hit is not None and hit[1] >= exact:
-            return
+        if self.store.covers(ids[:exact], self.fingerprint):
+            return  # the KV is not gathered
         self.store.put_prefix(ids[:exact], kv_at(torch.arange(exact)), self.fingerprint)
 
     def keep_own_text(self, plan: CallPlan, agent: str, kv_at: KVAt) -> dict[int, KVSegment]:
@@ -160,8 +159,10 @@ class CallCapture:
         is not stored again."""
         if not self.config.capture_messages:
             return
-        # partly shared: kept; a span holds found texts (their message is not new either)
-        found = {d.message_index for d in plan.decisions if d.found_by != "tokens"}
+        # partly shared: kept; a span holds found texts (their message is not new either); a
+        # reference this store could not serve: kept, so that later readers find the text here
+        found = {d.message_index for d in plan.decisions
+                 if d.found_by != "tokens" and d.reason not in UNSERVED_REFERENCES}
         for index, (role, name) in enumerate(roles):
             kind = message_kind(role, name)
             content = layout.content(index)

@@ -270,8 +270,8 @@ class KVCommConfig(BaseModel):
         default=8, ge=0,
         description=(
             "Compute the last N tokens of a reused run in context too where the run ends at most 64 ids before "
-            "the prompt's end (planner.TAIL_REACH), as recompute_head does its first (not where a version "
-            "computed after the same text fits, nor with own-text reuse, whose pieces continue the run): the "
+            "the prompt's end (planner.TAIL_REACH), as recompute_head does its first (not where a framed copy "
+            "of the segment, computed in this reader's framing, fits, nor with own-text reuse, whose pieces continue the run): the "
             "reader's own instruction and its first token attend most to the text right before them, and a "
             "re-rotated text that follows text its sender never saw deviates there. On the development range's "
             "held-out prompt formats (j), a task pasted after the team's notes and right before the reader's "
@@ -371,10 +371,10 @@ class KVCommConfig(BaseModel):
         "Where shared text is looked for. 'anywhere': besides whole segments per message, any run of "
         "at least min_match_tokens token ids an earlier call computed (its messages, reply or whole "
         "prompt), wherever it sits in a message (a rolling-hash index). 'spans': as 'anywhere', and a "
-        "run of an earlier prompt holding found texts with at least 64 ids of the same text before "
-        "each (an earlier reader's question and replies, pasted alike) is reused in their place: their "
-        "KV computed after what precedes them here. 'messages': only a segment's whole text (or a "
-        "message's reference), kept for comparison."))
+        "run of an earlier prompt holding short found texts (at most recompute_short_runs ids: none "
+        "where it is 0), each after at least 64 ids of the run (an earlier reader's question and "
+        "replies, pasted alike), is reused in their place: their KV computed after what precedes them "
+        "here. 'messages': only a segment's whole text (or a message's reference), kept for comparison."))
     experimental: ExperimentalSettings = Field(
         default_factory=ExperimentalSettings,
         description="The paper's variants (estimator, own-text offsets) and anchor pool details; see ExperimentalSettings.",

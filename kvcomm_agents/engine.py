@@ -86,7 +86,7 @@ class KVCommEngine:
             raise InvalidRequestError("give either store= or shared= (a store built with shared=...), not both")
         self._store = store if store is not None else SegmentStore(
             c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens,
-            shared=shared)
+            shared=shared, layer_devices=hf.kv_devices(model) if shared is not None else None)
         self._lock = threading.RLock()
         self._freeze = BlockCount()
         self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze)

@@ -69,6 +69,7 @@ class CallsInFlight:
         self.capture, self.min_gain = capture, min_gain
         self._calls: list[_InFlight] = []
         self._lock = threading.RLock()  # remove() may run from a collected stream's cleanup while held
+        self._warned: set[str] = set()  # kinds of sharing failure already warned of
 
     def __len__(self) -> int:
         with self._lock:
@@ -101,12 +102,25 @@ class CallsInFlight:
         for call in calls:
             try:
                 held_ids = max(held_ids, self._share_prefix(call, ids, held_ids))
+            except Exception:  # an optimisation: the sibling's own keep stores it later
+                self._failed("prefix")
+            try:
                 if not call.messages_shared and self.capture.keeps_segments:
                     call.before_shared()
                     self.capture.capture_messages(call.layout, call.roles, call.plan, call.kv_at())
                     call.messages_shared = True
-            except Exception:  # an optimisation: the sibling's own keep stores it later
-                logger.debug("a call in flight could not be shared", exc_info=True)
+            except Exception:
+                self._failed("messages")
+
+    def _failed(self, what: str) -> None:
+        """A sibling's KV could not be shared: a bug, not a state to hide. Warned once per kind,
+        with the traceback (sharing only saves work: the call planned goes on)."""
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("a call in flight could not share its %s (later failures logged at debug)", what,
+                           exc_info=True)
+        else:
+            logger.debug("a call in flight could not share its %s", what, exc_info=True)
 
     def _share_prefix(self, call: _InFlight, ids: torch.Tensor, held: int) -> int:
         """Keep ``call``'s exact prompt KV as a prefix where ``ids`` begin like it for at least

@@ -4,9 +4,10 @@ Three passes. First, a message's shared text is found by its ``segment`` referen
 content, then matched token by token: a prompt token matches a segment token when its id and its
 character offset inside the shared text agree with the segment's. Edge tokens that tokenize
 differently in context do not match (they are computed). Then (``shared_runs="spans"``) a run of
-an earlier prompt holding short found texts with 64 ids of the same text before each takes their
-place (:func:`find_spans`). Last, the prompt positions no occurrence covers are scanned for runs of token ids that any stored entry holds (an earlier call's message,
-reply or whole prompt), wherever they sit (:meth:`~.kv.store.SegmentStore.find_runs`): the task
+an earlier prompt holding short found texts with 64 ids of the same text before each
+takes their place (:func:`find_spans`). Last, the prompt positions no occurrence covers are
+scanned for runs of token ids that any stored entry holds (an earlier call's message, reply or
+whole prompt), wherever they sit (:meth:`~.kv.store.SegmentStore.find_runs`): the task
 text embedded in a new message, a reply quoted in part. No model needed: token ids, character
 offsets, the store.
 """
@@ -14,7 +15,7 @@ offsets, the store.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from pydantic import ValidationError
@@ -33,7 +34,7 @@ class Occurrence:
     text hold the segment's characters ``[0, limit)``.
 
     ``failure`` says why it cannot be reused (``not_found``, ``evicted``, ``foreign_model``,
-    ``not_in_prompt``); ``edited``: the message no longer holds the whole segment text.
+    ``bad_reference``, ``not_in_prompt``); ``edited``: the message no longer holds the whole segment text.
     """
 
     message_index: int
@@ -47,7 +48,9 @@ class Occurrence:
     edited: bool = False
 
     def token_span(self, layout: PromptLayout) -> tuple[int, int]:
-        """Prompt tokens ``[start, end)`` of the occurrence (of its message if it has none)."""
+        """Prompt tokens ``[start, end)`` of the occurrence; a failed one's: its message's (what
+        the decision reports); an edited one holding no whole token: empty, at its message's start
+        (its message's tokens stay free for token runs)."""
         tokens = layout.tokens_within(self.start, self.start + self.limit)
         if len(tokens):
             return (tokens.start, tokens.stop)
@@ -55,7 +58,7 @@ class Occurrence:
         if span is None:
             return (0, 0)
         tokens = layout.tokens_within(*span)
-        return (tokens.start, tokens.stop)
+        return (tokens.start, tokens.stop if self.failure is not None else tokens.start)
 
 
 @dataclass(frozen=True)
@@ -86,11 +89,11 @@ class TokenMatch:
 
 
 def find_shared(layout: PromptLayout, store: SegmentStore, fingerprint: str, prefix_length: int,
-                searched: str = "spans", longer_than: int = 0) -> list[Occurrence | TokenMatch]:
+                searched: str, longer_than: int) -> list[Occurrence | TokenMatch]:
     """Every shared text of the prompt, in prompt order (message order where spans tie): the
     segments its messages refer to or contain; with ``searched="spans"``, runs of earlier prompts
-    holding some of them with the text around them in their place (:func:`find_spans`, runs longer
-    than ``longer_than`` ids); with ``"spans"`` or ``"anywhere"``, every other shared token run
+    holding some of them (texts of at most ``longer_than`` ids) with the text around them in their
+    place (:func:`find_spans`); with ``"spans"`` or ``"anywhere"``, every other shared token run
     (:func:`find_token_matches`). ``searched``: ``KVCommConfig.shared_runs``."""
     found: list = find_occurrences(layout, store, fingerprint)
     if searched == "spans":
@@ -102,8 +105,8 @@ def find_shared(layout: PromptLayout, store: SegmentStore, fingerprint: str, pre
     return found
 
 
-def find_token_matches(layout: PromptLayout, store: SegmentStore, fingerprint: str, occurrences: list[Occurrence],
-                       prefix_length: int) -> list[TokenMatch]:
+def find_token_matches(layout: PromptLayout, store: SegmentStore, fingerprint: str,
+                       occurrences: list[Occurrence | TokenMatch], prefix_length: int) -> list[TokenMatch]:
     """Shared token runs inside messages' text, outside the exact prefix, the occurrences' spans
     and the last prompt token (whose logits start the reply), in prompt order. A run does not
     cross from one message's text into the template around it."""
@@ -123,40 +126,62 @@ def find_spans(layout: PromptLayout, store: SegmentStore, fingerprint: str, occu
     :data:`~.kv.segments.CONTEXT_TOKENS` ids of the run: there, a text's KV was computed after the
     same text it follows here, nearer to this prompt than its own segment's KV (computed after its
     producer's prompt), which a text of at most ``longer_than`` ids (``recompute_short_runs``)
-    would have computed whole. Each such run replaces the texts it holds.
+    would have computed whole. The stretches of such a run around the texts it holds replace them.
+    For each short text no run taken covers, the longest run through the 64 ids before it and
+    past its end is looked up (:meth:`~.kv.store.SegmentStore.prefix_run_through`).
 
-    A run counts where it is longer than ``longer_than`` ids (re-rotated, not computed whole) and
-    than the texts it holds together. A short text nearer the run's start bounds it, and so does
-    a text held in part or a longer one (its own segment and versions serve it). A
-    message whose reference failed (``failure``) holds nothing else to reuse (runs stay inside one
-    message's text), so no run replaces it. Returns the occurrences left, in their order, and the
-    runs, in prompt order."""
+    Only exact prompts serve (KV as dense prefill computed it; a stored message may hold KV
+    computed after re-rotated text). A text the run cannot hold (one held in part, a longer
+    one, which its own segment and versions serve, or a short one within 64 ids of the run's
+    start) is left to its own segment and splits the run: the stretches before and after it are
+    spans of their own, and the ids of the run before it still count as the context of texts
+    after it. A stretch counts where it is longer than ``longer_than`` ids (re-rotated, not
+    computed whole). A message whose reference failed (``failure``) holds nothing else to reuse
+    (runs stay inside one message's text), so no run replaces it. Returns the occurrences left,
+    in their order, and the stretches, in prompt order."""
     n = int(layout.ids.numel())
-    spans = sorted((occ.token_span(layout), i) for i, occ in enumerate(occurrences) if occ.failure is None)
-    if not any(last - first <= longer_than and first - prefix_length >= CONTEXT_TOKENS for (first, last), _ in spans):
-        return occurrences, []  # no text a run could hold: no second scan of the prompt
-    free = _content(layout, prefix_length)
+    texts = sorted((span, i) for i, occ in enumerate(occurrences)
+                   if occ.failure is None and (span := occ.token_span(layout))[0] < span[1])
+    holdable = [(first, last) for (first, last), _ in texts
+                if last - first <= longer_than and first - prefix_length >= CONTEXT_TOKENS]
+    free = _content(layout, prefix_length) if holdable else None
     taken: set[int] = set()
-    runs = []
-    for segment, start, segment_start, length in store.find_runs(layout.ids, fingerprint, free, n - 1, longest=True):
-        end, held = start + length, []
-        for (first, last), i in spans:
-            if last <= start or first >= end:
-                continue
-            short = last - first <= longer_than
-            if short and start <= first and last <= end and first - start >= CONTEXT_TOKENS:
-                held.append(i)
-            elif held:
-                end = first  # the run ends where this text starts
-                break
-            else:  # and starts again after it
-                segment_start, start = segment_start + max(last, start) - start, max(last, start)
-        if not held or end - start <= longer_than or end - start <= sum(
-                occurrences[i].token_span(layout)[1] - occurrences[i].token_span(layout)[0] for i in held):
+    spans: list[TokenMatch] = []
+    covered = prefix_length  # runs do not overlap: a later one is used from the end of the one before
+    for first, last in holdable:
+        if first < covered:
+            continue  # inside a run already taken (held there, or left to its own segment)
+        found = store.prefix_run_through(layout.ids, fingerprint, free, n - 1, first - CONTEXT_TOKENS,
+                                         lambda start, length: start + length >= last)
+        if found is None:
             continue
-        taken.update(held)
-        runs.append(TokenMatch(segment, start, segment_start, end - start, _message_at(layout, start), "span"))
-    return [occ for i, occ in enumerate(occurrences) if i not in taken], runs
+        segment, start, segment_start, length = found
+        for a, b, held in _stretches(start, start + length, texts, longer_than, max(start, covered)):
+            if b - a > longer_than:
+                taken.update(held)
+                spans.append(TokenMatch(segment, a, segment_start + a - start, b - a, _message_at(layout, a), "span"))
+                covered = start + length
+    return [occ for i, occ in enumerate(occurrences) if i not in taken], spans
+
+
+def _stretches(start: int, end: int, texts: list[tuple[tuple[int, int], int]], longer_than: int,
+               usable: int) -> Iterator[tuple[int, int, list[int]]]:
+    """The stretches ``[first, last)`` of the run ``[start, end)`` from ``usable`` on that hold
+    short texts, with the indices of the texts each holds. ``texts``: ``((first, last), index)``
+    token spans, sorted. A text's context is the run from ``start``, whatever part is usable."""
+    stretch, held = usable, []
+    for (first, last), i in texts:
+        if last <= usable or first >= end:
+            continue
+        if last - first <= longer_than and stretch <= first and last <= end and first - start >= CONTEXT_TOKENS:
+            held.append(i)
+            continue
+        if held:  # a text the run cannot hold ends the stretch, and a new one starts after it
+            yield stretch, first, held
+            held = []
+        stretch = max(stretch, last)
+    if held:
+        yield stretch, end, held
 
 
 def _content(layout: PromptLayout, prefix_length: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # anchors build on plans: a runtime import would be a circle
 
 __all__ = [
     "SegmentDecision", "GateRecord", "ReusedRun", "Observation", "OwnTextPiece", "PrefixHit", "CallPlan",
-    "DecisionReason",
+    "DecisionReason", "UNSERVED_REFERENCES",
 ]
 
 DecisionReason = Literal[
@@ -72,6 +72,9 @@ class GateRecord(BaseModel):
         "re-rotation alone was measured within kl_budget for this receiver: kvcomm_agents.anchors.tracker; "
         "never a reply unless experimental.rerotate_replies).")
 
+
+#: Reasons a message's segment could not be served from this store: the message is new text here.
+UNSERVED_REFERENCES = frozenset({"not_found", "evicted", "foreign_model", "bad_reference"})
 
 class SegmentDecision(BaseModel):
     """What the engine did with one shared segment found in a prompt."""
@@ -225,11 +228,16 @@ class CallPlan:
             keep[self.recompute] = True
         return keep.nonzero().flatten()
 
+    def storage_positions(self) -> torch.Tensor:
+        """``[P + sum of run lengths]`` int64 prompt positions of the assembled reused KV, in
+        storage order (the exact prefix, then each run), recomputed positions included."""
+        return torch.cat([torch.arange(self.prefix_length)]
+                         + [torch.arange(run.prompt_start, run.prompt_end) for run in self.runs])
+
     def reused_positions(self) -> torch.Tensor:
         """``[R]`` int64 prompt positions of the reused slots, in storage order (the exact prefix,
         then each run), recomputed positions left out."""
-        positions = torch.cat([torch.arange(self.prefix_length)]
-                              + [torch.arange(run.prompt_start, run.prompt_end) for run in self.runs])
+        positions = self.storage_positions()
         if self.recompute is not None:
             positions = positions[~torch.isin(positions, self.recompute)]
         return positions

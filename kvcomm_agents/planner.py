@@ -11,9 +11,9 @@ Order of business:
    context (a run of at most ``recompute_short_runs`` ids is computed whole);
    everything else is computed;
 4. with ``method="kvcomm"`` each segment first passes the anchor gate: a segment judged new is
-   computed, and so is everything after it (its context stays exact, so its offsets and those
-   after it can be recorded) unless it is computed whole anyway (3.); reused runs get offsets
-   estimated from the anchors;
+   computed, and after it only recorded versions are reused, everything else computed (its
+   context stays near exact, so its offsets and those after it can be recorded) unless it is
+   computed whole anyway (3.); reused runs get offsets estimated from the anchors;
 5. with own-text reuse (experimental), the receiver's own text after a reused segment comes from
    its own-text KV (plus the anchors' own-text offsets) when the agent computed that piece before.
 
@@ -140,11 +140,11 @@ def plan_call(
 
 class _RunDecider:
     """Turns matched runs into reused runs or observations, occurrence by occurrence, in prompt
-    order. Once a new-anchor segment is met, everything after it is computed (dense from there),
-    so its context stays exact: it and every segment after it are recorded as anchors (computing
-    them costs the same either way, and each observation is data for the next gate). A token run
-    (part of an entry, found by ids) judged new is computed alone: it is recorded when the context
-    before it is exact, and what follows it is still reused."""
+    order. Once a new-anchor segment is met, only recorded versions (a receiver's KV after the same
+    text) are reused after it, so its context stays near exact: it and the segments computed after
+    it are recorded as anchors (computing them costs the same either way; each is data for the
+    next gate). A token run (part of an entry, found by ids) judged new is computed alone: it is
+    recorded when the context before it is exact, and what follows it is still reused."""
 
     def __init__(self, layout: PromptLayout, prefix_length: int, config: KVCommConfig, agent: str,
                  anchors: Optional[KVCommAnchors], versions: Optional[Versions] = None, calibrating: bool = False,
@@ -157,7 +157,7 @@ class _RunDecider:
         self.n = int(layout.ids.numel())
         self.runs: list[ReusedRun] = []
         self.observations: list[Observation] = []
-        self.dense_from: Optional[int] = None
+        self.after_new_anchor = False  # a segment judged new was met: only recorded versions after it
         # whether a run before holds approximate KV (re-rotated or estimated): a version computed
         # after exact text is then no closer than re-rotation (only the base is taken)
         self._approximate = False
@@ -211,7 +211,7 @@ class _RunDecider:
                 # after a new anchor only a recorded version of the segment is reused (its KV is
                 # what a receiver computed after the same text): the context stays near exact
                 verdict = self._recorded(occ.segment, tokens, context, taken)
-                if verdict is None and self.dense_from is None:
+                if verdict is None and not self.after_new_anchor:
                     verdict = self.anchors.decide(self.agent, occ.segment)
                 if verdict is None:
                     reason = "after_new_anchor"
@@ -222,7 +222,7 @@ class _RunDecider:
             if reason is not None:
                 # a partial token run judged new costs only itself; so does a segment computed whole
                 if not isinstance(occ, TokenMatch) and not self._computed_whole(beyond_prefix, head, short, tail):
-                    self.dense_from = min(self.dense_from if self.dense_from is not None else n, beyond_prefix[0][0])
+                    self.after_new_anchor = True
                 for p, s, length, _ in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
                 return "prefilled", reason, in_prefix, gate  # the rest is computed
@@ -270,7 +270,7 @@ class _RunDecider:
         """Whether every one of ``runs`` (prompt start, segment start, length, ids of it the
         exact prefix holds) is computed whole (:meth:`_taken`, :meth:`_tail`). The gate's
         refusal of such a segment computes it and records it as an anchor, but not everything
-        after it (``dense_from``): that would cost the later segments' reuse for text computed anyway."""
+        after it (``after_new_anchor``): the later segments' reuse would go for text computed anyway."""
         lengths = [min(length, self.n - 1 - p) for p, _, length, _ in runs]
         taken = [self._taken(i, lengths[i], run[3], head, short) for i, run in enumerate(runs)]
         return all(t + self._tail(i, run[0] + t, lengths[i] - t, tail) >= lengths[i]

@@ -11,7 +11,7 @@ from kvcomm_agents.capture import CallCapture, align_ids_to_text, message_kind
 from kvcomm_agents.engines import hf
 from kvcomm_agents.kv.segments import CONTEXT_TOKENS
 from kvcomm_agents.kv.store import SegmentStore
-from kvcomm_agents.plan import CallPlan, ReusedRun
+from kvcomm_agents.plan import CallPlan, ReusedRun, SegmentDecision
 from kvcomm_agents.prompt import render_prompt
 from kvcomm_agents.support import rotator_from_config
 
@@ -96,6 +96,16 @@ def test_a_dense_call_keeps_its_prefix_its_new_user_messages_and_its_reply(llama
     # the exact prefix covers prompt and reply
     assert store.longest_prefix(call.ids, FINGERPRINT)[1] == call.ids.numel()
 
+
+def test_a_message_whose_reference_this_store_could_not_serve_is_kept_and_a_found_one_is_not(llama, tokenizer, call):
+    capture, store = capture_for(llama, tokenizer)
+    decisions = (SegmentDecision(segment=None, segment_id="gone", message_index=1, found_by="reference",
+                                 span=(call.span(1).start, call.span(1).stop), status="prefilled", reason="evicted"),
+                 SegmentDecision(segment=None, segment_id="known", message_index=2, found_by="content",
+                                 span=(call.span(2).start, call.span(2).stop), status="prefilled", reason="over_kl_budget"))
+    capture.capture_messages(call.layout, ROLES, CallPlan(call.layout.ids, decisions=decisions), call.kv_at)
+    assert store.find_text(QUESTION, FINGERPRINT) is not None  # later readers find it here
+    assert store.find_text(NOTE, FINGERPRINT) is None  # it holds a known segment
 
 def test_segment_keys_are_in_the_canonical_frame(llama, tokenizer, call):
     """A segment's keys are those of its first token at position 0: in layer 0 (where a token's KV

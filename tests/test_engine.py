@@ -113,9 +113,15 @@ def test_message_edited_from_first_token_is_stale(model, tokenizer, make_engine)
     ref = replayed(engine, solver_messages("You are solver one."), "s1").segment
     edited = "Actually, " + REPLY.lower()
     result = engine.chat(_receiver(ref, edited), agent="judge", max_new_tokens=12)
-    assert [(d.status, d.reason) for d in result.stats.decisions] == [("prefilled", "stale")]
-    assert result.stats.mode != "reuse"  # an exact prefix (the system header) may still be reused
-    assert result.text == _dense_result(model, tokenizer, _receiver(ref, edited)).text
+    stale, *runs = result.stats.decisions
+    assert (stale.status, stale.reason) == ("prefilled", "stale")
+    assert runs and all(d.found_by == "tokens" for d in runs)  # its message's ids are left to token runs
+    # served as the same message without a reference would be
+    other = make_engine(model)
+    replayed(other, solver_messages("You are solver one."), "s1")
+    plain = other.chat(_receiver(None, edited)[:1] + [{"role": "user", "content": edited}], agent="judge",
+                       max_new_tokens=12)
+    assert (plain.text, plain.stats.reused_tokens) == (result.text, result.stats.reused_tokens)
 
 
 def test_message_edited_at_the_end_reuses_only_the_unchanged_start(model, tokenizer, make_engine):

@@ -128,7 +128,8 @@ def test_a_call_in_flight_on_weights_since_changed_is_not_shared(tokenizer):
     finish(stream)
 
 
-def test_a_sibling_that_cannot_be_shared_costs_the_planned_call_nothing_but_the_reuse(llama, tokenizer, make_engine):
+def test_a_sibling_that_cannot_be_shared_costs_the_planned_call_nothing_but_the_reuse(llama, tokenizer, make_engine,
+                                                                                       caplog):
     engine = make_engine(llama)
     stream = engine.stream(sibling("You are an analyst.", "When does it open?"), agent="a", max_new_tokens=4)
     next(stream)
@@ -139,6 +140,12 @@ def test_a_sibling_that_cannot_be_shared_costs_the_planned_call_nothing_but_the_
     second = engine.chat(sibling("You are an analyst.", "How many books?"), agent="a", max_new_tokens=2)
     assert second.stats.generated_tokens >= 1 and second.stats.reused_tokens == 0
     assert engine._calls.in_flight._calls[0].prefix_shared is False  # tried again by the next sibling
+    # a bug, not a state to hide: warned once per kind of sharing, with its traceback
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "in flight" in r.getMessage()]
+    assert sorted(r.getMessage().split("its ")[1].split(" ")[0] for r in warned) == ["messages", "prefix"]
+    assert all(r.exc_info for r in warned)
+    engine.chat(sibling("You are an analyst.", "Is it open on Sundays?"), agent="a", max_new_tokens=2)
+    assert len([r for r in caplog.records if r.levelname == "WARNING" and "in flight" in r.getMessage()]) == 2
 
 
 def test_a_call_whose_weights_changed_while_it_answered_keeps_nothing(tokenizer):

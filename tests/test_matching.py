@@ -6,7 +6,7 @@ import torch
 from kvcomm_agents.kv.block import KVBlock
 from kvcomm_agents.kv.segments import CONTEXT_TOKENS, KVSegment
 from kvcomm_agents.kv.store import SegmentStore
-from kvcomm_agents.matching import find_occurrences, find_shared, find_spans, match_runs
+from kvcomm_agents.matching import find_occurrences, find_shared, find_spans, find_token_matches, match_runs
 from kvcomm_agents.prompt import PromptLayout
 from kvcomm_agents.testing import tiny_tokenizer
 
@@ -189,3 +189,80 @@ def test_a_text_with_too_little_of_the_same_context_before_it_is_matched_alone()
     store, reply, lay = _spans_setting(LONG_QUESTION)
     found = find_occurrences(lay, store, "m")
     assert find_spans(lay, store, "m", found, 0, 10_000) == (found, [])
+
+
+NOTES = ("Check each step of the working above before you answer: the sums, the halves and the "
+         "thirds, and say which step is wrong if any of them is.")
+
+
+def _earlier_and_next(pasted: str, *texts: str, kinds=None):
+    """A store holding each of ``texts`` as a segment and an earlier reader's prompt pasting
+    ``pasted``; the next reader's prompt pasting it alike after another system text."""
+    store = SegmentStore(1 << 20)
+    segments = [make_segment(text, kind=kind) for text, kind in zip(texts, kinds or [("s1", "assistant")] * len(texts))]
+    for segment in segments:
+        store.put(segment)
+    earlier = layout("You are solver two.", f"{pasted}\n\nNow check it.")
+    n = earlier.ids.numel()
+    store.put_prefix(earlier.ids, KVBlock.stacked(torch.zeros(2, 1, n, 4), torch.zeros(2, 1, n, 4)), "m")
+    return store, segments, layout("You are the judge of this debate.", f"{pasted}\n\nSolver 2 said: I agree.")
+
+
+def _stored_ids_match(lay, span) -> bool:
+    return lay.ids[span.prompt_start:span.prompt_start + span.length].tolist() == \
+        list(span.segment.token_ids[span.segment_start:span.segment_start + span.length])
+
+
+def test_a_text_the_run_cannot_hold_splits_it_and_the_ids_before_it_still_count_as_context():
+    other = "Solver 3 thinks it is 70, since 48 and 22 make 70."
+    question = ("user", None)
+    # the reply after 64+ ids of notes, the longer question (its own segment), another short reply:
+    # the second reply's context is the run from its start, through the question
+    store, (reply, long_text, reply3), lay = _earlier_and_next(
+        f"{NOTES}\n\nSolver 1 said: {REPLY}\n\n{LONG_QUESTION}\n\nSolver 3 said: {other}\n\n{NOTES}",
+        REPLY, LONG_QUESTION, other, kinds=[("s1", "assistant"), question, ("s3", "assistant")])
+    found = find_occurrences(lay, store, "m")
+    assert [o.segment_id for o in found] == [reply.id, long_text.id, reply3.id]
+    kept, spans = find_spans(lay, store, "m", found, 0, 64)
+    assert [o.segment_id for o in kept] == [long_text.id] and len(spans) == 2
+    question_start, question_end = found[1].token_span(lay)
+    (first, _), (second, second_end) = (span.token_span(lay) for span in spans)
+    assert spans[0].token_span(lay)[1] == question_start and second == question_end  # split around the question
+    assert first <= found[0].token_span(lay)[0] - CONTEXT_TOKENS and second_end >= found[2].token_span(lay)[1]
+    assert second - CONTEXT_TOKENS < found[2].token_span(lay)[0]  # held on the ids before the question too
+    assert all(_stored_ids_match(lay, span) and span.segment is spans[0].segment for span in spans)
+    # an exact prefix reaching into the notes: the run starts after it, the reply held where 64
+    # ids of it are left before the reply, and left alone where fewer are
+    store, (reply,), lay = _earlier_and_next(f"{NOTES}\n\nSolver 1 said: {REPLY}\n\n{NOTES}", REPLY)
+    found = find_occurrences(lay, store, "m")
+    reply_start = found[0].token_span(lay)[0]
+    prefix = lay.tokens_within(*lay.content_spans[1]).start + 8
+    assert reply_start - prefix >= CONTEXT_TOKENS
+    kept, (span,) = find_spans(lay, store, "m", found, prefix, 64)
+    assert kept == [] and span.token_span(lay)[0] == prefix and _stored_ids_match(lay, span)
+    assert find_spans(lay, store, "m", found, reply_start - CONTEXT_TOKENS + 1, 64) == (found, [])
+
+
+def test_only_an_earlier_prompt_holds_texts_not_a_stored_message_pasting_them():
+    store = SegmentStore(1 << 20)
+    reply = make_segment(REPLY)
+    store.put(reply)
+    store.put(make_segment(f"Problem: {NOTES}\n\nSolver 1 said: {REPLY}\n\nThat is all.", kind=("user", None)))
+    lay = layout("You are the judge of this debate.", f"{NOTES}\n\nSolver 1 said: {REPLY}\n\nSolver 2 said: I agree.")
+    found = find_occurrences(lay, store, "m")
+    assert [o.segment_id for o in found] == [reply.id]
+    assert find_spans(lay, store, "m", found, 0, 64) == (found, [])  # its KV may follow re-rotated text
+
+
+def test_an_edited_reference_holding_no_whole_token_leaves_its_message_to_token_runs():
+    store = SegmentStore(1 << 20)
+    reply = make_segment(REPLY)
+    store.put(reply)
+    lay = layout("Agent 1 said: " + REPLY[:-1] + "!", refs=[reply.ref])
+    (occ,) = find_occurrences(lay, store, "m")
+    assert occ.edited and occ.limit == 0 and occ.failure is None
+    start, end = occ.token_span(lay)
+    assert start == end  # no tokens of its own: the message's tokens stay free
+    (run,) = find_token_matches(lay, store, "m", [occ], 0)
+    assert run.segment is reply and run.length >= 8
+    assert find_spans(lay, store, "m", [occ], 0, 64) == ([occ], [])

@@ -16,12 +16,12 @@ from .conftest import mechanics
 
 def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget():
     tracker = OffsetTracker(min_samples=2, window=3, clear_margin=0.25)  # rerotation_trust="clear_sample"
-    assert tracker.wants_rerotation_sample("r") and tracker.rerotated_kl("r") is None
+    assert tracker.wants_rerotation_sample("r") and tracker.rerotation_samples("r") == []
     tracker.record_rerotated("r", 0.01)
     assert not tracker.rerotation_within_budget("r", 0.02)  # one sample is not enough within the budget,
     assert tracker.rerotation_within_budget("r", 0.04)  # but is at a quarter of it or less (clear_margin)
     tracker.record_rerotated("r", 0.03)
-    assert not tracker.wants_rerotation_sample("r") and abs(tracker.rerotated_kl("r") - 0.02) < 1e-12
+    assert not tracker.wants_rerotation_sample("r") and tracker.rerotation_samples("r") == [0.01, 0.03]
     assert tracker.rerotation_within_budget("r", 0.02) and not tracker.rerotation_within_budget("r", 0.019)
     assert not tracker.rerotation_within_budget("r", None)  # no budget: the gate alone decides
     assert tracker.rerotation_within_budget("other", 1.0)  # none of its own: the pool speaks for it
@@ -29,7 +29,7 @@ def test_the_tracker_trusts_re_rotation_only_with_enough_samples_within_a_budget
         tracker.record_rerotated("r", 0.5)  # the window keeps the most recent: trust is lost
     assert not tracker.rerotation_within_budget("r", 0.1)
     tracker.clear()
-    assert tracker.rerotated_kl("r") is None
+    assert tracker.rerotation_samples("r") == []
 
 
 def test_re_rotation_is_trusted_on_every_receivers_samples_unless_the_receivers_own_disagree():

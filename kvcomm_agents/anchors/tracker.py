@@ -228,12 +228,6 @@ class OffsetTracker:
         with self._lock:
             return list(self._rerotated.get(receiver, ()))
 
-    def rerotated_kl(self, receiver: str) -> Optional[float]:
-        """Mean KL of ``receiver``'s re-rotation samples; None with fewer than ``min_samples``."""
-        with self._lock:
-            samples = list(self._rerotated.get(receiver, ()))
-        return sum(samples) / len(samples) if len(samples) >= self.min_samples else None
-
     def wants_rerotation_sample(self, receiver: str) -> bool:
         """True while ``receiver`` has fewer than ``min_samples`` re-rotation samples."""
         with self._lock:

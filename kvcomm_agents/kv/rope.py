@@ -40,7 +40,8 @@ def rotation_tables(
     Args:
         inv_freq: ``[head_dim // 2]`` rotary frequencies, on the target device.
         delta: an int (one shift for every token) or a ``[tokens]`` integer tensor.
-        dtype: dtype of the returned tables (the keys' dtype).
+        dtype: dtype of the returned tables (:meth:`RopeRotator.shift` asks float32, or float64
+            for float64 keys: half-precision keys are rotated in float32).
 
     Returns:
         ``(cos, sin)``, each ``[head_dim]`` for an int delta or ``[tokens, head_dim]`` for a tensor.

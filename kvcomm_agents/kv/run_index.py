@@ -12,7 +12,7 @@ Pure token-id work, no model: the matcher (:mod:`..matching`) turns runs into re
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -110,7 +110,7 @@ def extend_run(prompt: list[int], source: Sequence[int], p: int, o: int, gram: i
 
 
 def scan(prompt_ids: torch.Tensor, free: torch.Tensor, index: TokenRunIndex, allowed: Callable[[str], bool],
-         upper: int, longest: bool = False) -> Iterator[tuple[str, int, int, int]]:
+         upper: int) -> Iterator[tuple[str, int, int, int]]:
     """Maximal shared runs of the prompt, left to right, none overlapping.
 
     Args:
@@ -119,37 +119,69 @@ def scan(prompt_ids: torch.Tensor, free: torch.Tensor, index: TokenRunIndex, all
         index: the stored entries' window hashes.
         allowed: whether the entry ``key`` may serve (e.g. it has the engine's fingerprint).
         upper: runs end before this position.
-        longest: at each position, the longest run through it of any entry (its indexed windows
-            are looked up over the next ``stride`` positions too): an entry holding a text and
-            more around it wins over a shorter one holding that text alone, wherever each was
-            indexed. Without it, the longest run whose window is indexed at that position.
 
     Yields:
-        ``(key, prompt_start, source_start, length)`` with ``length >= index.min_run``; ties:
-        the most recently indexed entry.
+        ``(key, prompt_start, source_start, length)`` with ``length >= index.min_run``; at each
+        position the longest run wins (ties: the most recently indexed entry).
     """
     gram = index.gram
     prompt, free_list = prompt_ids.tolist(), free.tolist()
     hashes = window_hashes(prompt_ids, gram).tolist()
     blocked = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((~free).long(), 0)]).tolist()
-    reach = index.stride if longest else 1
     p, lower = 0, 0
     while p + gram <= upper:
+        if blocked[p + gram] - blocked[p]:
+            p += 1
+            continue
         best = None
-        for q in range(p, min(p + reach, upper - gram + 1)):
-            if blocked[q + gram] - blocked[q]:
+        for key, o in reversed(index.hits(hashes[p])):
+            if not allowed(key):
                 continue
-            for key, o in reversed(index.hits(hashes[q])):
-                if not allowed(key):
-                    continue
-                source = index.ids(key)
-                if source[o : o + gram] != prompt[q : q + gram]:
-                    continue
-                run = extend_run(prompt, source, q, o, gram, lower, upper, free_list)
-                if run[0] <= p and (best is None or run[2] > best[3]):
-                    best = (key, *run)
+            source = index.ids(key)
+            if source[o : o + gram] != prompt[p : p + gram]:
+                continue
+            run = extend_run(prompt, source, p, o, gram, lower, upper, free_list)
+            if best is None or run[2] > best[3]:
+                best = (key, *run)
         if best is not None and best[3] >= index.min_run:
             yield best
             p = lower = best[1] + best[3]
         else:
             p += 1
+
+
+def longest_through(prompt_ids: torch.Tensor, free: torch.Tensor, index: TokenRunIndex,
+                    allowed: Callable[[str], bool], upper: int, position: int,
+                    wanted: Callable[[int, int], bool]) -> Optional[tuple[str, int, int, int]]:
+    """The longest maximal run through prompt ``position`` that ``wanted`` accepts, of those
+    covering at least ``gram + stride - 1`` ids from there: each of those holds an indexed window
+    starting in ``[position, position + stride)``, so a few look-ups find them all, wherever
+    their entries were indexed (an earlier prompt holding a text a few ids after its start).
+
+    Args:
+        prompt_ids, free, index, allowed, upper: as for :func:`scan`.
+        position: the prompt position the run must cover.
+        wanted: ``(prompt_start, length)`` -> whether the caller can use the run.
+
+    Returns:
+        ``(key, prompt_start, source_start, length)`` or None; ties: the most recently indexed
+        entry (at the lowest window).
+    """
+    gram, prompt, free_list = index.gram, prompt_ids.tolist(), free.tolist()
+    stop = min(position + index.stride, upper - gram + 1)
+    hashes = window_hashes(prompt_ids[position : stop + gram - 1], gram).tolist() if stop > position else []
+    best, met = None, set()  # met: (key, source offset - prompt offset) of the runs extended
+    for q, value in enumerate(hashes, start=position):
+        if not all(free_list[q : q + gram]):
+            continue
+        for key, o in reversed(index.hits(value)):
+            if (key, o - q) in met or not allowed(key):
+                continue  # a later window of a run already met: the same run
+            source = index.ids(key)
+            if source[o : o + gram] != prompt[q : q + gram]:
+                continue
+            met.add((key, o - q))
+            run = extend_run(prompt, source, q, o, gram, 0, upper, free_list)
+            if run[0] <= position and (best is None or run[2] > best[3]) and wanted(run[0], run[2]):
+                best = (key, *run)
+    return best

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from .block import KVBlock
+from .block import KVBlock, device_groups
+from .entries import Entry, entry_fingerprint, entry_ids
 from .segments import KVSegment, SegmentRef
 
 __all__ = ["CatalogItem", "SharedSegments", "MemorySegments", "catalog_item", "encode_entry",
@@ -101,15 +102,14 @@ class MemorySegments:
 
 # ---- blobs ---------------------------------------------------------------------------------
 
-def catalog_item(entry) -> CatalogItem:
-    """The catalog item of a store entry (:class:`KVSegment` or ``PrefixEntry``)."""
-    if isinstance(entry, KVSegment):
-        return CatalogItem(entry.id, entry.ref.fingerprint, entry.token_ids, False)
-    return CatalogItem(entry.id, entry.fingerprint, tuple(int(t) for t in entry.token_ids.tolist()), True)
+def catalog_item(entry: Entry) -> CatalogItem:
+    """The catalog item of a store entry."""
+    return CatalogItem(entry.id, entry_fingerprint(entry), tuple(entry_ids(entry).tolist()),
+                       not isinstance(entry, KVSegment))
 
 
-def encode_entry(entry) -> tuple[CatalogItem, bytes]:
-    """A store entry (:class:`KVSegment` or ``PrefixEntry``) as its catalog item and blob.
+def encode_entry(entry: Entry) -> tuple[CatalogItem, bytes]:
+    """A store entry as its catalog item and blob.
 
     The blob holds tensors ``k{g}`` / ``v{g}`` (``[L_g, kv_heads, T, head_dim]`` per device group,
     on the CPU) and a JSON header with the entry's metadata.
@@ -130,14 +130,14 @@ def encode_entry(entry) -> tuple[CatalogItem, bytes]:
     return item, save_bytes(tensors, metadata={"kvcomm": json.dumps(header)})
 
 
-def decode_entry(item: CatalogItem, blob: bytes, devices: Optional[Sequence[torch.device]] = None):
+def decode_entry(item: CatalogItem, blob: bytes, layer_devices: Optional[Sequence[torch.device]] = None):
     """The entry a blob holds: a :class:`KVSegment`, or ``(token_ids [n] int64, KVBlock)`` for an
     exact prefix. Raises ``ValueError`` when the blob is not the one ``item`` announced (another
     key, model or ids, another format, missing or misshapen tensors).
 
     Args:
-        devices: where each device group goes (the store's own entries' devices); CPU if None or
-            if the grouping differs.
+        layer_devices: per layer, where its KV goes (the model's; the replica that published it
+            may spread its layers otherwise: the KV is regrouped); None: on the CPU, as published.
     """
     try:
         header = _header(blob)
@@ -150,25 +150,37 @@ def decode_entry(item: CatalogItem, blob: bytes, devices: Optional[Sequence[torc
             or tuple(header.get("ids", ())) != item.token_ids or bool(header.get("prefix")) != item.prefix:
         raise ValueError(f"segment blob {item.key!r} does not match its catalog item")
     starts = tuple(int(s) for s in header["starts"])
-    groups = range(len(starts))
-    if devices is None or len(devices) != len(starts):
-        devices = [torch.device("cpu")] * len(starts)
     try:
-        keys = tuple(tensors[f"k{g}"].to(devices[g]) for g in groups)
-        values = tuple(tensors[f"v{g}"].to(devices[g]) for g in groups)
+        keys = tuple(tensors[f"k{g}"] for g in range(len(starts)))
+        values = tuple(tensors[f"v{g}"] for g in range(len(starts)))
     except KeyError as missing:
         raise ValueError(f"segment blob {item.key!r} lacks tensor {missing}") from None
     n = len(item.token_ids)
     for k, v in zip(keys, values):
         if k.dim() != 4 or k.shape != v.shape or k.shape[2] != n:
             raise ValueError(f"segment blob {item.key!r}: KV of shape {tuple(k.shape)} for {n} ids")
-    kv = KVBlock(keys, values, starts)
+    kv = _placed(KVBlock(keys, values, starts), layer_devices, item.key)
     if item.prefix:
         return torch.tensor(item.token_ids, dtype=torch.long), kv
     spans = tuple(tuple(s) if s is not None else None for s in header["char_spans"])
     return KVSegment(SegmentRef.model_validate(header["ref"]), header["text"], item.token_ids, spans, kv,
                      tuple(int(t) for t in header["context_ids"]))
 
+
+def _placed(kv: KVBlock, layer_devices: Optional[Sequence[torch.device]], key: str) -> KVBlock:
+    """``kv`` (on the CPU, as loaded) with each layer on its device of ``layer_devices``, grouped
+    as the model's layers are (a copy per layer where the publisher grouped them otherwise); as
+    loaded without ``layer_devices``."""
+    if layer_devices is None:
+        return kv
+    layers, devices = sum(k.shape[0] for k in kv.keys), list(layer_devices)
+    if len(devices) != layers:
+        raise ValueError(f"segment blob {key!r}: KV of {layers} layers for a model of {len(devices)}")
+    groups = device_groups(devices)
+    if tuple(start for start, _ in groups) == kv.starts:
+        return KVBlock(tuple(k.to(devices[start]) for k, (start, _) in zip(kv.keys, groups)),
+                       tuple(v.to(devices[start]) for v, (start, _) in zip(kv.values, groups)), kv.starts)
+    return KVBlock.from_layers([(k.to(device), v.to(device)) for (k, v), device in zip(kv.layers(), devices)])
 
 def _header(blob: bytes) -> dict:
     """The JSON header of a safetensors blob, read without loading its tensors."""

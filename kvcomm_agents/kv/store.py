@@ -20,52 +20,22 @@ import uuid
 import warnings
 from collections import OrderedDict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from pydantic import BaseModel
 
 from ..errors import BudgetWarning
 from .block import KVBlock
+from .entries import Entry, PrefixEntry, entry_fingerprint, entry_ids
 from .prefix_tree import PrefixTree
 from .text_index import TextIndex, placed
-from .run_index import TokenRunIndex, scan
+from .run_index import TokenRunIndex, longest_through, scan
 from .segments import KVSegment
 from .shared import SharedSegments
 from .tier_link import REMOTE, TierLink
 
 __all__ = ["SegmentStore", "PrefixEntry", "StoreStats"]
-
-
-@dataclass(eq=False)
-class PrefixEntry:
-    """Exact KV of a token sequence from position 0, as a dense prefill would compute it.
-
-    Attributes:
-        id: store key.
-        token_ids: ``[n]`` int64 tensor on the CPU.
-        kv: the KV of those ``n`` tokens, keys at their true positions ``0..n-1`` (no
-            re-rotation needed).
-        fingerprint: fingerprint of the model that computed them.
-    """
-
-    id: str
-    token_ids: torch.Tensor
-    kv: KVBlock
-    fingerprint: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes
-
-    def common_prefix(self, ids: torch.Tensor) -> int:
-        """Length of the common prefix of this entry's ids and ``ids`` (``[n]`` int64, CPU)."""
-        n = min(self.token_ids.numel(), ids.numel())
-        if n == 0:
-            return 0
-        differ = (self.token_ids[:n] != ids[:n]).nonzero()
-        return int(differ[0, 0]) if differ.numel() else n
 
 
 class StoreStats(BaseModel):
@@ -81,9 +51,6 @@ class StoreStats(BaseModel):
     shared_misses: int = 0
 
 
-Entry = Union[KVSegment, PrefixEntry]
-
-
 class SegmentStore:
     """In-process store of KV segments and exact prefixes with a byte budget.
 
@@ -91,12 +58,14 @@ class SegmentStore:
         max_bytes: budget for all KV held; least recently used entries go first beyond it.
         min_run: shortest shared token run :meth:`find_runs` must find (``min_match_tokens``).
         shared: a tier shared with other stores (other replicas); None: this process only.
+        layer_devices: per model layer, where KV fetched from ``shared`` goes (:func:`.shared.decode_entry`).
     """
 
     PREFIX_KIND = ("prompt", None)
     """Kind of the segment view of an exact prefix served as a token run (its anchor pool)."""
 
-    def __init__(self, max_bytes: int, *, min_run: int = 8, shared: SharedSegments | None = None) -> None:
+    def __init__(self, max_bytes: int, *, min_run: int = 8, shared: SharedSegments | None = None,
+                 layer_devices: Sequence[torch.device] | None = None) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.RLock()  # the store's memory; never held during a round trip to the tier
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
@@ -115,7 +84,7 @@ class SegmentStore:
         self.shared = shared
         self._tier = TierLink(shared, store_lock=self._lock, entries=self._entries, runs=self._runs,
                               insert=lambda key, entry: self._insert(key, entry, publish=False),
-                              prefix_entry=PrefixEntry) if shared is not None else None
+                              prefix_entry=PrefixEntry, layer_devices=layer_devices) if shared is not None else None
 
     # ---- segments -------------------------------------------------------------------------
     def put(self, segment: KVSegment) -> bool:
@@ -183,17 +152,29 @@ class SegmentStore:
 
     # ---- exact prefixes -------------------------------------------------------------------
     def put_prefix(self, token_ids: torch.Tensor, kv: KVBlock, fingerprint: str) -> bool:
-        """Keep the exact KV of ``token_ids`` (``[n]``); drops entries it fully covers."""
+        """Keep the exact KV of ``token_ids`` (``[n]``); drops the entries it covers if it fits."""
+        ids = token_ids.detach().to("cpu", torch.long)
+        entry = PrefixEntry(f"prefix-{uuid.uuid4().hex}", ids, kv, fingerprint)
+        with self._lock:  # covered, dropped and inserted in one hold: two calls cannot both insert it
+            if self.covers(ids, fingerprint):
+                return True
+            if entry.nbytes <= self.max_bytes:
+                for key in self._prefixes.prefixes_of(ids.tolist(), fingerprint):
+                    self._remove(key)  # covered; a running call keeps its own tensors
+            kept = self._insert(entry.id, entry, publish=False)
+        if entry.nbytes <= self.max_bytes and self._tier is not None:  # outside the lock: a tier round trip
+            self._tier.publish(entry.id, entry)
+        return kept
+
+    def covers(self, token_ids: torch.Tensor, fingerprint: str) -> bool:
+        """Whether a prefix entry held here, or one the shared tier's catalog announced, holds
+        all of ``token_ids`` (``[n]`` int64): nothing fetched, no round trip to the tier."""
         ids = token_ids.detach().to("cpu", torch.long)
         with self._lock:
-            as_list = ids.tolist()
-            hit = self._prefixes.longest(as_list, fingerprint)
-            if hit is not None and hit[1] == len(as_list):
-                return True  # already covered
-            for key in self._prefixes.prefixes_of(as_list, fingerprint):
-                self._remove(key)  # covered; a running call keeps its own tensors
-        entry = PrefixEntry(f"prefix-{uuid.uuid4().hex}", ids, kv, fingerprint)
-        return self._insert(entry.id, entry)  # outside the lock: publishing to a shared tier waits on it
+            hit = self._prefixes.longest(ids.tolist(), fingerprint)
+            if hit is not None and hit[1] == ids.numel():
+                return True
+            return self._tier is not None and bool(self._tier.longer_prefixes(ids, fingerprint, ids.numel() - 1))
 
     def longest_prefix(self, token_ids: torch.Tensor, fingerprint: str) -> tuple[PrefixEntry, int] | None:
         """The prefix entry sharing the longest common prefix with ``token_ids`` (``[T]`` int64)
@@ -219,14 +200,13 @@ class SegmentStore:
 
     # ---- shared token runs anywhere ---------------------------------------------------------
     def find_runs(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor,
-                  upper: int, longest: bool = False) -> list[tuple[KVSegment, int, int, int]]:
+                  upper: int) -> list[tuple[KVSegment, int, int, int]]:
         """Runs of ``token_ids`` that a stored entry of ``fingerprint`` holds, wherever they sit.
 
         Args:
             token_ids: ``[n]`` int64 prompt ids.
             free: ``[n]`` bool, the positions a run may cover.
             upper: runs end before this position.
-            longest: the longest run through each position (:func:`.run_index.scan`).
 
         Returns:
             ``(segment, prompt_start, segment_start, length)`` in prompt order, not overlapping,
@@ -234,33 +214,42 @@ class SegmentStore:
             of kind :attr:`PREFIX_KIND` (its keys are already in the canonical frame).
         """
         ids = token_ids.detach().to("cpu", torch.long)
+        return self._runs_found(lambda allowed: scan(ids, free, self._runs, allowed, upper), fingerprint)
 
+    def prefix_run_through(self, token_ids: torch.Tensor, fingerprint: str, free: torch.Tensor, upper: int,
+                           position: int, wanted: Callable[[int, int], bool]) -> Optional[tuple[KVSegment, int, int, int]]:
+        """The longest run of an exact prefix entry (a whole earlier prompt) through prompt
+        ``position`` that ``wanted(prompt_start, length)`` accepts (:func:`.run_index.longest_through`),
+        as :meth:`find_runs` gives runs; None if there is none."""
+        ids = token_ids.detach().to("cpu", torch.long)
+
+        def lookup(allowed: Callable[[str], bool]) -> list[tuple[str, int, int, int]]:
+            run = longest_through(ids, free, self._runs, allowed, upper, position, wanted)
+            return [run] if run is not None else []
+        found = self._runs_found(lookup, fingerprint, prefixes_only=True)
+        return found[0] if found else None
+
+    def _runs_found(self, lookup: Callable[[Callable[[str], bool]], Iterable[tuple[str, int, int, int]]],
+                    fingerprint: str, prefixes_only: bool = False) -> list[tuple[KVSegment, int, int, int]]:
+        """What ``lookup(allowed)`` finds among the entries of ``fingerprint`` (exact prefixes
+        only, with ``prefixes_only``), the tier's fetched first (outside the lock), each found
+        entry counted as used."""
         def allowed(key: str) -> bool:
             entry = self._entries.get(key)
-            return entry is not None and _fingerprint(entry) == fingerprint
+            return entry is not None and entry_fingerprint(entry) == fingerprint \
+                and (isinstance(entry, PrefixEntry) or not prefixes_only)
 
         if self._tier is not None:
-            tier = self._tier
-            tier.sync()
-
-            def anywhere(key: str) -> bool:
-                if key.startswith(REMOTE):
-                    item = tier.item(key)
-                    return item is not None and item.fingerprint == fingerprint
-                return allowed(key)
-
-            # fetch what the tier holds of this prompt (outside the lock); the scan below then finds it here
+            self._tier.sync()
             with self._lock:
-                wanted = [tier.item(key) for key, *_ in scan(ids, free, self._runs, anywhere, upper, longest)]
-            for item in wanted:
-                if item is not None:
-                    tier.fetch(item)
+                remote = self._tier.or_remote(allowed, fingerprint, prefixes_only)
+                items = [self._tier.item(key) for key, *_ in lookup(remote)]
+            self._tier.fetch_all(items)
         with self._lock:
             found = []
-            for key, start, source_start, length in scan(ids, free, self._runs, allowed, upper, longest):
-                entry = self._entries[key]
+            for key, start, source_start, length in lookup(allowed):
                 self._touch(key)
-                found.append((self._segment_view(entry), start, source_start, length))
+                found.append((self._segment_view(self._entries[key]), start, source_start, length))
             return found
 
     def _segment_view(self, entry: Entry) -> KVSegment:
@@ -278,9 +267,10 @@ class SegmentStore:
     # ---- lifetime -------------------------------------------------------------------------
     @contextmanager
     def pinned(self, entries: list[Entry]) -> Iterator[None]:
-        """Keep ``entries`` from eviction for the duration of a call."""
-        keys = [e.id for e in entries]
+        """Keep ``entries`` from eviction for the duration of a call (a prefix entry's segment view
+        pins the entry)."""
         with self._lock:
+            keys = [self._view_entries.get(e.id, e.id) for e in entries]
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
                 if key in self._entries:  # used by a call: most recently used, however it was found
@@ -311,7 +301,7 @@ class SegmentStore:
                 bytes=self._bytes,
                 max_bytes=self.max_bytes,
                 evictions=self._evictions,
-                pinned=len(self._pins),
+                pinned=sum(key in self._entries for key in self._pins),
                 shared_fetched=self._tier.fetched if self._tier is not None else 0,
                 shared_misses=self._tier.misses if self._tier is not None else 0,
             )
@@ -338,8 +328,7 @@ class SegmentStore:
             self._entries[key] = entry
             self._bytes += size
             self._runs.remove(REMOTE + key)
-            self._runs.add(key, torch.tensor(entry.token_ids, dtype=torch.long)
-                           if isinstance(entry, KVSegment) else entry.token_ids)
+            self._runs.add(key, entry_ids(entry))
             if isinstance(entry, PrefixEntry):
                 self._prefixes.add(key, entry.fingerprint, entry.token_ids.tolist())
             elif isinstance(entry, KVSegment):
@@ -347,7 +336,7 @@ class SegmentStore:
             self._used[key] = next(self._clock)
             self._evict()
             kept = key in self._entries
-        if publish and self._tier is not None:  # even when evicted at once: other replicas may use it
+        if publish and self._tier is not None:  # even when evicted at once (other replicas may use it)
             self._tier.publish(key, entry)
         return kept
 
@@ -395,5 +384,3 @@ class SegmentStore:
         return sorted((key for key in keys if key in self._entries), key=self._used.__getitem__, reverse=True)
 
 
-def _fingerprint(entry: Entry) -> str:
-    return entry.ref.fingerprint if isinstance(entry, KVSegment) else entry.fingerprint

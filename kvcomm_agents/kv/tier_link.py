@@ -13,11 +13,12 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from ..errors import SharedTierWarning
+from .entries import Entry
 from .prefix_tree import PrefixTree
 from .run_index import TokenRunIndex
 from .segments import KVSegment
@@ -30,9 +31,6 @@ REMOTE = "shared:"
 #: Catalog items remembered (oldest forgotten first).
 MAX_REMOTE = 100_000
 
-#: A stored entry: a segment, or an exact prefix entry (``kv.store.PrefixEntry``).
-Entry = Union[KVSegment, Any]
-
 
 class TierLink:
     """The tier's catalog as this store knows it, and the round trips to the tier.
@@ -44,17 +42,20 @@ class TierLink:
         runs: the store's run index (the tier's entries are indexed there under :data:`REMOTE`).
         insert: ``insert(key, entry)`` holds a fetched entry in the store (not published again).
         prefix_entry: builds a prefix entry from ``(key, ids, kv, fingerprint)``.
+        layer_devices: per model layer, where fetched KV goes; None: where this store's first
+            published entry's layers are (the CPU until then).
     """
 
     def __init__(self, shared: SharedSegments, *, store_lock, entries: Mapping[str, Entry], runs: TokenRunIndex,
-                 insert: Callable[[str, Entry], Any], prefix_entry: Callable[..., Entry]) -> None:
+                 insert: Callable[[str, Entry], Any], prefix_entry: Callable[..., Entry],
+                 layer_devices: Optional[Sequence[torch.device]] = None) -> None:
         self.shared, self.prefix_entry = shared, prefix_entry
         self.store_lock, self.entries, self.runs, self.insert = store_lock, entries, runs, insert
         self.lock = threading.Lock()  # one catalog read at a time (the cursor)
         self.remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
         self._prefixes = PrefixTree()  # the tier's exact prefixes by their ids
         self._cursor = None  # the tier's catalog cursor (opaque)
-        self._devices: list[torch.device] | None = None  # where fetched KV goes (local entries' groups)
+        self._devices = list(layer_devices) if layer_devices is not None else None  # per layer
         self.fetched = self.misses = 0
         self._warned = False
 
@@ -93,7 +94,8 @@ class TierLink:
                 self.failed(error)
             return
         with self.store_lock:
-            self._devices = [k.device for k in entry.kv.keys]
+            if self._devices is None:
+                self._devices = [k.device for k in entry.kv.keys for _ in range(k.shape[0])]
             self._remember(item, key)
             if key not in self.entries:  # evicted meanwhile: findable again, fetched on use
                 self.runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
@@ -149,6 +151,23 @@ class TierLink:
         self.remote[key] = item
         if item.prefix:
             self._prefixes.add(key, item.fingerprint, list(item.token_ids))
+
+    def or_remote(self, local: Callable[[str], bool], fingerprint: str,
+                  prefixes_only: bool = False) -> Callable[[str], bool]:
+        """A run-index key filter: ``local`` for the store's own keys; for the tier's, its
+        entries of ``fingerprint`` (exact prefixes only, with ``prefixes_only``)."""
+        def allowed(key: str) -> bool:
+            if not key.startswith(REMOTE):
+                return local(key)
+            item = self.item(key)
+            return item is not None and item.fingerprint == fingerprint and (item.prefix or not prefixes_only)
+        return allowed
+
+    def fetch_all(self, items: list[CatalogItem | None]) -> None:
+        """Fetch each of ``items`` not held here (None: a local entry), outside the store's lock."""
+        for item in items:
+            if item is not None:
+                self.fetch(item)
 
     def item(self, run_key: str) -> CatalogItem | None:
         """The catalog item behind a run-index key of the tier's (``"shared:<key>"``), or None."""

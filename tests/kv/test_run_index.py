@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from kvcomm_agents.kv.run_index import TokenRunIndex, scan, window_hashes
+from kvcomm_agents.kv.run_index import TokenRunIndex, longest_through, scan, window_hashes
 
 
 def _runs(index, prompt, free=None, upper=None):
@@ -54,7 +54,7 @@ def test_the_longest_source_wins_and_removed_entries_are_gone():
     assert list(scan(prompt, torch.ones(8, dtype=torch.bool), index, lambda key: False, 8)) == []
 
 
-def test_the_longest_run_through_a_position_wins_where_asked_wherever_its_entry_was_indexed():
+def test_the_longest_run_through_a_position_is_found_wherever_its_entry_was_indexed():
     index = TokenRunIndex(8)  # windows of 4 ids indexed every 5
     text = torch.arange(100, 140)
     index.add("text", text)  # indexed from the text's first id
@@ -62,4 +62,24 @@ def test_the_longest_run_through_a_position_wins_where_asked_wherever_its_entry_
     prompt = torch.cat([torch.arange(10), text, torch.arange(200, 230), torch.tensor([7])])
     assert _runs(index, prompt) == [("text", 10, 0, 40), ("prompt", 50, 43, 30)]  # first found at 10 wins
     free = torch.ones(prompt.numel(), dtype=torch.bool)
-    assert list(scan(prompt, free, index, lambda key: True, prompt.numel(), longest=True)) == [("prompt", 10, 3, 70)]
+    anything = lambda start, length: True
+    for position in (10, 11, 14, 30):
+        assert longest_through(prompt, free, index, lambda key: True, prompt.numel(), position, anything) == \
+            ("prompt", 10, 3, 70), position
+    # only what the caller can use; only entries allowed
+    assert longest_through(prompt, free, index, lambda key: True, prompt.numel(), 10,
+                           lambda start, length: start + length <= 50) == ("text", 10, 0, 40)
+    assert longest_through(prompt, free, index, lambda key: key == "text", prompt.numel(), 10, anything) == \
+        ("text", 10, 0, 40)
+    assert longest_through(prompt, free, index, lambda key: True, prompt.numel(), 5, anything) is None
+
+
+def test_a_run_the_caller_does_not_want_hides_no_run_it_wants():
+    index = TokenRunIndex(8)
+    index.add("b", torch.cat([torch.arange(5000, 5007), torch.arange(1020, 1360)]))  # prompt 60..400
+    index.add("a", torch.arange(1000, 1140))  # prompt 40..180, most recent
+    prompt = torch.cat([torch.arange(40), torch.arange(1000, 1360), torch.tensor([7])])
+    free = torch.ones(prompt.numel(), dtype=torch.bool)
+    assert _runs(index, prompt)[0][:2] == ("a", 40)  # the scan: a from 40, b only after it
+    assert longest_through(prompt, free, index, lambda key: True, prompt.numel(), 136,
+                           lambda start, length: start + length >= 210) == ("b", 60, 7, 340)

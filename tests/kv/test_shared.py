@@ -50,6 +50,17 @@ def test_blobs_round_trip_segments_and_prefixes_exactly():
     assert CatalogItem.from_json(item.to_json()) == item
 
 
+def test_fetched_kv_goes_to_the_models_layer_devices_however_the_publisher_grouped_its_layers():
+    segment = _segment()  # three layers published in two device groups (layers 0-1, 2)
+    item, blob = encode_entry(segment)
+    back = decode_entry(item, blob, [torch.device("cpu")] * 3)  # this model: all three on one device
+    assert back.kv.starts == (0,) and len(back.kv.keys) == 1
+    for (k, v), (k0, v0) in zip(back.kv.layers(), segment.kv.layers()):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert decode_entry(item, blob).kv.starts == (0, 2)  # no model given: as published, on the CPU
+    with pytest.raises(ValueError, match="3 layers for a model of 2"):
+        decode_entry(item, blob, [torch.device("cpu")] * 2)
+
 def test_a_blob_that_is_not_the_announced_entry_is_refused():
     item, blob = encode_entry(_segment())
     other = CatalogItem(item.key, "another-model", item.token_ids, item.prefix)
@@ -73,6 +84,25 @@ def test_stores_find_each_others_entries_by_id_and_token_runs():
     assert c.stats().shared_fetched == 1 and b.stats().shared_fetched == 1
 
 
+
+def test_a_prefix_run_is_fetched_only_where_the_caller_can_use_it_and_segments_never_serve_it():
+    tier = MemorySegments()
+    segment = _segment(12)
+    prompt = torch.tensor([1, 2, 3] + list(range(10, 22)) + [7])
+    free = torch.ones(len(prompt), dtype=torch.bool)
+    publisher = SegmentStore(1 << 20, min_run=4, shared=tier)
+    publisher.put(segment)
+    store = SegmentStore(1 << 20, min_run=4, shared=tier)
+    assert store.prefix_run_through(prompt, "fp", free, len(prompt) - 1, 3, lambda start, length: True) is None
+    assert store.stats().shared_fetched == 0  # a segment holds the run, not a prompt
+    publisher.put_prefix(prompt, KVBlock.stacked(torch.zeros(1, 1, len(prompt), 2), torch.zeros(1, 1, len(prompt), 2)), "fp")
+    assert store.prefix_run_through(prompt, "fp", free, len(prompt) - 1, 3, lambda start, length: length > 15) is None
+    assert store.stats().shared_fetched == 0 and len(store) == 0  # nothing fetched for a run dropped
+    view, start, _, length = store.prefix_run_through(prompt, "fp", free, len(prompt) - 1, 3, lambda s, n: True)
+    assert view.ref.kind == SegmentStore.PREFIX_KIND and (start, length) == (0, len(prompt) - 1)
+    assert store.stats().shared_fetched == 1
+
+
 def test_a_replica_finds_the_longest_prefix_another_published_and_keeps_its_own_when_longer():
     tier = MemorySegments()
     def kv(n: int) -> KVBlock:
@@ -90,6 +120,11 @@ def test_a_replica_finds_the_longest_prefix_another_published_and_keeps_its_own_
     entry, n = reader.longest_prefix(torch.tensor([1, 2, 9, 9, 9, 9, 9, 9, 0]), "fp")
     assert n == 8 and reader.stats().shared_fetched == 1  # nothing fetched for a shorter one
     assert reader.longest_prefix(torch.tensor([5, 5]), "fp") is None
+    # covered by what the catalog announced: known without fetching it (nor storing it again)
+    late = SegmentStore(1 << 20, shared=tier)
+    late.longest_prefix(torch.tensor([5, 5]), "fp")  # reads the catalog
+    assert late.covers(torch.tensor([1, 2, 9, 9]), "fp") and not late.covers(torch.tensor([1, 2, 8]), "fp")
+    assert late.put_prefix(torch.tensor([7]), kv(1), "fp") and late.stats().shared_fetched == 0 and len(late) == 0
 
 
 def test_an_evicted_entry_comes_back_from_the_tier():

@@ -1,7 +1,9 @@
 """The store keeps its byte budget, never evicts pinned entries, finds segments per model."""
 
+import pytest
 import torch
 
+from kvcomm_agents.errors import BudgetWarning
 from kvcomm_agents.kv.block import KVBlock
 from kvcomm_agents.kv.store import SegmentStore
 
@@ -37,6 +39,20 @@ def test_pinned_segments_are_not_evicted():
     assert store.stats().bytes <= store.max_bytes
 
 
+
+def test_a_prefix_served_through_its_segment_view_is_pinned_while_a_call_uses_it():
+    ids = torch.arange(40)
+    store = SegmentStore(max_bytes=1 << 20, min_run=8)
+    kv = KVBlock.stacked(torch.zeros(1, 1, 40, 4), torch.zeros(1, 1, 40, 4))
+    store.put_prefix(ids, kv, "m")
+    (view, *_), = store.find_runs(ids, "m", torch.ones(40, dtype=torch.bool), 39)
+    assert view.ref.kind == SegmentStore.PREFIX_KIND
+    with store.pinned([view]):
+        store.resize(0)  # everything unpinned goes
+        assert len(store) == 1 and store.longest_prefix(ids, "m")[1] == 40 and store.stats().pinned == 1
+    with store.pinned([make_segment("never stored")]):
+        assert len(store) == 0 and store.stats().pinned == 0  # only entries the store holds count
+
 def test_oversized_segment_is_refused():
     store = SegmentStore(max_bytes=10)
     assert store.put(make_segment()) is False
@@ -65,3 +81,12 @@ def test_prefix_lookup_and_domination():
     assert store.stats().prefixes == 1  # the shorter entry is covered and dropped
     store.clear()
     assert len(store) == 0
+
+
+def test_a_prefix_over_the_whole_budget_leaves_the_shorter_ones_it_covers():
+    store = SegmentStore(max_bytes=block(10).nbytes)
+    store.put_prefix(torch.arange(10), block(10), "m")
+    with pytest.warns(BudgetWarning):
+        assert store.put_prefix(torch.arange(20), block(20), "m") is False  # too big: not kept
+    assert store.longest_prefix(torch.arange(20), "m")[1] == 10  # and the shorter one is still served
+    assert store.put_prefix(torch.arange(10), block(10), "m") is True and store.stats().prefixes == 1
