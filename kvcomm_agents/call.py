@@ -178,9 +178,11 @@ class CallSteps:
             refuse = "reuse_off"
         elif window is not None and layout.ids.numel() + new_tokens > window:
             refuse = "sliding_window"
-        return plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config, agent=agent,
-                         refuse_reason=refuse, anchors=self.anchors, versions=self.versions, own_texts=self.own_texts,
-                         calibrating=self.calibrating.active, prefill_cost=self.parts.prefill_cost)
+        with self.store.catalog_read_once():
+            return plan_call(layout, store=self.store, fingerprint=self.info.fingerprint, config=self.config,
+                             agent=agent, refuse_reason=refuse, anchors=self.anchors, versions=self.versions,
+                             own_texts=self.own_texts, calibrating=self.calibrating.active,
+                             prefill_cost=self.parts.prefill_cost)
 
     def keep(self, call: PreparedCall, messages: Messages, agent: str,
              text: TextAccumulator) -> tuple[Optional[SegmentRef], Optional[float]]:

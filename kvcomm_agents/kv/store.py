@@ -19,8 +19,8 @@ import threading
 import uuid
 import warnings
 from collections import OrderedDict, deque
-from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 from pydantic import BaseModel
@@ -263,6 +263,10 @@ class SegmentStore:
                 fingerprint=entry.fingerprint)
             self._view_entries[view.id] = entry.id
         return view
+
+    def catalog_read_once(self) -> ContextManager[None]:
+        """Within it, this thread's lookups read the shared tier's catalog once (:meth:`.tier_link.TierLink.read_once`)."""
+        return self._tier.read_once() if self._tier is not None else nullcontext()
 
     # ---- lifetime -------------------------------------------------------------------------
     @contextmanager

@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Mapping, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -52,6 +53,7 @@ class TierLink:
         self.shared, self.prefix_entry = shared, prefix_entry
         self.store_lock, self.entries, self.runs, self.insert = store_lock, entries, runs, insert
         self.lock = threading.Lock()  # one catalog read at a time (the cursor)
+        self._local = threading.local()  # per thread: read_once's depth, and whether it read
         self.remote: OrderedDict[str, CatalogItem] = OrderedDict()  # what the tier holds, by key
         self._prefixes = PrefixTree()  # the tier's exact prefixes by their ids
         self._cursor = None  # the tier's catalog cursor (opaque)
@@ -59,10 +61,28 @@ class TierLink:
         self.fetched = self.misses = 0
         self._warned = False
 
+    @contextmanager
+    def read_once(self) -> Iterator[None]:
+        """Within it, this thread's :meth:`sync` reads the catalog once, at the first lookup that
+        needs it: a plan's lookups (prefix, references, spans, token runs) cost one round trip,
+        not one each. What other replicas publish meanwhile is found by the next plan."""
+        depth = getattr(self._local, "depth", 0)
+        if not depth:
+            self._local.read = False
+        self._local.depth = depth + 1  # nested scopes read with the outermost
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
     def sync(self) -> None:
         """Read the catalog items published since the last read: the round trip without the
         store's lock, the items merged under it. One reader at a time, read and merge together
         (another call's sync returns only once what was read before it is findable here)."""
+        if getattr(self._local, "depth", 0):
+            if self._local.read:
+                return
+            self._local.read = True
         with self.lock:
             try:
                 items, self._cursor = self.shared.catalog(self._cursor)

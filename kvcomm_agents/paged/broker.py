@@ -134,11 +134,12 @@ class KVCommBroker:
             if not self.config.reuse:
                 plan = CallPlan(layout.ids, dense_reason="reuse_off")
             else:
-                plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint,
-                                 config=self._prefix_config if prefix_only else self.config,
-                                 agent=agent, refuse_reason=None if reuse else "reuse_off",
-                                 anchors=self.anchors if self.config.method == "kvcomm" else None,
-                                 versions=self.versions, own_texts=self.own_texts)
+                with self.store.catalog_read_once():
+                    plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint,
+                                     config=self._prefix_config if prefix_only else self.config,
+                                     agent=agent, refuse_reason=None if reuse else "reuse_off",
+                                     anchors=self.anchors if self.config.method == "kvcomm" else None,
+                                     versions=self.versions, own_texts=self.own_texts)
             claim = contiguous_claim(plan, held, DENSE_TAIL)
             self._requests[request_id] = BrokeredRequest(agent, claim)
             return claim

@@ -277,3 +277,35 @@ def test_what_one_sync_read_is_findable_before_another_sync_returns():
         resume.set()
         first.join(30)
     assert found is not None and found.ref == segment.ref
+
+
+def test_a_plans_lookups_read_the_catalog_once():
+    class Counting(MemorySegments):
+        reads = 0
+
+        def catalog(self, cursor):
+            Counting.reads += 1
+            return super().catalog(cursor)
+
+    tier = Counting()
+    store = SegmentStore(1 << 20, min_run=4, shared=tier)
+    prompt = torch.arange(20)
+    free = torch.ones(20, dtype=torch.bool)
+
+    def lookups():
+        store.longest_prefix(prompt, "fp")
+        store.get("unknown")
+        store.find_runs(prompt, "fp", free, 19)
+
+    lookups()
+    assert Counting.reads == 3  # one round trip each
+    with store.catalog_read_once():
+        lookups()
+        with store.catalog_read_once():  # nested: read with the outermost
+            lookups()
+        lookups()
+    assert Counting.reads == 4
+    SegmentStore(1 << 20, min_run=4, shared=tier).put(_segment(12))  # published meanwhile
+    with store.catalog_read_once():
+        assert [run[0].id for run in store.find_runs(torch.arange(10, 22), "fp", free[:12], 11)]  # the next plan finds it
+    assert Counting.reads == 5
