@@ -56,19 +56,21 @@ class TokenRunIndex:
         self.stride = max(1, self.min_run - self.gram + 1)
         self._table: dict[int, list[tuple[str, int]]] = {}
         self._keys: dict[str, list[int]] = {}  # key -> its window hashes
-        self._ids: dict[str, list[int]] = {}  # key -> its token ids
+        self._ids: dict[str, tuple[int, ...]] = {}  # key -> its token ids
 
-    def add(self, key: str, ids: torch.Tensor) -> None:
-        """Index entry ``key`` holding ``ids`` (``[n]`` int64)."""
+    def add(self, key: str, ids: torch.Tensor | tuple[int, ...]) -> None:
+        """Index entry ``key`` holding ``ids``: ``[n]`` int64, or a tuple of ints, kept as it is
+        (a tier's catalog item's ids, held once however many items the catalog announces)."""
         self.remove(key)
-        hashes = window_hashes(ids, self.gram)[:: self.stride].tolist()
+        tensor = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+        hashes = window_hashes(tensor, self.gram)[:: self.stride].tolist()
         for n, value in enumerate(hashes):
             bucket = self._table.setdefault(value, [])
             bucket.append((key, n * self.stride))
             if len(bucket) > _MAX_PER_HASH:
                 del bucket[0]
         self._keys[key] = hashes
-        self._ids[key] = ids.tolist()
+        self._ids[key] = ids if isinstance(ids, tuple) else tuple(tensor.tolist())
 
     def remove(self, key: str) -> None:
         """Forget entry ``key`` (no-op if it is not indexed)."""
@@ -81,7 +83,7 @@ class TokenRunIndex:
             if not bucket:
                 del self._table[value]
 
-    def ids(self, key: str) -> list[int]:
+    def ids(self, key: str) -> tuple[int, ...]:
         """The token ids of entry ``key``."""
         return self._ids[key]
 
@@ -93,7 +95,7 @@ class TokenRunIndex:
         return len(self._keys)
 
 
-def extend_run(prompt: list[int], source: Sequence[int], p: int, o: int, gram: int, lower: int,
+def extend_run(prompt: Sequence[int], source: Sequence[int], p: int, o: int, gram: int, lower: int,
                upper: int, free: list[bool]) -> tuple[int, int, int]:
     """The maximal run through a verified window hit: prompt ``p..p+gram`` equals source
     ``o..o+gram``; grown backwards no lower than ``lower`` and forwards short of ``upper``, over
@@ -125,7 +127,7 @@ def scan(prompt_ids: torch.Tensor, free: torch.Tensor, index: TokenRunIndex, all
         position the longest run wins (ties: the most recently indexed entry).
     """
     gram = index.gram
-    prompt, free_list = prompt_ids.tolist(), free.tolist()
+    prompt, free_list = tuple(prompt_ids.tolist()), free.tolist()
     hashes = window_hashes(prompt_ids, gram).tolist()
     blocked = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((~free).long(), 0)]).tolist()
     p, lower = 0, 0
@@ -167,7 +169,7 @@ def longest_through(prompt_ids: torch.Tensor, free: torch.Tensor, index: TokenRu
         ``(key, prompt_start, source_start, length)`` or None; ties: the most recently indexed
         entry (at the lowest window).
     """
-    gram, prompt, free_list = index.gram, prompt_ids.tolist(), free.tolist()
+    gram, prompt, free_list = index.gram, tuple(prompt_ids.tolist()), free.tolist()
     stop = min(position + index.stride, upper - gram + 1)
     hashes = window_hashes(prompt_ids[position : stop + gram - 1], gram).tolist() if stop > position else []
     best, met = None, set()  # met: (key, source offset - prompt offset) of the runs extended

@@ -239,17 +239,21 @@ class SegmentStore:
             return entry is not None and entry_fingerprint(entry) == fingerprint \
                 and (isinstance(entry, PrefixEntry) or not prefixes_only)
 
+        runs = None
         if self._tier is not None:
             self._tier.sync()
             with self._lock:
-                remote = self._tier.or_remote(allowed, fingerprint, prefixes_only)
-                items = [self._tier.item(key) for key, *_ in lookup(remote)]
-            self._tier.fetch_all(items)
+                runs = list(lookup(self._tier.or_remote(allowed, fingerprint, prefixes_only)))
+                items = [self._tier.item(key) for key, *_ in runs]
+            if any(item is not None for item in items):
+                self._tier.fetch_all(items)  # then looked up again: found here
+                runs = None
         with self._lock:
             found = []
-            for key, start, source_start, length in lookup(allowed):
-                self._touch(key)
-                found.append((self._segment_view(self._entries[key]), start, source_start, length))
+            for key, start, source_start, length in runs if runs is not None else lookup(allowed):
+                if key in self._entries:  # (found before the lock was let go: it may have gone since)
+                    self._touch(key)
+                    found.append((self._segment_view(self._entries[key]), start, source_start, length))
             return found
 
     def _segment_view(self, entry: Entry) -> KVSegment:

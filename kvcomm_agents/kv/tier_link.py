@@ -95,7 +95,7 @@ class TierLink:
                     if item.key in self.remote or item.key in self.entries:
                         continue
                     self._remember(item)
-                    self.runs.add(REMOTE + item.key, torch.tensor(item.token_ids, dtype=torch.long))
+                    self.runs.add(REMOTE + item.key, item.token_ids)
                 while len(self.remote) > MAX_REMOTE:
                     key, _ = self.remote.popitem(last=False)
                     self._prefixes.remove(key)
@@ -118,7 +118,7 @@ class TierLink:
                 self._devices = [k.device for k in entry.kv.keys for _ in range(k.shape[0])]
             self._remember(item, key)
             if key not in self.entries:  # evicted meanwhile: findable again, fetched on use
-                self.runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
+                self.runs.add(REMOTE + key, item.token_ids)
 
     def fetch(self, item: CatalogItem) -> Entry | None:
         """Fetch and hold an entry of the tier (the round trip and decoding without the store's
@@ -198,7 +198,7 @@ class TierLink:
         use). Call under the store's lock."""
         item = self.remote.get(key)
         if item is not None:
-            self.runs.add(REMOTE + key, torch.tensor(item.token_ids, dtype=torch.long))
+            self.runs.add(REMOTE + key, item.token_ids)
 
     def failed(self, error: Exception) -> None:
         """Warn once that the tier failed; the store serves from memory."""

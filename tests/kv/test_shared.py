@@ -309,3 +309,30 @@ def test_a_plans_lookups_read_the_catalog_once():
     with store.catalog_read_once():
         assert [run[0].id for run in store.find_runs(torch.arange(10, 22), "fp", free[:12], 11)]  # the next plan finds it
     assert Counting.reads == 5
+
+
+def test_runs_are_looked_up_once_where_the_tier_adds_nothing(monkeypatch):
+    import kvcomm_agents.kv.store as store_module
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return store_module_scan(*args, **kwargs)
+
+    store_module_scan = store_module.scan
+    monkeypatch.setattr(store_module, "scan", counting)
+    tier = MemorySegments()
+    store = SegmentStore(1 << 20, min_run=4, shared=tier)
+    local = _segment(12)
+    store.put(local)
+    prompt = torch.tensor([1, 2, 3] + list(local.token_ids) + [7])
+    free = torch.ones(len(prompt), dtype=torch.bool)
+    assert [run[0].id for run in store.find_runs(prompt, "fp", free, len(prompt) - 1)] == [local.id]
+    assert len(calls) == 1  # nothing of the tier's: the first look-up is the answer
+    remote = _segment(9)
+    SegmentStore(1 << 20, min_run=4, shared=tier).put(remote)
+    prompt = torch.tensor([1] + list(remote.token_ids) + [7])
+    assert [run[0].id for run in store.find_runs(prompt, "fp", torch.ones(len(prompt), dtype=torch.bool),
+                                                 len(prompt) - 1)] == [remote.id]
+    assert len(calls) == 3 and store.stats().shared_fetched == 1  # fetched, then found here

@@ -50,7 +50,8 @@ def test_sync_indexes_what_the_tier_holds_and_this_store_does_not():
     parts.entries[mine.id] = mine
     parts.link.sync()
     assert set(parts.link.remote) == {theirs.id}
-    assert parts.runs.ids(REMOTE + theirs.id) == list(theirs.token_ids)
+    assert parts.runs.ids(REMOTE + theirs.id) == tuple(theirs.token_ids)
+    assert parts.runs.ids(REMOTE + theirs.id) is parts.link.remote[theirs.id].token_ids  # the catalog's, not a copy
     assert not indexed(parts.runs, REMOTE + mine.id)  # held here: not indexed as remote
     parts.link.sync()  # a second read sees nothing new
     assert set(parts.link.remote) == {theirs.id}
@@ -77,10 +78,10 @@ def test_publish_makes_an_entry_findable_again_once_evicted_and_a_failing_tier_w
     segment = _segment(9)
     parts.link.publish(segment.id, segment)
     assert tier.fetch(segment.id) is not None and segment.id in parts.link.remote
-    assert parts.runs.ids(REMOTE + segment.id) == list(segment.token_ids)  # not held here: findable remotely
+    assert parts.runs.ids(REMOTE + segment.id) == tuple(segment.token_ids)  # not held here: findable remotely
     parts.runs.remove(REMOTE + segment.id)
     parts.link.removed(segment.id)  # the store dropped it: the tier still holds it
-    assert parts.runs.ids(REMOTE + segment.id) == list(segment.token_ids)
+    assert parts.runs.ids(REMOTE + segment.id) == tuple(segment.token_ids)
 
     class Down(MemorySegments):
         def publish(self, item, blob):
