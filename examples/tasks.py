@@ -70,8 +70,10 @@ def load_problems(n: int, path: Path = DEFAULT_HUMANEVAL) -> list[dict]:
 
 # ---- documentation pages (offline, rendered by pydoc) ---------------------------------------
 def stdlib_doc(dotted: str, max_chars: int = 1800) -> str:
-    """Plain-text pydoc of a standard-library object, capped at ``max_chars``. (The text depends
-    on the Python version: compare runs made with the same interpreter.)"""
+    """Plain-text pydoc of a standard-library object, capped at ``max_chars``, without the memory
+    addresses of default values' reprs (``<... object at 0x7f...>``: they change from process
+    to process, and a benchmark's prompts must not). (The text depends on the Python version:
+    compare runs made with the same interpreter.)"""
     module_name, *attrs = dotted.split(".")
     obj = importlib.import_module(module_name)
     for attr in attrs:
@@ -80,4 +82,4 @@ def stdlib_doc(dotted: str, max_chars: int = 1800) -> str:
         except AttributeError:
             obj = importlib.import_module(f"{obj.__name__}.{attr}")
     text = pydoc.render_doc(obj, title=f"Documentation of {dotted}:\n%s", renderer=pydoc.plaintext)
-    return text[:max_chars].rstrip()
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)[:max_chars].rstrip()

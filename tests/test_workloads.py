@@ -162,6 +162,19 @@ def test_long_documents_are_long_and_in_every_prompt(tokenizer):
     assert all(len(tokenizer(r.shared[0])["input_ids"]) >= 1500 for r in counted.requests)
 
 
+def test_documents_are_the_same_in_every_process():
+    """pydoc shows default values' reprs, some with a memory address (``dataclasses.field``'s
+    ``<... object at 0x...>``): left in, a run's prompts would differ from the next run's."""
+    import subprocess
+    import sys
+
+    script = ("from benchmarks.graphs import long_document; "
+              "print(repr([r.shared[0] for r in long_document(requests=6, split='report').requests]))")
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert runs[0] == runs[1] and "0x" not in runs[0]
+
+
 @pytest.mark.embedded
 def test_long_documents_are_1500_embedded_tokens():
     try:
