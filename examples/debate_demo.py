@@ -9,8 +9,9 @@ store (8 tokens only, for its time to first token and its first 8 token ids).
 The table shows, per solver position (mean over questions): prompt size, the share of the prompt
 served from the KV store, time to first token with reuse and dense, the speed-up, whether the
 first 8 greedy tokens agree with dense, and what the engine decided for each shared segment.
-Below it: the agent-level reuse rate (calls in which no shared segment was prefilled) and the
-token share, over all questions and after the anchor warm-up.
+Below it: the share of prompt tokens served from cache and the agent-level reuse rate (KVCOMM's
+metric: calls in which no shared segment was computed; short texts are computed on purpose, so
+it can be low while most tokens come from cache), over all questions and after the warm-up.
 
 Run from the repository root:
     python -m examples.debate_demo [--questions 5] [--agents 4] [--max-new-tokens 64] [--warmup 2]
@@ -103,9 +104,11 @@ def print_reuse(records: list[dict], warmup: int) -> None:
     def line(label: str, rows: list[dict]) -> None:
         summary = ReuseSummary.of(r["stats"] for r in rows if r["agent"] > 1)
         rate = "-" if summary.reuse_rate is None else f"{100 * summary.reuse_rate:.0f}%"
-        print(f"  {label:<26} reuse rate {rate:>4} ({summary.fully_reused}/{summary.eligible} calls), "
-              f"token share {100 * summary.token_share:.0f}%")
-    print("\nReuse, solvers 2..N (reuse rate = calls in which no shared segment was prefilled):")
+        print(f"  {label:<26} prompt tokens from cache {100 * summary.token_share:>3.0f}%, "
+              f"reuse rate {rate:>4} ({summary.fully_reused}/{summary.eligible} calls)")
+    print("\nReuse, solvers 2..N (reuse rate: calls that computed none of their shared text; short texts, and "
+          "replies with no version computed for this reader, are computed on purpose, so it can read 0% while "
+          "most tokens come from cache):")
     line("all questions", records)
     late = [r for r in records if r["question"] > warmup]
     if late:

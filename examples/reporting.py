@@ -100,8 +100,9 @@ def print_agent_table(reuse_calls: list[CallStats], dense_calls: list[CallStats]
               f"{dense_ttft / ttft:>7.2f}x {100 * drafted:>6.0f}%  {_decisions(calls)}{opted}")
     summary = ReuseSummary.of(reuse_calls)
     rate = "-" if summary.reuse_rate is None else f"{100 * summary.reuse_rate:.0f}%"
-    print(f"reuse rate {rate} of {summary.eligible} calls with shared text ({summary.opted_out} opted out); "
-          f"token share {100 * summary.token_share:.0f}%. TTFT: means per agent, the dense pipeline ran "
+    print(f"prompt tokens from cache {100 * summary.token_share:.0f}%; calls that computed none of their shared "
+          f"text {summary.fully_reused}/{summary.eligible} (reuse rate {rate}; {summary.opted_out} opted out: short "
+          "texts are computed on purpose). TTFT: means per agent, the dense pipeline ran "
           "on a second engine in the same process. drafted: the replies' ids kept from drafts (no decode "
           "step of their own).")
 
