@@ -266,6 +266,7 @@ LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined ex
           "rerotate": "re-rotation only", "cacheblend": "CacheBlend-style 15%", "kvcomm-paper": "KVCOMM as in the paper",
           "kvcomm-mean": "**default**", "lower-bound": "limit (no shared prefill)",
           "kvcomm-mean-tail-0": "default without the run tail (`recompute_tail=0`)",
+          "kvcomm-mean-last-0": "default without the last run computed (`recompute_last_run=0`)",
           "kvcomm-trust-clear": "default trusting re-rotation on a clear sample (`rerotation_trust=\"clear_sample\"`)",
           "kvcomm-remembered": "default, measurements remembered from earlier engines (`remember_measurements`)",
           "kvcomm-no-short-sample": "default without the short first sample (`short_rerotation_sample=False`)",

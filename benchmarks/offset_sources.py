@@ -53,7 +53,7 @@ BUILDERS = {"b": lambda n: gsm8k_debate(requests=n, split="dev"), "e": lambda n:
 def record_all(workload: Workload, refs: dict, model, tokenizer) -> KVCommEngine:
     """An engine whose pools hold every receiver's exact offsets of every shared segment."""
     config = KVCommConfig(audit_every=0, max_anchors=64, anchor_max_bytes=8 << 30, store_max_bytes=8 << 30,
-                          recompute_head=0, recompute_tail=0, recompute_short_runs=0,
+                          recompute_head=0, recompute_tail=0, recompute_short_runs=0, recompute_last_run=0,
                           recorded_versions=False,
                           experimental=ExperimentalSettings(min_anchors=10_000))
     engine = KVCommEngine(model, tokenizer, config=config)

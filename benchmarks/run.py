@@ -256,7 +256,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--strategies", default=",".join(DEFAULT_NAMES),
                         help=f"comma-separated, dense first, of: {', '.join(NAMES)}; an engine strategy + '-head-N' "
                              "recomputes the first N tokens of each reused run, + '-short-N' computes approximate runs of "
-                             "at most N tokens whole")
+                             "at most N tokens whole, '-tail-N' and '-last-N' set recompute_tail and recompute_last_run")
     parser.add_argument("--gamma", type=float, default=0.3, help="entropy-gate threshold of the KVCOMM strategies")
     parser.add_argument("--recompute-share", type=float, default=0.15, help="CacheBlend-style share recomputed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -283,7 +283,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.noise_floor = [p for p in args.noise_floor.split(",") if p]
     for name in args.strategies:
         if not known(name):
-            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N' / '-short-N'")
+            parser.error(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy + '-head-N' / '-short-N' / '-tail-N' / '-last-N'")
     if any(s.startswith("kvcomm-remembered") for s in args.strategies) and args.remembered is None:
         parser.error("kvcomm-remembered needs --remembered FOLDER (the measurements it starts from)")
     if "dense" not in args.strategies:

@@ -46,7 +46,8 @@ re-rotated alone where re-rotation was measured within the budget, ``experimenta
 ``shared_runs="anywhere"``), ``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
 reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
 ``--remembered FOLDER``, writing its own there: ``remember_measurements``); any engine strategy + ``-head-N`` (the first N
-tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole).
+tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole),
+``-tail-N``, ``-last-N`` (``recompute_tail``, ``recompute_last_run``).
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class PipelinedPrefill(EngineStrategy):
 
 #: the paper's KVCOMM: no head recompute, no recorded versions or copies, its similarity-weighted
 #: estimate, no KL budget or audits
-PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0, "recorded_versions": False, "reply_copies": False,
+PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,
+         "recompute_last_run": 0, "recorded_versions": False, "reply_copies": False,
          "text_copies": False, "experimental": ExperimentalSettings(estimator="weighted")}
 
 
@@ -163,8 +165,9 @@ PAPER = {"kl_budget": None, "audit_every": 0, "recompute_head": 0, "recompute_ta
 COPIES = {"reply_copies": True, "text_copies": True}
 
 #: the suffixes an engine strategy's name may take: ``-head-N`` recomputes the first N tokens of
-#: each reused run, ``-short-N`` computes whole every approximate run of at most N tokens
-_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?(?:-tail-(?P<tail>\d+))?")
+#: each reused run, ``-short-N`` computes whole every approximate run of at most N tokens,
+#: ``-tail-N`` and ``-last-N`` set ``recompute_tail`` and ``recompute_last_run``
+_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?(?:-tail-(?P<tail>\d+))?(?:-last-(?P<last>\d+))?")
 
 
 def _split(name: str) -> tuple[str, dict]:
@@ -175,12 +178,14 @@ def _split(name: str) -> tuple[str, dict]:
         update["recompute_short_runs"] = int(match["short"])
     if match["tail"] is not None:
         update["recompute_tail"] = int(match["tail"])
+    if match["last"] is not None:
+        update["recompute_last_run"] = int(match["last"])
     return match["base"], update
 
 
 def known(name: str) -> bool:
-    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by ``-head-N``
-    and/or ``-short-N``."""
+    """A strategy name: one of ``NAMES``, or an engine strategy of them followed by any of
+    ``-head-N``, ``-short-N``, ``-tail-N``, ``-last-N`` (in that order)."""
     base, update = _split(name)
     return name in NAMES or bool(update and base in NAMES and base != "lower-bound")
 
@@ -194,7 +199,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "prefix": {"method": "exact_prefix", "audit_every": 0},
         "pipelined": {"method": "exact_prefix", "audit_every": 0},
         "rerotate": {"method": "rerotate", "audit_every": 0},
-        "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0},
+        "cacheblend": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,
+                       "recompute_last_run": 0},
         "kvcomm-paper": {"method": "kvcomm", "gamma": gamma, **PAPER},
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-mean-steps-alone": {"method": "kvcomm", "gamma": gamma, "batched_decode": False},
@@ -203,6 +209,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
         "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,
+                              "recompute_last_run": 0,
                               "shared_runs": "messages"},
         "kvcomm-messages": {"method": "kvcomm", "gamma": gamma, "shared_runs": "messages"},
         "kvcomm-no-audit": {"method": "kvcomm", "gamma": gamma, "audit_every": 0, "kl_budget": None},
@@ -238,7 +245,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         return {**table[base], **update}
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy "
-                         "followed by -head-N and/or -short-N")
+                         "followed by -head-N, -short-N, -tail-N, -last-N")
     return table[name]
 
 

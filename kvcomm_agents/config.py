@@ -25,7 +25,7 @@ class ExperimentalSettings(BaseModel):
     """The paper's variants and the anchor pools' details. Defaults are the measured best; change
     them to reproduce the paper (``estimator="weighted"``, with ``KVCommConfig(kl_budget=None,
     recorded_versions=False, reply_copies=False, text_copies=False, recompute_head=0,
-    recompute_tail=0, recompute_short_runs=0)``) or to
+    recompute_tail=0, recompute_short_runs=0, recompute_last_run=0)``) or to
     experiment, not to tune a deployment."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -136,16 +136,15 @@ class KVCommConfig(BaseModel):
     min_match_tokens: int = Field(
         default=8, ge=1,
         description=(
-            "Shortest run of a shared segment's token ids that is reused. Shorter runs are "
-            "computed in context (decision reason 'too_short' or 'stale'): re-rotating a few "
-            "tokens saves little and their KV depends most on the surrounding text."
+            "Shortest run of a shared segment's token ids that is reused. Shorter runs are computed in context "
+            "(reason 'too_short' or 'stale'): a few re-rotated ids save little and depend most on their context."
         ),
     )
     prefix_cache: bool = Field(
         default=True,
         description=(
-            "Reuse, exactly, the longest prefix of a prompt that an earlier prompt (plus its reply) "
-            "already computed: a second debate round, a tool loop, a re-sent history."
+            "Reuse, exactly, the longest prefix of a prompt that an earlier prompt (plus its reply) already "
+            "computed: a second debate round, a tool loop, a re-sent history."
         ),
     )
     dense_when_cheaper: bool = Field(
@@ -180,17 +179,16 @@ class KVCommConfig(BaseModel):
     capture_messages: bool = Field(
         default=True,
         description=(
-            "Keep the KV of every user and tool message, cut from the first prompt that "
-            "contained it, as a segment that later prompts can reuse."
+            "Keep the KV of every user and tool message, cut from the first prompt that contained it, as a "
+            "segment later prompts can reuse."
         ),
     )
     store_max_bytes: Optional[int] = Field(
         default=None, ge=0,
         description=(
-            "Byte budget of the segment store (segments and exact prefixes together). The least "
-            "recently used entries are evicted beyond it, never one that a running call uses. "
-            "None: 20% of the memory available on the model's device at engine start (2 GiB "
-            "where it cannot be read)."
+            "Byte budget of the segment store (segments and exact prefixes together). The least recently used "
+            "entries are evicted beyond it, never one that a running call uses. None: 20% of the memory "
+            "available on the model's device at engine start (2 GiB where it cannot be read)."
         ),
     )
     gamma: float = Field(
@@ -270,28 +268,32 @@ class KVCommConfig(BaseModel):
         default=8, ge=0,
         description=(
             "Compute the last N tokens of a reused run in context too where the run ends at most 64 ids before "
-            "the prompt's end (planner.TAIL_REACH), as recompute_head does its first (not where a framed copy "
-            "of the segment, computed in this reader's framing, fits, nor with own-text reuse, whose pieces continue the run): the "
-            "reader's own instruction and its first token attend most to the text right before them, and a "
-            "re-rotated text that follows text its sender never saw deviates there. On the development range's "
-            "held-out prompt formats (j), a task pasted after the team's notes and right before the reader's "
-            "instruction: readers' first-token KL 0.0140 / 0.0335 / 0.0278 -> 0.0022 / 0.0038 / 0.0072 with 8 (4 "
-            "and 16 alike), the workload's mean 0.0068 -> 0.0026 at 16, for 0-5% more tokens per graph on (a)-(j)"
-            " and no KL change on (a)-(i) (benchmarks/LAB.md, 'The end of a run before the reader's text'). 0: "
-            "off."
+            "the prompt's end (repairs.TAIL_REACH), as recompute_head does its first (not where a version computed"
+            " in this reader's framing fits, nor with own-text reuse): the reader's own text and first token "
+            "attend most to the text right before them. Development range, held-out formats (j), a task pasted "
+            "after the notes right before the reader's instruction: readers' KL 0.0140 / 0.0335 / 0.0278 -> "
+            "0.0022 / 0.0038 / 0.0072, 0-5% more tokens per graph on (a)-(j) (benchmarks/LAB.md, 'The end of a "
+            "run before the reader's text'). 0: off."
+        ),
+    )
+    recompute_last_run: int = Field(
+        default=256, ge=0,
+        description=(
+            "Compute whole, in context, a reused run of at most N ids ending within 64 ids of the prompt's end that "
+            "follows over 64 more ids than its KV was computed after (kvcomm_agents.repairs), where recompute_head "
+            "or recompute_short_runs apply: a task pasted last, after a document it never saw, carries the reader's"
+            " first token (benchmarks/LAB.md, 'The run right before the reader's text'). 0: off."
         ),
     )
     recompute_short_runs: int = Field(
         default=64, ge=0,
         description=(
             "Compute in context, whole, every reused run of at most N tokens that no framed copy fitting the text"
-            " before it serves (a re-rotated, estimated or recorded-version reply, note or question); longer runs"
-            " keep only their head (recompute_head). Re-rotated short runs right before a reader's own text "
-            "carried nearly all of re-rotation's deviation on the development range: re-rotation only's readers' "
-            "first-token KL 0.0144 -> 0.0001 on the long document (h), 0.0364 -> 0.0026 on the RAG hand-off (c), "
-            "0.0234 -> 0.0006 on the changing graph (g), for 10-32% more tokens per graph, and with the checks "
-            "then measuring re-rotation within the budget, the default's whole graph 0.98x -> 1.14x dense on (c) "
-            "(benchmarks/LAB.md, 'Short runs computed whole'). 0: only runs within recompute_head."
+            " before it serves (a reply, note or question); longer runs keep only their head (recompute_head). "
+            "Re-rotated short runs right before a reader's own text carried nearly all of re-rotation's deviation"
+            " on the development range: re-rotation only's readers' KL 0.0144 -> 0.0001 on (h), 0.0364 -> 0.0026 "
+            "on (c), 0.0234 -> 0.0006 on (g), for 10-32% more tokens per graph; the default's graph 0.98x -> 1.14x"
+            " dense on (c) (benchmarks/LAB.md, 'Short runs computed whole'). 0: only runs within recompute_head."
         ),
     )
     recorded_versions: bool = Field(

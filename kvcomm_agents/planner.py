@@ -26,7 +26,6 @@ import logging
 from dataclasses import replace
 from typing import Callable, Optional
 
-
 from .anchors import KVCommAnchors
 from .versions import Versions, is_framed
 from .config import KVCommConfig
@@ -37,21 +36,7 @@ from .matching import Occurrence, TokenMatch, find_shared, match_runs
 from .prefill_cost import PrefillCost
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
-
-
-#: A reused run ending at most this many ids before the prompt's end gives up its last
-#: ``KVCommConfig.recompute_tail`` ids: the text right before the reader's own is what its first
-#: token attends to most.
-TAIL_REACH = 64
-
-
-def computed_head(head: int, length: int, whole_up_to: int = 0) -> int:
-    """Tokens at the start of a reused run of ``length`` tokens computed in context: the whole
-    run where it is at most ``whole_up_to`` tokens (``KVCommConfig.recompute_short_runs``) or
-    ``head`` long, else its first ``head`` (``KVCommConfig.recompute_head``)."""
-    if length <= 0:
-        return 0
-    return length if length <= whole_up_to else min(head, length)
+from .repairs import computed_head, ends_near, moved_past_its_context
 
 
 __all__ = ["plan_call"]
@@ -200,7 +185,7 @@ class _RunDecider:
             end_s = beyond_prefix[-1][1] + beyond_prefix[-1][2]
             if self._version_fits_from_start(occ, contiguous and not self.calibrating, p0, s0, end_s):
                 head = short = tail = 0  # a version computed after the same text: no change of context to repair
-            taken = self._taken(0, length0, covered0, head, short)
+            taken = self._taken(0, occ.segment, beyond_prefix[0], length0, head, short)
             first_p, first_s = p0 + taken, s0 + taken
             tokens = (first_s, end_s) if contiguous else None
             context = self.layout.ids[max(0, first_p - CONTEXT_TOKENS):first_p].tolist()
@@ -221,7 +206,7 @@ class _RunDecider:
                         reason = "over_kl_budget" if verdict.over_budget else "new_anchor"
             if reason is not None:
                 # a partial token run judged new costs only itself; so does a segment computed whole
-                if not isinstance(occ, TokenMatch) and not self._computed_whole(beyond_prefix, head, short, tail):
+                if not isinstance(occ, TokenMatch) and not self._computed_whole(occ.segment, beyond_prefix, head, short, tail):
                     self.after_new_anchor = True
                 for p, s, length, _ in beyond_prefix:
                     self.observations.append(Observation(occ.segment, p, s, min(length, n - 1 - p)))
@@ -229,7 +214,7 @@ class _RunDecider:
         reused = 0
         for index, (p, s, length, covered) in enumerate(beyond_prefix):
             length = min(length, n - 1 - p)
-            taken = self._taken(index, length, covered, head, short)
+            taken = self._taken(index, occ.segment, (p, s, length, covered), length, head, short)
             p, s, length = p + taken, s + taken, length - taken
             length -= (tailed := self._tail(index, p, length, tail))
             if length > 0:
@@ -240,39 +225,39 @@ class _RunDecider:
             skipped = 0
         reused += in_prefix
         if not reused:
-            whole = bool(beyond_prefix) and self._computed_whole(beyond_prefix, head, short, tail)
+            whole = bool(beyond_prefix) and self._computed_whole(occ.segment, beyond_prefix, head, short, tail)
             return "prefilled", "short_run" if whole else "too_short", 0, gate
         return "reused", "exact_prefix" if reused == in_prefix else occ.found_by, reused, gate
 
-    def _taken(self, index: int, length: int, covered: int, head: int, short: int) -> int:
-        """Tokens at the start of run ``index`` (``length`` ids after the exact prefix) computed in
-        context: its head counted from the run's start, less the ``covered`` ids the exact prefix
-        holds. A repeated prompt, whose prefix holds the head its last call computed, computes
-        nothing more; a prefix holding a run's first ids because an earlier prompt began that text
-        with the same words leaves the rest of the head, or of a short run, to compute (served
-        re-rotated, such a short reply measured KL 0.016-0.018 on the parallel branches'
-        aggregator, dev range). The first run's ``head`` and ``short`` (zero where a version fits
-        it), a later run's the config's."""
+    def _taken(self, index: int, segment: KVSegment, run: tuple[int, ...], length: int, head: int, short: int) -> int:
+        """Ids at the start of run ``index`` of ``segment`` (``run``: prompt start, segment start,
+        length, ids the exact prefix holds; ``length`` after the prefix) computed in context: its
+        head, or all of it where short or last and moved (:mod:`.repairs`), less what the prefix holds (a
+        repeated prompt computes nothing more; a prefix holding a run's first ids leaves the rest,
+        served re-rotated, such a short reply measured KL 0.016-0.018 on (i)'s aggregator, dev
+        range). The first run's ``head`` and ``short`` (zero where a version fits it), a later run's the config's."""
         if index:
             head, short = self.config.recompute_head, self.config.recompute_short_runs
-        return max(0, computed_head(head, covered + length, short) - covered)
+        if (head or short) and ends_near(self.n, run[0], length) and moved_past_its_context(segment, run[0], run[1]):
+            short = max(short, self.config.recompute_last_run)  # a run right before the reader's text that moved
+        return max(0, computed_head(head, run[3] + length, short) - run[3])
 
     def _tail(self, index: int, start: int, length: int, tail: int) -> int:
         """Tokens at the end of run ``index`` (``length`` left after its head, from ``start``)
-        computed in context where it ends at most :data:`TAIL_REACH` ids before the prompt's end:
+        computed in context where it ends at most :data:`.repairs.TAIL_REACH` ids before the prompt's end:
         the first run's ``tail`` (zero where a version fits it), a later run's the config's. None
         with own-text reuse: its pieces, with offsets of their own, continue a run to its end."""
-        if self.n - (start + length) > TAIL_REACH or self.config.experimental.own_text == "reuse":
+        if not ends_near(self.n, start, length) or self.config.experimental.own_text == "reuse":
             return 0
         return max(0, min(self.config.recompute_tail if index else tail, length))
 
-    def _computed_whole(self, runs: list[tuple[int, int, int, int]], head: int, short: int, tail: int) -> bool:
+    def _computed_whole(self, segment: KVSegment, runs: list[tuple[int, ...]], head: int, short: int, tail: int) -> bool:
         """Whether every one of ``runs`` (prompt start, segment start, length, ids of it the
         exact prefix holds) is computed whole (:meth:`_taken`, :meth:`_tail`). The gate's
         refusal of such a segment computes it and records it as an anchor, but not everything
         after it (``after_new_anchor``): the later segments' reuse would go for text computed anyway."""
         lengths = [min(length, self.n - 1 - p) for p, _, length, _ in runs]
-        taken = [self._taken(i, lengths[i], run[3], head, short) for i, run in enumerate(runs)]
+        taken = [self._taken(i, segment, run, lengths[i], head, short) for i, run in enumerate(runs)]
         return all(t + self._tail(i, run[0] + t, lengths[i] - t, tail) >= lengths[i]
                    for i, (t, run) in enumerate(zip(taken, runs)))
 

@@ -79,14 +79,16 @@ def model(request, llama, qwen2):
 
 
 #: Tests of the reuse mechanics run on short texts (the tiny tokenizer: replies and shared
-#: messages of 10-40 ids). They pin the run head at 4 ids, compute no run's tail and no short run
-#: whole, so that such runs are re-rotated (the default computes runs of up to 64 ids whole, and
-#: the last 8 ids of a run right before the reader's own text): what they check is the mechanics
+#: messages of 10-40 ids). They pin the run head at 4 ids, compute no run's tail and no short or
+#: last run whole, so that such runs are re-rotated (the default computes runs of up to 64 ids
+#: whole, one of up to 256 right before the reader's own text, and the last 8 ids of a longer one
+#: there): what they check is the mechanics
 #: of reuse (tests/test_computed_heads.py checks heads, tails and short runs). Copies (off in the default) are on and fed whatever they cost, so that
 #: their mechanics run wherever reuse's do: whether they pay is timed on the machine running the
 #: tests (tests/test_copy_cost.py sets the rates; tests that check the rule switch it on). Audits
 #: run at the cadence a test sets, whatever reuse spared (tests/test_audit.py prices them).
-MECHANICS = {"recompute_head": 4, "recompute_tail": 0, "recompute_short_runs": 0, "reply_copies": True, "text_copies": True,
+MECHANICS = {"recompute_head": 4, "recompute_tail": 0, "recompute_short_runs": 0, "recompute_last_run": 0,
+             "reply_copies": True, "text_copies": True,
              "copies_when_cheaper": False, "audit_share": None}
 #: the experimental settings those tests start from: replies re-rotated like any text (the tests'
 #: replies are short; tests/test_rerotation_check.py tests the default)

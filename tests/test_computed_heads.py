@@ -37,7 +37,7 @@ def test_recompute_tail_computes_the_last_tokens_of_each_reused_run(llama, token
     gives up its last 3 tokens (beside its head) to the prefill, the positions right before the
     reader's own text; one further from the end keeps them. Head and tail as long as the runs
     leave nothing reused, reason ``short_run``, and the call equals dense."""
-    from kvcomm_agents.planner import TAIL_REACH
+    from kvcomm_agents.repairs import TAIL_REACH
 
     def second_call(tail: int, head: int = 4, after: str = ""):
         engine = make_engine(llama, prefix_cache=False, recompute_head=head, recompute_tail=tail,
@@ -66,6 +66,35 @@ def test_recompute_tail_computes_the_last_tokens_of_each_reused_run(llama, token
     assert {d.reason for d in whole.result.stats.shared_decisions} == {"short_run"}
     dense = first_logits(KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense")), messages, agent="s2")
     torch.testing.assert_close(whole.first_token_logits, dense, atol=1e-4, rtol=0)
+
+
+def test_a_last_run_that_moved_past_text_it_never_saw_is_computed_whole_up_to_recompute_last_run(
+        llama, tokenizer, make_engine):
+    """``recompute_last_run=N``: the question, computed near the start of solver one's prompt,
+    pasted last in a reader's prompt after a long text it never saw (over 64 more ids before it)
+    is computed whole where it is at most N ids; at its old place, or with N shorter than it,
+    it keeps all but its head."""
+    from kvcomm_agents.repairs import TAIL_REACH
+
+    filler = "Think it over carefully before you answer, and check every step twice. " * 8
+
+    def second_call(last: int, moved: bool):
+        engine = make_engine(llama, prefix_cache=False, recompute_head=4, recompute_last_run=last,
+                             dense_when_cheaper=False)
+        replayed(engine, solver_messages("You are solver one."), "s1")
+        messages = solver_messages("You are solver two.")
+        if moved:
+            messages.insert(1, {"role": "user", "content": filler})
+        return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]).result.stats
+
+    plain = second_call(0, moved=True)
+    assert len(plain.reused_spans) == 1 and plain.prompt_tokens - plain.reused_spans[0][1] <= TAIL_REACH
+    a, b = plain.reused_spans[0]
+    assert a > 64 + 4  # after the filler
+    computed = second_call(b - a + 4, moved=True)  # the question with its head
+    assert computed.reused_tokens == 0 and {d.reason for d in computed.shared_decisions} == {"short_run"}
+    assert second_call(b - a + 3, moved=True).reused_spans == plain.reused_spans
+    assert second_call(b - a + 4, moved=False).reused_spans == second_call(0, moved=False).reused_spans != []
 
 
 def test_short_runs_are_computed_whole_and_long_ones_keep_their_head(model, tokenizer, make_engine):

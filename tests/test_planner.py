@@ -105,7 +105,7 @@ def test_kvcomm_without_anchors_computes_from_the_first_new_segment_on():
 
 
 def test_short_approximate_runs_are_computed_whole():
-    from kvcomm_agents.planner import computed_head
+    from kvcomm_agents.repairs import computed_head
 
     assert computed_head(16, 0) == 0 and computed_head(0, 500) == 0
     assert computed_head(16, 500) == 16 and computed_head(16, 10) == 10  # a run within the head: whole

@@ -145,3 +145,24 @@ def test_batched_steps_times_a_forward_per_length_and_rows(tmp_path):
         (length, rows, ids) for length in (8, 16) for rows in (1, 3) for ids in (1, 4)]
     assert all(r["step_s"] > 0 and r["per_row_s"] * r["rows"] == pytest.approx(r["step_s"]) for r in records)
     assert "| 16 | 3 | 4 |" in batched_steps.table(records)
+
+
+def test_held_out_shapes_embed_their_shared_texts_and_run_the_graph_protocol(tmp_path):
+    """``benchmarks/held_out_shapes.py``: each shape's prompts hold its shared texts verbatim
+    (the splits' data differ), and a tool graph runs on the tiny model with every strategy's
+    graph summarized and written."""
+    from benchmarks import held_out_shapes as hs
+
+    for shape in hs.SHAPES:
+        probed, unseen = (hs.workload(shape, split, 2) for split in ("probed", "unseen"))
+        assert probed.requests[0].key != unseen.requests[0].key
+        for request in unseen.requests:
+            replies = [f"reply {k} of {request.key}" for k in range(len(request.agents))]
+            for k in range(len(request.agents)):
+                prompt = "".join(m["content"] for m in request.messages(k, replies[:k]))
+                assert all(text in prompt for text in request.shared_texts(k, replies[:k]))
+    results = hs.main(["--model", "random:tiny", "--shapes", "tool", "--requests", "2", "--reply-tokens", "4",
+                       "--strategies", "dense,kvcomm-mean", "--out", str(tmp_path)])
+    rows = {row["strategy"]: row for row in results["shapes"]["tool"]["graphs"]}
+    assert set(rows) == {"dense", "kvcomm-mean"} and rows["kvcomm-mean"]["tokens_mean"] > 0
+    assert json.loads((tmp_path / "held_out_shapes-unseen.json").read_text())["split"] == "unseen"

@@ -58,7 +58,8 @@ def for_runtime(config: KVCommConfig) -> KVCommConfig:
     fidelity before its audits have measured the estimates)."""
     data = config.model_dump()
     data["audit_every"] = 0
-    data.update(recompute_head=0, recompute_tail=0, recompute_short_runs=0, reply_copies=False, text_copies=False)
+    data.update(recompute_head=0, recompute_tail=0, recompute_short_runs=0, recompute_last_run=0, reply_copies=False,
+                text_copies=False)
     data["experimental"] = {**data["experimental"], "own_text": "reuse"}
     return KVCommConfig(**data)
 

@@ -108,7 +108,7 @@ def test_a_foreign_or_corrupted_file_is_refused_and_the_engine_serves_on(llama, 
 def test_calibrating_records_every_shared_segment_then_reuse_resumes(llama, tokenizer):
     # kl_budget=None: calibration records anchors; under the default budget their estimates
     # (in a context other than the one recorded) still wait for audits (tests/anchors/test_tracker.py)
-    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(kl_budget=None, recompute_short_runs=0,
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(kl_budget=None, recompute_short_runs=0, recompute_last_run=0,
                                                                    experimental={"min_anchors": 1}))
     with engine.calibrating():
         replayed(engine, solver_messages("You are solver one."), "s1")
@@ -239,8 +239,10 @@ def test_measurements_keep_a_kind_without_detail_and_drop_what_cannot_be_saved()
 
 
 def test_a_file_saved_before_the_tail_setting_counts_as_measured_without_one():
-    settings = {"recompute_head": 16, "recompute_tail": 0, "recompute_short_runs": 64, "experimental": {}}
+    settings = {"recompute_head": 16, "recompute_tail": 0, "recompute_short_runs": 64, "recompute_last_run": 0,
+                "experimental": {}}
     old = {"settings": {"recompute_head": 16, "recompute_short_runs": 64, "experimental": {}}}
     assert measured_alike(old, settings)
     assert not measured_alike(old, {**settings, "recompute_tail": 16})
+    assert not measured_alike(old, {**settings, "recompute_last_run": 256})
     assert measured_alike({"settings": {**old["settings"], "recompute_tail": 16}}, {**settings, "recompute_tail": 16})

@@ -48,5 +48,5 @@ def tools_tokenizer():
 
 @pytest.fixture
 def tools_engine(tools_tokenizer):
-    return KVCommEngine(tiny_qwen2(tools_tokenizer, seed=3), tools_tokenizer, config=KVCommConfig(method="rerotate", recompute_short_runs=0,
-                                                                                            recompute_tail=0))
+    return KVCommEngine(tiny_qwen2(tools_tokenizer, seed=3), tools_tokenizer, config=KVCommConfig(
+        method="rerotate", recompute_short_runs=0, recompute_tail=0, recompute_last_run=0))

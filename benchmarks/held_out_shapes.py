@@ -1,0 +1,157 @@
+"""Graph shapes the ten workloads do not contain, run with the graph protocol.
+
+The ten workloads (``python -m benchmarks``) cover the shapes the default was built on; a user's
+graph is another. Three more, none of which shaped the default before they were run:
+
+- ``reflection``: writer -> critic -> writer -> critic; the writer's second call continues its
+  first conversation (its draft an assistant turn, the critique a user turn), the critic's too.
+- ``tool``: a researcher calls a documentation tool (an assistant turn, then the tool's page as a
+  user turn after the task); a coder reads the page first, then the notes, then the task, last;
+  a reviewer reads the task, the coder's code as its own turn, then the page and the notes.
+- ``chain``: each agent reads only the previous agent's reply, at the start of its prompt.
+
+Two data splits: ``probed``, the rows and pages first run while looking for what the default
+missed (``recompute_last_run`` came from ``tool`` there: benchmarks/LAB.md, "The run right
+before the reader's text"), and ``unseen``, rows and pages nothing was run on before the rule
+was fixed. Quote ``unseen``.
+
+    python -m benchmarks.held_out_shapes [--split unseen] [--shapes reflection,tool,chain]
+        [--strategies dense,prefix,rerotate,kvcomm-mean] [--requests 5] [--out benchmarks/out/held_out_shapes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from examples.tasks import stdlib_doc
+
+from .graph import ModelMeter, run_graph
+from .graph_report import format_graphs, summarize_graphs
+from .graphs import Request, Workload, gsm8k_rows, humaneval_rows, last_reply_number
+from .models import load
+from .strategies import build
+
+__all__ = ["SHAPES", "SPLITS", "workload"]
+
+#: per split: the GSM8K and HumanEval offsets in the report range, and the tool's pages
+SPLITS = {
+    "probed": {"gsm8k": 60, "humaneval": 20, "pages": ("collections", "json", "pathlib", "csv", "re", "shutil")},
+    "unseen": {"gsm8k": 120, "humaneval": 30, "pages": ("argparse", "logging", "random", "datetime", "threading",
+                                                         "subprocess")},
+}
+PAGE_CHARS = 3500  # about 700-900 ids of pydoc text
+
+
+def reflection(requests: int, split: str, reply_tokens: int) -> Workload:
+    writer = "You are a careful math writer. Solve the problem and show short steps."
+    critic = "You are a strict reviewer. Point out any error in the solution, then give the right number."
+    built = []
+    for row, problem in gsm8k_rows("report", SPLITS[split]["gsm8k"], requests):
+        q = problem["question"]
+
+        def messages(k: int, replies: list[str], q=q) -> list[dict]:
+            if k == 0:
+                return [{"role": "system", "content": writer}, {"role": "user", "content": q}]
+            review = [{"role": "system", "content": critic},
+                      {"role": "user", "content": f"Question: {q}\n\nProposed solution:\n{replies[0]}\n\nReview it."}]
+            if k == 1:
+                return review
+            if k == 2:
+                return [{"role": "system", "content": writer}, {"role": "user", "content": q},
+                        {"role": "assistant", "content": replies[0]},
+                        {"role": "user", "content": f"A reviewer said:\n{replies[1]}\n\nWrite your final answer."}]
+            return review + [{"role": "assistant", "content": replies[1]}, {"role": "user", "content":
+                             f"The writer revised it:\n{replies[2]}\n\nIs it right now? Give the number."}]
+
+        built.append(Request(f"r{row}", ("writer", "critic", "writer", "critic"), messages, shared=(q,)))
+    return Workload("reflection", "reflection loop, multi-turn", built, reply_tokens, final_answer=last_reply_number)
+
+
+def tool(requests: int, split: str, reply_tokens: int) -> Workload:
+    pages = SPLITS[split]["pages"]
+    built = []
+    for i, (row, problem) in enumerate(humaneval_rows("report", SPLITS[split]["humaneval"], requests)):
+        page, task = stdlib_doc(pages[i % len(pages)], max_chars=PAGE_CHARS), problem["prompt"]
+
+        def messages(k: int, replies: list[str], page=page, task=task) -> list[dict]:
+            if k == 0:
+                return [{"role": "system", "content": "You are a research assistant. Summarize what in the tool "
+                                                      "output helps with the task."},
+                        {"role": "user", "content": f"Task:\n{task}"}, {"role": "assistant", "content": "Calling search_docs."},
+                        {"role": "user", "content": f"Tool output (search_docs):\n{page}"}]
+            if k == 1:
+                return [{"role": "system", "content": "You write Python. Reply with code only."},
+                        {"role": "user", "content": f"Documentation:\n{page}\n\nResearch notes:\n{replies[0]}\n\n"
+                                                    f"Implement:\n{task}"}]
+            return [{"role": "system", "content": "You review Python code for bugs, briefly."},
+                    {"role": "user", "content": f"Implement:\n{task}"}, {"role": "assistant", "content": replies[1]},
+                    {"role": "user", "content": f"Check it against the docs:\n{page}\n\nNotes: {replies[0]}"}]
+
+        built.append(Request(f"t{row}", ("researcher", "coder", "reviewer"), messages, shared=(page, task)))
+    return Workload("tool", "tool result read at three places", built, reply_tokens)
+
+
+def chain(requests: int, split: str, reply_tokens: int) -> Workload:
+    built = []
+    for row, problem in gsm8k_rows("report", SPLITS[split]["gsm8k"], requests):
+        def messages(k: int, replies: list[str], q=problem["question"]) -> list[dict]:
+            if k == 0:
+                return [{"role": "user", "content": f"{q}\nSolve it step by step."}]
+            return [{"role": "user", "content": f"{replies[k - 1]}\n\nRewrite the text above more clearly, keeping "
+                                                "every number."}]
+
+        built.append(Request(f"c{row}", ("solver", "editor1", "editor2", "editor3"), messages,
+                             reads=((), (0,), (1,), (2,))))
+    return Workload("chain", "chain, the previous reply only", built, reply_tokens)
+
+
+SHAPES = {"reflection": reflection, "tool": tool, "chain": chain}
+
+
+def workload(shape: str, split: str, requests: int, reply_tokens: int = 64) -> Workload:
+    """One held-out shape's workload on ``split`` (:data:`SPLITS`)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    return SHAPES[shape](requests, split, reply_tokens)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--split", default="unseen", choices=sorted(SPLITS))
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--strategies", default="dense,prefix,rerotate,kvcomm-mean")
+    parser.add_argument("--requests", type=int, default=5, help="per shape, the first one a warm-up")
+    parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/held_out_shapes"))
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    loaded = load(args.model, device="cpu", dtype=torch.float32)
+    from kvcomm_agents.support import inspect_model
+
+    eos = set(inspect_model(loaded.model, loaded.tokenizer, reuse=False).eos_ids)
+    meter = ModelMeter(loaded.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"split": args.split, "model": args.model, "shapes": {}}
+    for shape in args.shapes.split(","):
+        load_ = workload(shape, args.split, args.requests, args.reply_tokens)
+        strategies = [build(name, loaded.model, loaded.tokenizer) for name in args.strategies.split(",")]
+        records, _ = run_graph(load_, strategies, warmup=1, phase=shape, tokenizer=loaded.tokenizer, eos_ids=eos,
+                               meter=meter)
+        graphs = summarize_graphs(records)
+        results["shapes"][shape] = {"title": load_.title, "graphs": graphs}
+        (args.out / f"{shape}-{args.split}.records.json").write_text(json.dumps(records))
+        print(f"\n{shape} ({load_.title}), {args.split}, {args.requests - 1} measured after 1 warm-up\n"
+              + format_graphs(graphs), flush=True)
+    path = args.out / f"held_out_shapes-{args.split}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"written {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""What of a reused run is computed in context instead of reused: the run's repairs.
+
+The ids right after a change of context deviate most from dense (a run's head); the reader's
+own text and first token attend most to the text right before them (the tail of a run that
+ends there, and the whole of such a run where it moved past text it was never computed after);
+a short re-rotated text deviates nearly whole (short runs). The settings are
+``KVCommConfig.recompute_head``, ``recompute_tail``, ``recompute_short_runs`` and
+``recompute_last_run``; :mod:`.planner` applies them run by run.
+"""
+
+from __future__ import annotations
+
+from .kv.segments import CONTEXT_TOKENS, KVSegment
+
+__all__ = ["TAIL_REACH", "computed_head", "ends_near", "moved_past_its_context"]
+
+#: A reused run ending at most this many ids before the prompt's end gives up its last
+#: ``KVCommConfig.recompute_tail`` ids, or all of it where it moved (``recompute_last_run``).
+TAIL_REACH = 64
+
+
+def computed_head(head: int, length: int, whole_up_to: int = 0) -> int:
+    """Tokens at the start of a reused run of ``length`` tokens computed in context: the whole
+    run where it is at most ``whole_up_to`` tokens (``KVCommConfig.recompute_short_runs``) or
+    ``head`` long, else its first ``head`` (``KVCommConfig.recompute_head``)."""
+    if length <= 0:
+        return 0
+    return length if length <= whole_up_to else min(head, length)
+
+
+def ends_near(prompt_length: int, start: int, length: int) -> bool:
+    """Whether a run of ``length`` ids from prompt position ``start`` ends within
+    :data:`TAIL_REACH` ids of the prompt's end: right before the reader's own text."""
+    return prompt_length - (start + length) <= TAIL_REACH
+
+
+def moved_past_its_context(segment: KVSegment, start: int, segment_start: int) -> bool:
+    """Whether the run of ``segment`` from its id ``segment_start``, now at prompt position
+    ``start``, follows over ``CONTEXT_TOKENS`` more ids than its KV was computed after: a task
+    pasted after a document it never saw. Known only where the segment's context holds fewer
+    than ``CONTEXT_TOKENS`` ids (runs of exact prompts, whose context is empty; text near a
+    prompt's start); elsewhere False."""
+    context = len(segment.context_ids)
+    return context < CONTEXT_TOKENS and start - (segment_start + context) > CONTEXT_TOKENS
