@@ -36,7 +36,7 @@ DecisionReason = Literal[
     "stale",  # prefilled: the message was edited; too little of the segment still matches
     "foreign_model",  # prefilled: the segment was computed by another model or tokenizer
     "too_short",  # prefilled: fewer than min_match_tokens ids matched
-    "short_run",  # prefilled: every run of it is computed whole (recompute_short_runs, recompute_head)
+    "short_run",  # prefilled: every run of it is computed whole (recompute_short_runs, recompute_last_run, recompute_head)
     "reuse_off",  # prefilled: reuse disabled for this call or engine
     "sliding_window",  # prefilled: prompt plus reply exceed the model's sliding window
     "new_anchor",  # prefilled: the anchor gate judged it new (too few or too dissimilar anchors); recorded now

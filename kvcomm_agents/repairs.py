@@ -11,6 +11,7 @@ a short re-rotated text deviates nearly whole (short runs). The settings are
 from __future__ import annotations
 
 from .kv.segments import CONTEXT_TOKENS, KVSegment
+from .kv.store import SegmentStore
 
 __all__ = ["TAIL_REACH", "computed_head", "ends_near", "moved_past_its_context"]
 
@@ -37,8 +38,13 @@ def ends_near(prompt_length: int, start: int, length: int) -> bool:
 def moved_past_its_context(segment: KVSegment, start: int, segment_start: int) -> bool:
     """Whether the run of ``segment`` from its id ``segment_start``, now at prompt position
     ``start``, follows over ``CONTEXT_TOKENS`` more ids than its KV was computed after: a task
-    pasted after a document it never saw. Known only where the segment's context holds fewer
-    than ``CONTEXT_TOKENS`` ids (runs of exact prompts, whose context is empty; text near a
-    prompt's start); elsewhere False."""
+    pasted after a document it never saw. A stored prompt's view computed its id ``i`` at
+    position ``i``; a segment with a recorded context shorter than ``CONTEXT_TOKENS`` right
+    after it. Where capture recorded no context (a message or reply after approximate KV: where
+    it was computed is unknown) it is counted from the segment's start, so such a run pasted
+    last deep in a prompt is computed: fidelity where nothing tells. A full window of context
+    says nothing of what came before it: False."""
     context = len(segment.context_ids)
-    return context < CONTEXT_TOKENS and start - (segment_start + context) > CONTEXT_TOKENS
+    if context >= CONTEXT_TOKENS and tuple(segment.ref.kind) != SegmentStore.PREFIX_KIND:
+        return False
+    return start - (segment_start + context) > CONTEXT_TOKENS

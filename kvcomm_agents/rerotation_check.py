@@ -42,7 +42,8 @@ from .prompt import PromptLayout
 __all__ = ["RerotationCheck", "SHORT_SAMPLE_IDS", "SHORT_SAMPLE_MARGIN", "cut_runs"]
 
 #: Ids a short sample keeps of each long reused run: the cut run is still re-rotated past its
-#: 16-id computed head and the 64-id short-run rule. On the development range (128 against 256)
+#: 16-id computed head and the 64-id short-run rule (the sample is planned without
+#: ``recompute_last_run``, which would compute a cut run the whole prompt re-rotates). On the development range (128 against 256)
 #: both tracked the whole check alike, 128 at half the cost (``benchmarks/short_samples.py``).
 SHORT_SAMPLE_IDS = 128
 #: A short sample trusts re-rotation only at this share of the KL budget or less: it is a proxy
@@ -101,12 +102,13 @@ class RerotationCheck:
         self.anchors.tracker.record_rerotated(agent, kl)
         return kl
 
-    def _plan(self, layout: PromptLayout, agent: str) -> CallPlan:
+    def _plan(self, layout: PromptLayout, agent: str, config: Optional[KVCommConfig] = None) -> CallPlan:
         """``layout`` planned with re-rotation only, runs of replies computed unless
         ``experimental.rerotate_replies`` (the gate's fallback never serves a reply re-rotated
         alone then, so a sample must not measure one). Conservative: where a refused reply is
         served, the text after it is computed too, which this plan re-rotates."""
-        plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=self._rerotate, agent=agent)
+        plan = plan_call(layout, store=self.store, fingerprint=self.fingerprint, config=config or self._rerotate,
+                         agent=agent)
         if self.config.experimental.rerotate_replies:
             return plan
         return replace(plan, runs=tuple(run for run in plan.runs if not is_reply(run.segment.ref.kind)))
@@ -133,7 +135,7 @@ class RerotationCheck:
         cut = cut_runs(whole.prompt_ids, whole.runs, SHORT_SAMPLE_IDS)
         if cut is None:
             return None
-        short = self._plan(PromptLayout.of_ids(cut), agent)
+        short = self._plan(PromptLayout.of_ids(cut), agent, self._rerotate.model_copy(update={"recompute_last_run": 0}))
         if not short.runs or 2 * _sample_ids(short) > _check_ids(whole):
             return None
         self._short_sampled.add(self.fingerprint)

@@ -112,6 +112,26 @@ def test_short_approximate_runs_are_computed_whole():
     assert computed_head(16, 64, 64) == 64 and computed_head(16, 65, 64) == 16
 
 
+def test_a_run_moved_counted_from_where_its_kv_was_computed():
+    """``moved_past_its_context``: a stored prompt's view was computed from position 0; a segment
+    with a short recorded context right after it; one with none recorded (captured after
+    approximate KV) is counted from its start; a full window tells nothing: never moved."""
+    from types import SimpleNamespace
+
+    from kvcomm_agents.kv.store import SegmentStore
+    from kvcomm_agents.repairs import moved_past_its_context
+
+    def segment(kind, context):
+        return SimpleNamespace(ref=SimpleNamespace(kind=kind), context_ids=tuple(range(context)))
+
+    prompt, reply = SegmentStore.PREFIX_KIND, ("assistant", "solver")
+    assert moved_past_its_context(segment(prompt, 0), 10 + 65, 10)
+    assert not moved_past_its_context(segment(prompt, 0), 10 + 64, 10)
+    assert moved_past_its_context(segment(reply, 20), 20 + 65, 0) and not moved_past_its_context(segment(reply, 20), 84, 0)
+    assert moved_past_its_context(segment(reply, 0), 65, 0) and not moved_past_its_context(segment(reply, 0), 64, 0)
+    assert not moved_past_its_context(segment(reply, 64), 1000, 0)  # a full window: how far is unknown
+
+
 def test_a_prefix_holding_a_runs_first_ids_by_chance_leaves_its_head_and_short_runs_to_compute():
     store, layout, config, reply, _ = setup(recompute_head=16, recompute_short_runs=64)
     start = next(d.span[0] for d in plan_call(layout, store=store, fingerprint="m", config=config).decisions

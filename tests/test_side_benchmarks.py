@@ -7,6 +7,9 @@ import json
 
 import pytest
 
+from .test_workloads import needs_data
+
+
 def test_offset_sources_scores_each_receivers_recorded_offsets(tmp_path):
     """``benchmarks.offset_sources`` on a tiny model: every reply kind read by two or more
     receivers is scored from the other receivers' records, errors are relative (>= 0), the
@@ -147,6 +150,7 @@ def test_batched_steps_times_a_forward_per_length_and_rows(tmp_path):
     assert "| 16 | 3 | 4 |" in batched_steps.table(records)
 
 
+@needs_data
 def test_held_out_shapes_embed_their_shared_texts_and_run_the_graph_protocol(tmp_path):
     """``benchmarks/held_out_shapes.py``: each shape's prompts hold its shared texts verbatim
     (the splits' data differ), and a tool graph runs on the tiny model with every strategy's
