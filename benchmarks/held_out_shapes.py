@@ -138,14 +138,14 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"split": args.split, "model": args.model, "shapes": {}}
     for shape in args.shapes.split(","):
-        load_ = workload(shape, args.split, args.requests, args.reply_tokens)
+        shape_load = workload(shape, args.split, args.requests, args.reply_tokens)
         strategies = [build(name, loaded.model, loaded.tokenizer) for name in args.strategies.split(",")]
-        records, _ = run_graph(load_, strategies, warmup=1, phase=shape, tokenizer=loaded.tokenizer, eos_ids=eos,
+        records, _ = run_graph(shape_load, strategies, warmup=1, phase=shape, tokenizer=loaded.tokenizer, eos_ids=eos,
                                meter=meter)
         graphs = summarize_graphs(records)
-        results["shapes"][shape] = {"title": load_.title, "graphs": graphs}
+        results["shapes"][shape] = {"title": shape_load.title, "graphs": graphs}
         (args.out / f"{shape}-{args.split}.records.json").write_text(json.dumps(records))
-        print(f"\n{shape} ({load_.title}), {args.split}, {args.requests - 1} measured after 1 warm-up\n"
+        print(f"\n{shape} ({shape_load.title}), {args.split}, {args.requests - 1} measured after 1 warm-up\n"
               + format_graphs(graphs), flush=True)
     path = args.out / f"held_out_shapes-{args.split}.json"
     path.write_text(json.dumps(results, indent=1))

@@ -43,8 +43,9 @@ __all__ = ["RerotationCheck", "SHORT_SAMPLE_IDS", "SHORT_SAMPLE_MARGIN", "cut_ru
 
 #: Ids a short sample keeps of each long reused run: the cut run is still re-rotated past its
 #: 16-id computed head and the 64-id short-run rule (the sample is planned without
-#: ``recompute_last_run``, which would compute a cut run the whole prompt re-rotates). On the development range (128 against 256)
-#: both tracked the whole check alike, 128 at half the cost (``benchmarks/short_samples.py``).
+#: ``recompute_last_run``, which would compute a cut run the whole prompt re-rotates). On the
+#: development range (128 against 256) both tracked the whole check alike, 128 at half the cost
+#: (``benchmarks/short_samples.py``).
 SHORT_SAMPLE_IDS = 128
 #: A short sample trusts re-rotation only at this share of the KL budget or less: it is a proxy
 #: (37 reader prompts of the development range: 0.3x to 15x the whole prompt's KL, below it on 8;
@@ -74,6 +75,7 @@ class RerotationCheck:
         self.store, self.fingerprint, self.anchors = store, fingerprint, anchors
         self.prefill_cost = prefill_cost
         self._rerotate = config.model_copy(update={"method": "rerotate", "dense_when_cheaper": False})
+        self._cut = self._rerotate.model_copy(update={"recompute_last_run": 0})  # a short sample's plan
         self._short_sampled: set[str] = set()  # fingerprints a short sample was taken under (one each)
 
     def due(self, plan: CallPlan, agent: str) -> bool:
@@ -135,7 +137,7 @@ class RerotationCheck:
         cut = cut_runs(whole.prompt_ids, whole.runs, SHORT_SAMPLE_IDS)
         if cut is None:
             return None
-        short = self._plan(PromptLayout.of_ids(cut), agent, self._rerotate.model_copy(update={"recompute_last_run": 0}))
+        short = self._plan(PromptLayout.of_ids(cut), agent, self._cut)
         if not short.runs or 2 * _sample_ids(short) > _check_ids(whole):
             return None
         self._short_sampled.add(self.fingerprint)
