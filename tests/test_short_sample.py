@@ -142,3 +142,35 @@ def test_a_long_reply_is_not_what_a_sample_measures_by_default(model, tokenizer)
             assert samples and reply[0].gate.offsets == "rerotated", read.decisions
         else:
             assert samples == [] and read.forwarded.audit == 0 and reply[0].status == "prefilled", read.decisions
+
+
+def test_a_short_sample_re_rotates_the_cut_run_the_whole_prompt_re_rotates(model, tokenizer):
+    """A document pasted last after text it never saw is too long for ``recompute_last_run``, so
+    the reader's prompt re-rotates it; cut to ``SHORT_SAMPLE_IDS`` it would fit the rule and be
+    computed, and the sample would measure none of it. The sample is planned without the rule:
+    it measures the cut document re-rotated, as the whole prompt serves it."""
+    engine = KVCommEngine(model, tokenizer, config=_config(50.0))
+    note_ids = tokenizer(NOTE, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    engine.replay(_messages(SENDER), agent="skimmer", reply_ids=note_ids)
+    preamble = "Read the whole of what follows with care, and keep every section apart in your mind. " * 6
+    reader = [{"role": "system", "content": READERS[0]}, {"role": "user", "content": preamble},
+              {"role": "user", "content": f"Document:\n{DOCUMENT}"}]
+
+    def plan(layout, last_run):
+        config = engine.config.model_copy(update={"method": "rerotate", "dense_when_cheaper": False,
+                                                  "recompute_last_run": last_run})
+        return plan_call(layout, store=engine.store, fingerprint=engine.fingerprint, config=config, agent="reader-0")
+
+    whole = plan(render_prompt(tokenizer, reader), 256)
+    assert whole.runs and max(run.length for run in whole.runs) > 256  # too long for the rule: re-rotated
+    cut = PromptLayout.of_ids(cut_runs(whole.prompt_ids, whole.runs, SHORT_SAMPLE_IDS))
+    assert plan(cut, 256).reused_tokens < plan(cut, 0).reused_tokens  # cut short, the rule would compute it
+    short = plan(cut, 0)
+    with torch.inference_mode():
+        dense = hf.prefill(model, short.prompt_ids, torch.arange(short.num_prompt)).logits
+        reused = hf.prefill(model, short.prompt_ids, short.computed_positions(), assemble(short, engine.info.rotator),
+                            short.reused_positions(), masked=True).logits
+    expected = first_token_kl(dense, reused)
+    engine.replay(reader, agent="reader-0", reply_ids=[tokenizer.eos_token_id])
+    (kl,) = engine.anchors.tracker.rerotation_samples("reader-0")
+    assert expected > 0 and abs(kl - expected) <= 1e-5 + 1e-3 * expected
