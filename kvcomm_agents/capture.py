@@ -78,10 +78,12 @@ class CallCapture:
     def cut(self, kv_at: KVAt, start: int, token_ids: list[int], char_spans: list, text: str, kind: Kind,
             context_ids: list[int] | tuple[int, ...] = ()) -> KVSegment:
         """Prompt positions ``start .. start + len(token_ids)`` as a segment (keys de-rotated by
-        ``-start``); ``context_ids``: the ids before ``start`` (the KV's context)."""
+        ``-start``, computed at ``start``); ``context_ids``: the ids before ``start`` (the KV's
+        context)."""
         block = kv_at(torch.arange(start, start + len(token_ids))).shifted(self.rotator, -start)
         return KVSegment.create(kind=kind, text=text, token_ids=token_ids, char_spans=char_spans, kv=block,
-                                fingerprint=self.fingerprint, context_ids=context_ids[-CONTEXT_TOKENS:])
+                                fingerprint=self.fingerprint, context_ids=context_ids[-CONTEXT_TOKENS:],
+                                computed_at=start)
 
     def keep_call(self, plan: CallPlan, agent: str, generated: list[int], reply: str, kv_at: KVAt,
                   anchors=None, layout: Optional[PromptLayout] = None,

@@ -84,13 +84,14 @@ def test_a_dense_call_keeps_its_prefix_its_new_user_messages_and_its_reply(llama
     reply = store.get(ref.id)
     assert ref.kind == ("s1", "assistant") and ref.fingerprint == FINGERPRINT
     assert (reply.text, reply.token_ids) == (REPLY, tuple(call.generated))
-    assert reply.context_ids == tuple(prompt_ids[-CONTEXT_TOKENS:])
+    assert reply.context_ids == tuple(prompt_ids[-CONTEXT_TOKENS:]) and reply.computed_at == len(prompt_ids)
     # both user messages, each with the ids before it as its context; the system text is not kept
     for index, text in ((1, QUESTION), (2, NOTE)):
         segment = store.find_text(text, FINGERPRINT)
         span = call.span(index)
         assert segment.ref.kind == ("user", None) and segment.token_ids == tuple(prompt_ids[span.start:span.stop])
         assert segment.context_ids == tuple(prompt_ids[max(0, span.start - CONTEXT_TOKENS):span.start])
+        assert segment.computed_at == span.start  # where its KV was computed, whatever its context
     assert store.find_text(SYSTEM, FINGERPRINT) is None
     assert store.stats().segments == 3
     # the exact prefix covers prompt and reply

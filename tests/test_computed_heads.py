@@ -7,7 +7,7 @@ import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 
-from .conftest import REPLY, first_logits, replayed, solver_messages
+from .conftest import QUESTION, REPLY, first_logits, replayed, solver_messages
 
 
 def test_recompute_head_computes_the_first_tokens_of_each_reused_run(llama, tokenizer, make_engine):
@@ -95,6 +95,31 @@ def test_a_last_run_that_moved_past_text_it_never_saw_is_computed_whole_up_to_re
     assert computed.reused_tokens == 0 and {d.reason for d in computed.shared_decisions} == {"short_run"}
     assert second_call(b - a + 3, moved=True).reused_spans == plain.reused_spans
     assert second_call(b - a + 4, moved=False).reused_spans == second_call(0, moved=False).reused_spans != []
+
+
+def test_a_last_run_computed_after_a_full_window_is_counted_from_where_it_was_computed(llama, tokenizer, make_engine):
+    """The question, computed after a system text of over 64 ids (a full window of context),
+    pasted last after a text longer still: moved by over 64 ids from where capture cut it, it is
+    computed whole under ``recompute_last_run``; at about its old place it keeps all but its head."""
+    from kvcomm_agents.repairs import TAIL_REACH
+
+    filler = "Think it over carefully before you answer, and check every step twice. " * 8
+
+    def second_call(moved: bool):
+        engine = make_engine(llama, prefix_cache=False, recompute_head=4, recompute_last_run=256,
+                             dense_when_cheaper=False)
+        replayed(engine, solver_messages("You are solver one. " + filler), "s1")
+        question = engine.store.find_text(QUESTION, engine.fingerprint)
+        assert len(question.context_ids) == 64 and question.computed_at > 64
+        messages = solver_messages("You are solver two. " + filler)
+        if moved:
+            messages.insert(1, {"role": "user", "content": filler})
+        return engine.replay(messages, agent="s2", reply_ids=[tokenizer.eos_token_id]).result.stats
+
+    kept = second_call(moved=False)
+    assert len(kept.reused_spans) == 1 and kept.prompt_tokens - kept.reused_spans[0][1] <= TAIL_REACH
+    computed = second_call(moved=True)
+    assert computed.reused_tokens == 0 and {d.reason for d in computed.shared_decisions} == {"short_run"}
 
 
 def test_short_runs_are_computed_whole_and_long_ones_keep_their_head(model, tokenizer, make_engine):

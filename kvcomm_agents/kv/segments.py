@@ -77,6 +77,9 @@ class KVSegment:
         context_ids: the last ids (at most :data:`CONTEXT_TOKENS`) before the segment's first
             token where its KV was computed (empty where nothing preceded it or it is unknown):
             which context the KV belongs to (:mod:`kvcomm_agents.versions.match`).
+        computed_at: the prompt position its first token had where its KV was computed (None:
+            unknown): how far a later prompt moved it past text it never saw
+            (:func:`kvcomm_agents.repairs.moved_past_its_context`).
     """
 
     ref: SegmentRef
@@ -85,6 +88,7 @@ class KVSegment:
     char_spans: tuple[Optional[tuple[int, int]], ...]
     kv: KVBlock
     context_ids: tuple[int, ...] = ()
+    computed_at: Optional[int] = None
     _index: dict[tuple[int, int], int] | None = field(default=None, repr=False)
 
     @classmethod
@@ -98,6 +102,7 @@ class KVSegment:
         kv: KVBlock,
         fingerprint: str,
         context_ids: list[int] | tuple[int, ...] = (),
+        computed_at: Optional[int] = None,
     ) -> "KVSegment":
         """Build a segment and its reference (a fresh id)."""
         token_ids = tuple(int(t) for t in token_ids)
@@ -113,7 +118,8 @@ class KVSegment:
             fingerprint=fingerprint,
         )
         context = tuple(int(t) for t in context_ids)[-CONTEXT_TOKENS:] if CONTEXT_TOKENS else ()
-        return cls(ref, text, token_ids, tuple(char_spans), kv, context)
+        return cls(ref, text, token_ids, tuple(char_spans), kv, context,
+                   None if computed_at is None else int(computed_at))
 
     @property
     def id(self) -> str:

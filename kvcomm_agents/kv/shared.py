@@ -124,7 +124,7 @@ def encode_entry(entry: Entry) -> tuple[CatalogItem, bytes]:
     if isinstance(entry, KVSegment):
         meta = {"ref": entry.ref.model_dump(mode="json"), "text": entry.text,
                 "char_spans": [list(s) if s is not None else None for s in entry.char_spans],
-                "context_ids": list(entry.context_ids)}
+                "context_ids": list(entry.context_ids), "computed_at": entry.computed_at}
     header = {"format": FORMAT, "key": item.key, "fingerprint": item.fingerprint, "prefix": item.prefix,
               "ids": list(item.token_ids), "starts": list(kv.starts), **meta}
     return item, save_bytes(tensors, metadata={"kvcomm": json.dumps(header)})
@@ -164,7 +164,8 @@ def decode_entry(item: CatalogItem, blob: bytes, layer_devices: Optional[Sequenc
         return torch.tensor(item.token_ids, dtype=torch.long), kv
     spans = tuple(tuple(s) if s is not None else None for s in header["char_spans"])
     return KVSegment(SegmentRef.model_validate(header["ref"]), header["text"], item.token_ids, spans, kv,
-                     tuple(int(t) for t in header["context_ids"]))
+                     tuple(int(t) for t in header["context_ids"]),
+                     None if header.get("computed_at") is None else int(header["computed_at"]))
 
 
 def _placed(kv: KVBlock, layer_devices: Optional[Sequence[torch.device]], key: str) -> KVBlock:

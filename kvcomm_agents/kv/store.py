@@ -264,7 +264,7 @@ class SegmentStore:
             ids = entry.token_ids.tolist()
             view = self._views[entry.id] = KVSegment.create(
                 kind=self.PREFIX_KIND, text="", token_ids=ids, char_spans=[None] * len(ids), kv=entry.kv,
-                fingerprint=entry.fingerprint)
+                fingerprint=entry.fingerprint, computed_at=0)
             self._view_entries[view.id] = entry.id
         return view
 

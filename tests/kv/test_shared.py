@@ -31,7 +31,7 @@ def _segment(tokens: int = 5, fingerprint: str = "fp") -> KVSegment:
                  (torch.randn(2, 2, tokens, 4, generator=g), torch.randn(1, 2, tokens, 4, generator=g)), (0, 2))
     return KVSegment.create(kind=("solver", "assistant"), text="x" * tokens, token_ids=list(range(10, 10 + tokens)),
                             char_spans=[(i, i + 1) for i in range(tokens)], kv=kv, fingerprint=fingerprint,
-                            context_ids=[1, 2, 3])
+                            context_ids=[1, 2, 3], computed_at=40)
 
 
 def test_blobs_round_trip_segments_and_prefixes_exactly():
@@ -40,6 +40,7 @@ def test_blobs_round_trip_segments_and_prefixes_exactly():
     back = decode_entry(item, blob)
     assert back.ref == segment.ref and back.text == segment.text and back.token_ids == segment.token_ids
     assert back.char_spans == segment.char_spans and back.context_ids == segment.context_ids
+    assert back.computed_at == 40
     assert back.kv.starts == (0, 2)
     for a, b in zip((*back.kv.keys, *back.kv.values), (*segment.kv.keys, *segment.kv.values)):
         assert torch.equal(a, b)
