@@ -9,6 +9,9 @@ graph is another. Three more, none of which shaped the default before they were 
   user turn after the task); a coder reads the page first, then the notes, then the task, last;
   a reviewer reads the task, the coder's code as its own turn, then the page and the notes.
 - ``chain``: each agent reads only the previous agent's reply, at the start of its prompt.
+- ``instructed``: ``tool`` with each agent's system text a paragraph of instructions (over 64
+  ids, as agent frameworks write them), so every shared text is first computed after a whole
+  64-id window of context.
 
 Two data splits: ``probed``, the rows and pages first run while looking for what the default
 missed (``recompute_last_run`` came from ``tool`` there: benchmarks/LAB.md, "The run right
@@ -16,7 +19,7 @@ before the reader's text"), and ``unseen``, rows and pages nothing was run on be
 was fixed. Quote ``unseen``.
 
     python -m benchmarks.held_out_shapes [--split unseen] [--shapes reflection,tool,chain]
-        [--strategies dense,prefix,rerotate,kvcomm-mean] [--requests 5] [--out benchmarks/out/held_out_shapes]
+        [--strategies dense,prefix,rerotate,kvcomm-mean] (shapes: reflection, tool, chain, instructed) [--requests 5] [--out benchmarks/out/held_out_shapes]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .graph import ModelMeter, run_graph
 from .graph_report import format_graphs, summarize_graphs
 from .graphs import Request, Workload, gsm8k_rows, humaneval_rows, last_reply_number
 from .models import load
+from .provenance import git_commit
 from .strategies import build
 
 __all__ = ["SHAPES", "SPLITS", "workload"]
@@ -71,27 +75,51 @@ def reflection(requests: int, split: str, reply_tokens: int) -> Workload:
     return Workload("reflection", "reflection loop, multi-turn", built, reply_tokens, final_answer=last_reply_number)
 
 
-def tool(requests: int, split: str, reply_tokens: int) -> Workload:
+#: per agent of ``tool``: its role line, and the instructions ``instructed`` adds to it
+TOOL_ROLES = {
+    "researcher": ("You are a research assistant. Summarize what in the tool output helps with the task.",
+                   "Work in three steps. First read the task and note which functions, arguments and return "
+                   "values it needs. Then go through the tool output and keep only the parts that bear on "
+                   "those needs, quoting names exactly as they are written. Finally write at most five short "
+                   "bullet points, most useful first, and say plainly when the output lacks something the "
+                   "task needs. Do not write code, and do not guess at behaviour the output does not state."),
+    "coder": ("You write Python. Reply with code only.",
+              "Follow the task's signature and docstring exactly, keep the function pure unless the task "
+              "says otherwise, and prefer the standard library. Handle empty inputs and the edge cases the "
+              "docstring's examples show. Name variables for what they hold, keep each function short, and "
+              "add no prints, no tests and no explanations outside the code: the reply is run as it is."),
+    "reviewer": ("You review Python code for bugs, briefly.",
+                 "Read the code against the task first, then against the documentation. Report only real "
+                 "defects: a wrong result on some input, an unhandled edge case from the docstring, a misused "
+                 "library call, or a crash. For each, give the line, the input that shows it and the fix in one "
+                 "sentence. If the code is correct, say so in one line. Never restate the code or praise it."),
+}
+
+
+def tool(requests: int, split: str, reply_tokens: int, instructed: bool = False) -> Workload:
     pages = SPLITS[split]["pages"]
+    system = {agent: f"{role} {rules}" if instructed else role for agent, (role, rules) in TOOL_ROLES.items()}
     built = []
     for i, (row, problem) in enumerate(humaneval_rows("report", SPLITS[split]["humaneval"], requests)):
         page, task = stdlib_doc(pages[i % len(pages)], max_chars=PAGE_CHARS), problem["prompt"]
 
         def messages(k: int, replies: list[str], page=page, task=task) -> list[dict]:
             if k == 0:
-                return [{"role": "system", "content": "You are a research assistant. Summarize what in the tool "
-                                                      "output helps with the task."},
+                return [{"role": "system", "content": system["researcher"]},
                         {"role": "user", "content": f"Task:\n{task}"}, {"role": "assistant", "content": "Calling search_docs."},
                         {"role": "user", "content": f"Tool output (search_docs):\n{page}"}]
             if k == 1:
-                return [{"role": "system", "content": "You write Python. Reply with code only."},
+                return [{"role": "system", "content": system["coder"]},
                         {"role": "user", "content": f"Documentation:\n{page}\n\nResearch notes:\n{replies[0]}\n\n"
                                                     f"Implement:\n{task}"}]
-            return [{"role": "system", "content": "You review Python code for bugs, briefly."},
+            return [{"role": "system", "content": system["reviewer"]},
                     {"role": "user", "content": f"Implement:\n{task}"}, {"role": "assistant", "content": replies[1]},
                     {"role": "user", "content": f"Check it against the docs:\n{page}\n\nNotes: {replies[0]}"}]
 
         built.append(Request(f"t{row}", ("researcher", "coder", "reviewer"), messages, shared=(page, task)))
+    if instructed:
+        return Workload("instructed", "tool result read at three places, instructions over 64 ids", built,
+                        reply_tokens)
     return Workload("tool", "tool result read at three places", built, reply_tokens)
 
 
@@ -109,7 +137,11 @@ def chain(requests: int, split: str, reply_tokens: int) -> Workload:
     return Workload("chain", "chain, the previous reply only", built, reply_tokens)
 
 
-SHAPES = {"reflection": reflection, "tool": tool, "chain": chain}
+def instructed(requests: int, split: str, reply_tokens: int) -> Workload:
+    return tool(requests, split, reply_tokens, instructed=True)
+
+
+SHAPES = {"reflection": reflection, "tool": tool, "chain": chain, "instructed": instructed}
 
 
 def workload(shape: str, split: str, requests: int, reply_tokens: int = 64) -> Workload:
@@ -136,7 +168,7 @@ def main(argv=None) -> dict:
     eos = set(inspect_model(loaded.model, loaded.tokenizer, reuse=False).eos_ids)
     meter = ModelMeter(loaded.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"split": args.split, "model": args.model, "shapes": {}}
+    results = {"commit": git_commit(), "split": args.split, "model": args.model, "shapes": {}}
     for shape in args.shapes.split(","):
         shape_load = workload(shape, args.split, args.requests, args.reply_tokens)
         strategies = [build(name, loaded.model, loaded.tokenizer) for name in args.strategies.split(",")]

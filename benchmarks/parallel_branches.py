@@ -49,6 +49,7 @@ from .formats import CODERS, REFERENCE_CHARS, REFERENCE_PAGES
 from .graph import ModelMeter
 from .graphs import humaneval_rows
 from .models import load
+from .provenance import git_commit
 from .strategies import build
 
 __all__ = ["STRATEGIES", "run", "summarize", "table", "described"]
@@ -242,11 +243,7 @@ def main(argv=None) -> None:
         records += run(shape, strategies, requests, args.warmup, args.reply_tokens, meter, at_once=args.at_once)
     summary = summarize(records)
     print(table(summary))
-    try:
-        import subprocess
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
+    commit = git_commit()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"kind": "parallel_branches", "commit": commit, "model": loaded.tag, "split": args.split,

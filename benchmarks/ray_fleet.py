@@ -31,11 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from benchmarks.provenance import git_commit
 
 #: set-up (``--setups``) -> (its label, replicas, routing, Redis tier)
 SETUPS = {"one": ("1 replica", "1", "affinity", True),
@@ -98,16 +99,6 @@ def tier_traffic(client) -> dict:
     """Redis's counters since the last reset: GET calls (entries fetched) and bytes sent."""
     gets = client.info("commandstats").get("cmdstat_get", {}).get("calls", 0)
     return {"tier_gets": int(gets), "tier_sent_mib": client.info("stats")["total_net_output_bytes"] / 2**20}
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
 
 
 def main(argv=None) -> None:
@@ -180,7 +171,7 @@ def main(argv=None) -> None:
     if args.summary is not None:
         summary = {"command": " ".join([Path(sys.executable).as_posix(), "-m", "benchmarks.ray_fleet",
                                         *(sys.argv[1:] if argv is None else argv)]),
-                   "commit": commit(), "split": SPLIT, "args": settings,
+                   "commit": git_commit(), "split": SPLIT, "args": settings,
                    "summary": [{k: v for k, v in r.items() if k != "raw"} for r in records]}
         args.summary.parent.mkdir(parents=True, exist_ok=True)
         args.summary.write_text(json.dumps(summary, indent=1) + "\n")

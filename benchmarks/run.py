@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import json
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ from .graph import ModelMeter, run_graph
 from .graph_report import (GRAPH_LEGEND, fastest_and_closest, noise_floor_readers, phase_console, summarize_by_format,
                            summarize_decisions, summarize_graphs)
 from .models import TINY, load
+from .provenance import git_commit
 from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor
 from .workloads import (Workload, changing_graph, coding_pipeline, fan_out, gsm8k_debate, gsm8k_one_message,
                         long_document, paper_shape, prompt_formats, rag_handoff, shared_history)
@@ -116,22 +116,11 @@ def versions(device: torch.device) -> dict:
     uncommitted changes), Python, torch, transformers, the device."""
     import transformers
 
-    info = {"commit": _commit(), "python": platform.python_version(), "torch": torch.__version__,
+    info = {"commit": git_commit(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-def _commit() -> str:
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def prompts_digest(workload: Workload) -> str:

@@ -38,17 +38,18 @@ def ends_near(prompt_length: int, start: int, length: int) -> bool:
 def moved_past_its_context(segment: KVSegment, start: int, segment_start: int) -> bool:
     """Whether the run of ``segment`` from its id ``segment_start``, now at prompt position
     ``start``, follows over ``CONTEXT_TOKENS`` more ids than its KV was computed after: a task
-    pasted after a document it never saw. Where capture recorded the segment's position
-    (``KVSegment.computed_at``; a stored prompt's view computed its id ``i`` at position ``i``)
-    that position says. Otherwise a recorded context shorter than ``CONTEXT_TOKENS`` does
-    (computed right after it), and where none was recorded the run is counted from the
-    segment's start, so that such a run pasted last deep in a prompt is computed: fidelity where
-    nothing tells. A full window of context and no position say nothing of what came before
-    it: False."""
-    if segment.computed_at is not None:
+    pasted after a document it never saw. A segment computed after a whole window of exact
+    context counts from the position capture recorded (``KVSegment.computed_at``); one after a
+    shorter exact context from that context's end (a stored prompt's view: from 0). Where capture
+    recorded no context (a message or reply computed after estimated KV, which belongs to no
+    text) the run is counted from the segment's own start, so that such a run pasted last deep
+    in a prompt is computed: fidelity where the KV's context is not known. A whole window without
+    a recorded position says nothing of what came before it: False."""
+    context = len(segment.context_ids)
+    if context < CONTEXT_TOKENS or tuple(segment.ref.kind) == SegmentStore.PREFIX_KIND:
+        origin = context
+    elif segment.computed_at is not None:
         origin = segment.computed_at
-    elif len(segment.context_ids) >= CONTEXT_TOKENS and tuple(segment.ref.kind) != SegmentStore.PREFIX_KIND:
-        return False
     else:
-        origin = len(segment.context_ids)
+        return False
     return start - (segment_start + origin) > CONTEXT_TOKENS

@@ -113,10 +113,10 @@ def test_short_approximate_runs_are_computed_whole():
 
 
 def test_a_run_moved_counted_from_where_its_kv_was_computed():
-    """``moved_past_its_context``: a recorded position says (a stored prompt's view: 0; a
-    captured segment: where it was cut, whatever its context); without one, a short recorded
-    context right before it; none recorded (a segment built outside capture) is counted from its
-    start; a full window and no position tell nothing: never moved."""
+    """``moved_past_its_context``: a stored prompt's view was computed from position 0; a segment
+    with a short recorded context right after it; one with none recorded (captured after
+    estimated KV) is counted from its own start, wherever capture cut it; after a full window
+    the position capture recorded says, and without one nothing tells: never moved."""
     from types import SimpleNamespace
 
     from kvcomm_agents.kv.store import SegmentStore
@@ -132,12 +132,13 @@ def test_a_run_moved_counted_from_where_its_kv_was_computed():
     assert moved_past_its_context(segment(reply, 20), 20 + 65, 0) and not moved_past_its_context(segment(reply, 20), 84, 0)
     assert moved_past_its_context(segment(reply, 0), 65, 0) and not moved_past_its_context(segment(reply, 0), 64, 0)
     assert not moved_past_its_context(segment(reply, 64), 1000, 0)  # a full window: how far is unknown
-    # a recorded position decides, a full window or none
+    # after a full window, the recorded position decides
     assert moved_past_its_context(segment(reply, 64, 500), 500 + 65, 0)
     assert not moved_past_its_context(segment(reply, 64, 500), 500 + 64, 0)
-    assert not moved_past_its_context(segment(reply, 0, 900), 950, 0)  # captured after estimated KV, near where it was
-    assert moved_past_its_context(segment(reply, 0, 100), 100 + 30 + 65, 30)  # a run from the segment's id 30
+    assert moved_past_its_context(segment(reply, 64, 100), 100 + 30 + 65, 30)  # a run from the segment's id 30
     assert not moved_past_its_context(segment(reply, 64, 500), 200, 0)  # moved earlier: it follows less
+    # captured after estimated KV (no context): from its own start, however near where capture cut it
+    assert moved_past_its_context(segment(reply, 0, 900), 950, 0)
 
 
 def test_a_prefix_holding_a_runs_first_ids_by_chance_leaves_its_head_and_short_runs_to_compute():
