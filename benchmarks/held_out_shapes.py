@@ -1,7 +1,7 @@
 """Graph shapes the ten workloads do not contain, run with the graph protocol.
 
 The ten workloads (``python -m benchmarks``) cover the shapes the default was built on; a user's
-graph is another. Three more, none of which shaped the default before they were run:
+graph is another. Four more; the first three shaped nothing in the default before they were run:
 
 - ``reflection``: writer -> critic -> writer -> critic; the writer's second call continues its
   first conversation (its draft an assistant turn, the critique a user turn), the critic's too.
@@ -11,15 +11,16 @@ graph is another. Three more, none of which shaped the default before they were 
 - ``chain``: each agent reads only the previous agent's reply, at the start of its prompt.
 - ``instructed``: ``tool`` with each agent's system text a paragraph of instructions (over 64
   ids, as agent frameworks write them), so every shared text is first computed after a whole
-  64-id window of context.
+  64-id window of context. Written to test the position capture records for such texts
+  (``KVSegment.computed_at``) once it was built; nothing was tuned on it.
 
 Two data splits: ``probed``, the rows and pages first run while looking for what the default
 missed (``recompute_last_run`` came from ``tool`` there: benchmarks/LAB.md, "The run right
 before the reader's text"), and ``unseen``, rows and pages nothing was run on before the rule
 was fixed. Quote ``unseen``.
 
-    python -m benchmarks.held_out_shapes [--split unseen] [--shapes reflection,tool,chain]
-        [--strategies dense,prefix,rerotate,kvcomm-mean] (shapes: reflection, tool, chain, instructed) [--requests 5] [--out benchmarks/out/held_out_shapes]
+    python -m benchmarks.held_out_shapes [--split unseen] [--shapes reflection,tool,chain,instructed]
+        [--strategies dense,prefix,rerotate,kvcomm-mean] [--requests 5] [--out benchmarks/out/held_out_shapes]
 """
 
 from __future__ import annotations
