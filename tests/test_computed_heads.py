@@ -105,8 +105,8 @@ def test_a_last_run_computed_after_a_full_window_is_counted_from_where_it_was_co
 
     filler = "Think it over carefully before you answer, and check every step twice. " * 8
 
-    def second_call(moved: bool):
-        engine = make_engine(llama, prefix_cache=False, recompute_head=4, recompute_last_run=256,
+    def second_call(moved: bool, last: int = 256):
+        engine = make_engine(llama, prefix_cache=False, recompute_head=4, recompute_last_run=last,
                              dense_when_cheaper=False)
         replayed(engine, solver_messages("You are solver one. " + filler), "s1")
         question = engine.store.find_text(QUESTION, engine.fingerprint)
@@ -118,6 +118,7 @@ def test_a_last_run_computed_after_a_full_window_is_counted_from_where_it_was_co
 
     kept = second_call(moved=False)
     assert len(kept.reused_spans) == 1 and kept.prompt_tokens - kept.reused_spans[0][1] <= TAIL_REACH
+    assert kept.reused_spans == second_call(moved=False, last=0).reused_spans  # all but its head, as without the rule
     computed = second_call(moved=True)
     assert computed.reused_tokens == 0 and {d.reason for d in computed.shared_decisions} == {"short_run"}
 

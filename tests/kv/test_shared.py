@@ -51,6 +51,24 @@ def test_blobs_round_trip_segments_and_prefixes_exactly():
     assert CatalogItem.from_json(item.to_json()) == item
 
 
+def test_a_blob_without_the_computed_position_decodes_as_unknown():
+    """A blob from a replica that did not record where the KV was computed: decoded, its
+    position is unknown (None), so the last-run rule falls back to the recorded context."""
+    import json
+
+    from safetensors.torch import load as load_bytes
+    from safetensors.torch import save as save_bytes
+
+    from kvcomm_agents.kv.shared import _header
+
+    item, blob = encode_entry(_segment())
+    header = _header(blob)
+    del header["computed_at"]
+    older = save_bytes(load_bytes(blob), metadata={"kvcomm": json.dumps(header)})
+    back = decode_entry(item, older)
+    assert back.computed_at is None and back.context_ids == (1, 2, 3)
+
+
 def test_fetched_kv_goes_to_the_models_layer_devices_however_the_publisher_grouped_its_layers():
     segment = _segment()  # three layers published in two device groups (layers 0-1, 2)
     item, blob = encode_entry(segment)
