@@ -4,9 +4,8 @@ Re-rotation is served where the gate would compute once its first-token KL again
 measured within the KL budget (:meth:`.tracker.OffsetTracker.rerotation_within_budget`). That
 measure belongs to the model and its settings more than to a graph: it is pooled over every
 receiver. An engine that starts without it computes its first graph's shared text once more only
-to measure what an earlier engine on the same model already measured; on the report range a
-graph's first request then ran 1.04-1.24x dense where re-rotation only ran 1.20-1.61x
-(``docs/benchmarks.md``, "A graph's first request").
+to measure what an earlier engine on the same model already measured, and its first request runs
+behind re-rotation only's (``docs/benchmarks.md``, "A restarted engine's first request").
 
 So the engine writes the pooled samples, the last ``window`` of them, to
 ``<folder>/<fingerprint>-<settings digest>.json`` each time it records new ones, and reads them back when it
