@@ -1,7 +1,8 @@
 """Graph shapes the ten workloads do not contain, run with the graph protocol.
 
 The ten workloads (``python -m benchmarks``) cover the shapes the default was built on; a user's
-graph is another. Four more; the first three shaped nothing in the default before they were run:
+graph is another. Six more: ``tool`` shaped one rule of the default once run (below); ``board``
+and ``excerpts`` were written after the default's rules were fixed and shaped none:
 
 - ``reflection``: writer -> critic -> writer -> critic; the writer's second call continues its
   first conversation (its draft an assistant turn, the critique a user turn), the critic's too.
@@ -142,7 +143,70 @@ def instructed(requests: int, split: str, reply_tokens: int) -> Workload:
     return tool(requests, split, reply_tokens, instructed=True)
 
 
-SHAPES = {"reflection": reflection, "tool": tool, "chain": chain, "instructed": instructed}
+#: per agent of ``board``: its system text, and what it is asked after the board
+BOARD_ROLES = (
+    ("solver", "You solve grade-school math problems. Show short steps and end with the number.", "Solve it."),
+    ("checker", "You check arithmetic. Redo each calculation on the board and name any that is wrong.",
+     "Check the work above."),
+    ("skeptic", "You look for misread problems: a quantity used twice, a unit mixed up, a step that answers "
+     "a different question than the one asked.", "What, if anything, was misread?"),
+    ("judge", "You decide. Weigh the board and state the final number on the last line.", "Final answer?"),
+)
+
+
+def board(requests: int, split: str, reply_tokens: int) -> Workload:
+    built = []
+    for row, problem in gsm8k_rows("report", SPLITS[split]["gsm8k"], requests):
+        def messages(k: int, replies: list[str], q=problem["question"]) -> list[dict]:
+            name, system, ask = BOARD_ROLES[k]
+            if k == 0:
+                return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            posts = "\n\n".join(f"[{BOARD_ROLES[j][0]}] {replies[j]}" for j in reversed(range(k)))
+            return [{"role": "system", "content": system},
+                    {"role": "user", "content": f"Board, newest post first:\n\n{posts}\n\nProblem: {q}\n\n{ask}"}]
+
+        built.append(Request(f"b{row}", tuple(role[0] for role in BOARD_ROLES), messages,
+                             shared=(problem["question"],)))
+    return Workload("board", "board, newest post first, problem last", built, reply_tokens,
+                    final_answer=last_reply_number)
+
+
+def _windows(page: str, bounds: tuple[tuple[float, float], ...]) -> list[str]:
+    """``page`` cut at line starts into one window per ``(from, to)`` share of its lines."""
+    lines = page.split("\n")
+    return ["\n".join(lines[int(a * len(lines)):int(b * len(lines))]).strip("\n") for a, b in bounds]
+
+
+def excerpts(requests: int, split: str, reply_tokens: int) -> Workload:
+    pages = SPLITS[split]["pages"]
+    built = []
+    for i, (row, problem) in enumerate(humaneval_rows("report", SPLITS[split]["humaneval"], requests)):
+        page, task = stdlib_doc(pages[(i + 3) % len(pages)], max_chars=PAGE_CHARS), problem["prompt"]
+        first, middle, last = _windows(page, ((0.0, 0.6), (0.2, 0.8), (0.4, 1.0)))
+
+        def messages(k: int, replies: list[str], page=page, task=task, cuts=(first, middle, last)) -> list[dict]:
+            if k == 0:
+                return [{"role": "system", "content": "You index documentation. List the names it defines."},
+                        {"role": "user", "content": f"{page}\n\nList the names in this page."}]
+            if k == 1:
+                return [{"role": "system", "content": "You write Python. Reply with code only."},
+                        {"role": "user", "content": f"{task}\n\nRetrieved passage:\n{cuts[0]}\n\n"
+                                                    f"Index of the page: {replies[0]}"}]
+            if k == 2:
+                return [{"role": "system", "content": "You write tests for Python functions."},
+                        {"role": "user", "content": f"{task}\n\nRetrieved passage:\n{cuts[1]}\n\n"
+                                                    f"Write three asserts for this code:\n{replies[1]}"}]
+            return [{"role": "system", "content": "You review Python code for bugs, briefly."},
+                    {"role": "user", "content": f"Retrieved passage:\n{cuts[2]}\n\n{task}\n\nCode:\n{replies[1]}"
+                                                f"\n\nTests:\n{replies[2]}\n\nIs the code right?"}]
+
+        built.append(Request(f"x{row}", ("indexer", "coder", "tester", "reviewer"), messages,
+                             reads=((), (0,), (1,), (1, 2)), shared=(task, first, middle, last)))
+    return Workload("excerpts", "overlapping passages of one page, retrieved per agent", built, reply_tokens)
+
+
+SHAPES = {"reflection": reflection, "tool": tool, "chain": chain, "instructed": instructed, "board": board,
+          "excerpts": excerpts}
 
 
 def workload(shape: str, split: str, requests: int, reply_tokens: int = 64) -> Workload:

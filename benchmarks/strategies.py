@@ -47,7 +47,7 @@ re-rotated alone where re-rotation was measured within the budget, ``experimenta
 reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
 ``--remembered FOLDER``, writing its own there: ``remember_measurements``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole),
-``-tail-N``, ``-last-N`` (``recompute_tail``, ``recompute_last_run``).
+``-tail-N``, ``-last-N`` (``recompute_tail``, ``recompute_last_run``), ``-budget-N`` (``kl_budget`` N / 10,000).
 """
 
 from __future__ import annotations
@@ -166,8 +166,10 @@ COPIES = {"reply_copies": True, "text_copies": True}
 
 #: the suffixes an engine strategy's name may take: ``-head-N`` recomputes the first N tokens of
 #: each reused run, ``-short-N`` computes whole every approximate run of at most N tokens,
-#: ``-tail-N`` and ``-last-N`` set ``recompute_tail`` and ``recompute_last_run``
-_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?(?:-tail-(?P<tail>\d+))?(?:-last-(?P<last>\d+))?")
+#: ``-tail-N`` and ``-last-N`` set ``recompute_tail`` and ``recompute_last_run``, ``-budget-N``
+#: sets ``kl_budget`` to N / 10,000 (``-budget-50``: 0.005)
+_SUFFIXES = re.compile(r"(?P<base>.+?)(?:-head-(?P<head>\d+))?(?:-short-(?P<short>\d+))?(?:-tail-(?P<tail>\d+))?"
+                       r"(?:-last-(?P<last>\d+))?(?:-budget-(?P<budget>\d+))?")
 
 
 def _split(name: str) -> tuple[str, dict]:
@@ -180,12 +182,14 @@ def _split(name: str) -> tuple[str, dict]:
         update["recompute_tail"] = int(match["tail"])
     if match["last"] is not None:
         update["recompute_last_run"] = int(match["last"])
+    if match["budget"] is not None:
+        update["kl_budget"] = int(match["budget"]) / 10_000
     return match["base"], update
 
 
 def known(name: str) -> bool:
     """A strategy name: one of ``NAMES``, or an engine strategy of them followed by any of
-    ``-head-N``, ``-short-N``, ``-tail-N``, ``-last-N`` (in that order)."""
+    ``-head-N``, ``-short-N``, ``-tail-N``, ``-last-N``, ``-budget-N`` (in that order)."""
     base, update = _split(name)
     return name in NAMES or bool(update and base in NAMES and base != "lower-bound")
 
@@ -245,7 +249,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         return {**table[base], **update}
     if name not in table:
         raise ValueError(f"unknown strategy '{name}'; known: {', '.join(NAMES)}, or an engine strategy "
-                         "followed by -head-N, -short-N, -tail-N, -last-N")
+                         "followed by -head-N, -short-N, -tail-N, -last-N, -budget-N")
     return table[name]
 
 
