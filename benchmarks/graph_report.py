@@ -274,6 +274,7 @@ LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined ex
           "kvcomm-own-drafts": "default, drafts from the call's own ids only (`draft_recent_replies=0`)",
           "kvcomm-rerotate-replies": "default, replies re-rotated alone too (`rerotate_replies=True`)",
           "kvcomm-no-spans": "default, texts matched alone (`shared_runs=\"anywhere\"`)",
+          "kvcomm-no-cut-head": "default, runs cut inside their text with the plain head (`recompute_cut_head=0`)",
           "rerotate-no-spans": "re-rotation only, texts matched alone (`shared_runs=\"anywhere\"`)",
           "dense-drafted": "dense prefill, drafted decode"}
 DEFAULT = "kvcomm-mean"

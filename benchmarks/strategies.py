@@ -43,7 +43,8 @@ call's own ids only, ``draft_recent_replies=0``), ``kvcomm-no-short-sample`` (no
 measured, ``experimental.short_rerotation_sample=False``), ``kvcomm-rerotate-replies`` (replies served
 re-rotated alone where re-rotation was measured within the budget, ``experimental.rerotate_replies``),
 ``kvcomm-no-spans`` / ``rerotate-no-spans`` (no run of an earlier prompt preferred over the texts it holds,
-``shared_runs="anywhere"``), ``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
+``shared_runs="anywhere"``), ``kvcomm-no-cut-head`` (a run starting 64 or more ids inside its text keeps
+``recompute_head``'s head, ``recompute_cut_head=0``), ``kvcomm-blend`` (the default, then ``cacheblend``'s selective recompute of ``--recompute-share`` of the
 reused tokens), ``kvcomm-remembered`` (the default starting from the re-rotation measurements earlier engines left in
 ``--remembered FOLDER``, writing its own there: ``remember_measurements``); any engine strategy + ``-head-N`` (the first N
 tokens of every reused run computed in context), ``-short-N`` (approximate runs of at most N tokens computed whole),
@@ -78,7 +79,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
          "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone", "dense-drafted", "kvcomm-no-drafts",
-         "kvcomm-own-drafts", "kvcomm-rerotate-replies", "kvcomm-no-spans", "rerotate-no-spans", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
+         "kvcomm-own-drafts", "kvcomm-rerotate-replies", "kvcomm-no-spans", "kvcomm-no-cut-head", "rerotate-no-spans", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -238,6 +239,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-rerotate-replies": {"method": "kvcomm", "gamma": gamma,
                                     "experimental": ExperimentalSettings(rerotate_replies=True)},
         "kvcomm-no-spans": {"method": "kvcomm", "gamma": gamma, "shared_runs": "anywhere"},
+        "kvcomm-no-cut-head": {"method": "kvcomm", "gamma": gamma, "recompute_cut_head": 0},
         "rerotate-no-spans": {"method": "rerotate", "audit_every": 0, "shared_runs": "anywhere"},
         # the default remembering what earlier engines measured (the folder: ``build(remembered=...)``)
         "kvcomm-remembered": {"method": "kvcomm", "gamma": gamma},

@@ -25,7 +25,7 @@ class ExperimentalSettings(BaseModel):
     """The paper's variants and the anchor pools' details. Defaults are the measured best; change
     them to reproduce the paper (``estimator="weighted"``, with ``KVCommConfig(kl_budget=None,
     recorded_versions=False, reply_copies=False, text_copies=False, recompute_head=0,
-    recompute_tail=0, recompute_short_runs=0, recompute_last_run=0)``) or to
+    recompute_cut_head=0, recompute_tail=0, recompute_short_runs=0, recompute_last_run=0)``) or to
     experiment, not to tune a deployment."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -264,6 +264,12 @@ class KVCommConfig(BaseModel):
             " text before the run's first token: there the context did not change. 0: off."
         ),
     )
+    recompute_cut_head: int = Field(default=64, ge=0, description=(
+        "Where recompute_head applies, the head of a run that starts 64 or more ids inside the text whose KV "
+        "it takes (a page's later lines, an earlier prompt's middle): that KV followed the text's own earlier"
+        " ids, absent here, and deviates further in. Held-out shapes: readers' KL 0.0146 -> 0.0118 (windows "
+        "of a page), 0.0083 -> 0.0054 (a tool's page), 3-10% more tokens; the ten dev graphs +0-2% "
+        "(benchmarks/LAB.md, 'A run cut inside its text'). 0: recompute_head's."))
     recompute_tail: int = Field(
         default=8, ge=0,
         description=(
@@ -330,30 +336,24 @@ class KVCommConfig(BaseModel):
     reply_copies: bool = Field(
         default=False,
         description=(
-            "Compute each reply a second time, as its readers will see it: after the text they put before it "
-            "(learned from earlier calls: the sender's prompt without its generation header, then a lead-in such "
-            "as 'Solver 2 answered:'), fed with the sender's own decode steps in the same cache, and recorded as "
-            "a version the first reader reuses (method='kvcomm' with recorded_versions; "
-            "kvcomm_agents.framing.replies). Off by default: on one device a copy computes in the sender's turn "
-            "what its reader would compute, so it brings the reader's first token sooner and the graph's end "
-            "later: on one H200 (the paper's shape, random 8B weights) 1.57x dense with copies against 1.68x "
-            "without (benchmarks/LAB.md, 'Copies off by default'). True: for readers' first token at the graph's "
-            "cost (40 GSM8K debates on a CPU: readers 2.2x -> 3.95x dense to the first token)."
+            "Compute each reply a second time as its readers will see it (after the text they put before it, "
+            "learned from earlier calls), fed with the sender's decode steps and recorded as a version the first "
+            "reader reuses (method='kvcomm' with recorded_versions; kvcomm_agents.framing.replies). Off by "
+            "default: on one device a copy computes in the sender's turn what its reader would, so the reader's "
+            "first token comes sooner and the graph ends later (one H200, the paper's shape: 1.57x dense with, "
+            "1.68x without; benchmarks/LAB.md, 'Copies off by default'). True: readers' first token first."
         ),
     )
     text_copies: bool = Field(
         default=False,
         description=(
             "Compute shared prompt text (a task, documents) a second time for each later reader, after that "
-            "reader's own prefix (its system text: learned from earlier calls, its KV taken from the exact-prefix"
-            " store), fed with the first reader's decode steps and recorded as a version the later readers reuse "
-            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing.texts). On CUDA the copies ride on "
-            "the first reader's decode steps (up to 256 text ids per generated token, the rest after its reply); "
-            "on a CPU each is computed after the reply in a forward of its own, about the prefill it saves its "
-            "reader. None for a reader whose re-rotation was measured within kl_budget (measured_rerotation). Off"
-            " by default, as reply_copies: work moved into the first reader's turn, not removed "
-            "(benchmarks/LAB.md, 'Copies off by default'). True: each later reader reuses the text as computed "
-            "after its own prefix."
+            "reader's own prefix (learned from earlier calls), recorded as a version the later readers reuse "
+            "(method='kvcomm' with recorded_versions; kvcomm_agents.framing.texts): on CUDA riding on the first "
+            "reader's decode steps (up to 256 ids per generated token), on a CPU in a forward of its own after "
+            "the reply. None for a reader whose re-rotation was measured within kl_budget. Off by default, as "
+            "reply_copies: work moved into the first reader's turn, not removed. True: each later reader "
+            "reuses the text as computed after its own prefix."
         ),
     )
     copies_when_cheaper: bool = Field(

@@ -36,7 +36,7 @@ from .matching import Occurrence, TokenMatch, find_shared, match_runs
 from .prefill_cost import PrefillCost
 from .plan import CallPlan, GateRecord, Observation, OwnTextPiece, PrefixHit, ReusedRun, SegmentDecision
 from .prompt import PromptLayout
-from .repairs import computed_head, ends_near, moved_past_its_context
+from .repairs import computed_head, cut_inside, ends_near, moved_past_its_context
 
 
 __all__ = ["plan_call"]
@@ -238,6 +238,8 @@ class _RunDecider:
         range). The first run's ``head`` and ``short`` (zero where a version fits it), a later run's the config's."""
         if index:
             head, short = self.config.recompute_head, self.config.recompute_short_runs
+        if head and not run[3] and cut_inside(run[1]):
+            head = max(head, self.config.recompute_cut_head)  # a run cut a whole window inside its text
         if (head or short) and ends_near(self.n, run[0], length) and moved_past_its_context(segment, run[0], run[1]):
             short = max(short, self.config.recompute_last_run)  # a run right before the reader's text that moved
         return max(0, computed_head(head, run[3] + length, short) - run[3])

@@ -1,11 +1,12 @@
 """What of a reused run is computed in context instead of reused: the run's repairs.
 
-The ids right after a change of context deviate most from dense (a run's head); the reader's
+The ids right after a change of context deviate most from dense (a run's head, longer where the
+run starts deep inside its text, after text of its own it no longer follows); the reader's
 own text and first token attend most to the text right before them (the tail of a run that
 ends there, and the whole of such a run where it moved past text it was never computed after);
 a short re-rotated text deviates nearly whole (short runs). The settings are
-``KVCommConfig.recompute_head``, ``recompute_tail``, ``recompute_short_runs`` and
-``recompute_last_run``; :mod:`.planner` applies them run by run.
+``KVCommConfig.recompute_head``, ``recompute_cut_head``, ``recompute_tail``,
+``recompute_short_runs`` and ``recompute_last_run``; :mod:`.planner` applies them run by run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from .kv.segments import CONTEXT_TOKENS, KVSegment
 from .kv.store import SegmentStore
 
-__all__ = ["TAIL_REACH", "computed_head", "ends_near", "moved_past_its_context"]
+__all__ = ["TAIL_REACH", "computed_head", "cut_inside", "ends_near", "moved_past_its_context"]
 
 #: A reused run ending at most this many ids before the prompt's end gives up its last
 #: ``KVCommConfig.recompute_tail`` ids, or all of it where it moved (``recompute_last_run``).
@@ -53,3 +54,12 @@ def moved_past_its_context(segment: KVSegment, start: int, segment_start: int) -
     else:
         return False
     return start - (segment_start + origin) > CONTEXT_TOKENS
+
+
+def cut_inside(segment_start: int) -> bool:
+    """Whether a run from its segment's id ``segment_start`` starts a whole window
+    (``CONTEXT_TOKENS``) inside the segment: its KV followed the segment's own earlier ids (a
+    page's first lines, an earlier prompt's text), which the prompt does not hold right before
+    the run (else the run would reach back over them), and deviates further into the run than
+    after a change of the text before a segment's start (``KVCommConfig.recompute_cut_head``)."""
+    return segment_start >= CONTEXT_TOKENS

@@ -87,7 +87,7 @@ def model(request, llama, qwen2):
 #: their mechanics run wherever reuse's do: whether they pay is timed on the machine running the
 #: tests (tests/test_copy_cost.py sets the rates; tests that check the rule switch it on). Audits
 #: run at the cadence a test sets, whatever reuse spared (tests/test_audit.py prices them).
-MECHANICS = {"recompute_head": 4, "recompute_tail": 0, "recompute_short_runs": 0, "recompute_last_run": 0,
+MECHANICS = {"recompute_head": 4, "recompute_cut_head": 0, "recompute_tail": 0, "recompute_short_runs": 0, "recompute_last_run": 0,
              "reply_copies": True, "text_copies": True,
              "copies_when_cheaper": False, "audit_share": None}
 #: the experimental settings those tests start from: replies re-rotated like any text (the tests'

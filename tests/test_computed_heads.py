@@ -191,3 +191,25 @@ def test_a_short_reply_an_earlier_reader_read_after_the_same_text_is_reused_from
     assert span.segment.kind == ("prompt", None) and span.span[0] <= reply[0] - 64 and span.span[1] >= reply[1]
     covered = {p for a, b in spans.reused_spans for p in range(a, b)}
     assert set(range(*reply)) <= covered and spans.reused_tokens > alone.reused_tokens
+
+
+def test_a_run_cut_a_whole_window_inside_its_text_gives_up_a_longer_head(llama, tokenizer, make_engine):
+    """``recompute_cut_head=N``: a page one agent read whole, pasted by another from its
+    middle (over 64 ids in: its KV followed the page's first lines, which that prompt does not
+    hold), gives up its first N ids instead of ``recompute_head``'s 4; pasted whole, from the
+    page's start, it keeps the plain head."""
+    lines = [f"Day {i}: Natalia sold {i + 3} clips to friend number {i} and kept the rest." for i in range(24)]
+    page, cut = "\n".join(lines), "\n".join(lines[12:])
+
+    def reader_runs(text: str, cut_head: int) -> list[tuple[int, int]]:
+        engine = make_engine(llama, prefix_cache=False, dense_when_cheaper=False, recompute_cut_head=cut_head)
+        replayed(engine, [{"role": "system", "content": "You are the indexer."},
+                          {"role": "user", "content": f"{page}\n\nList the days."}], "indexer")
+        messages = [{"role": "system", "content": "You are the reader, who counts clips."},
+                    {"role": "user", "content": f"{QUESTION}\n\nPassage:\n{text}\n\nHow many clips?"}]
+        return engine.replay(messages, agent="reader", reply_ids=[tokenizer.eos_token_id]).result.stats.reused_spans
+
+    plain, headed = reader_runs(cut, 0), reader_runs(cut, 24)
+    assert len(plain) == 1 and plain[0][1] - plain[0][0] > 64
+    assert headed == [(plain[0][0] + 20, plain[0][1])]  # 24 ids of head instead of 4
+    assert reader_runs(page, 24) == reader_runs(page, 0) != []

@@ -27,9 +27,9 @@ FORMAT = "kvcomm-anchors/2"  # /1: dense [slots, L-1, H, tokens, D] stacks
 #: the settings that shape what an audit or a re-rotation check measures (the recomputed head
 #: and tail, the short runs computed, the estimator): a file's measurements serve only an engine
 #: that has the same
-MEASURED_WITH = ("recompute_head", "recompute_tail", "recompute_short_runs", "recompute_last_run", "experimental")
+MEASURED_WITH = ("recompute_head", "recompute_cut_head", "recompute_tail", "recompute_short_runs", "recompute_last_run", "experimental")
 #: what a file that does not name one of them was measured with (the setting did not exist: off)
-WITHOUT = {"recompute_tail": 0, "recompute_last_run": 0}
+WITHOUT = {"recompute_tail": 0, "recompute_last_run": 0, "recompute_cut_head": 0}
 
 
 def measured_alike(header: dict, settings: dict) -> bool:

@@ -239,10 +239,11 @@ def test_measurements_keep_a_kind_without_detail_and_drop_what_cannot_be_saved()
 
 
 def test_a_file_saved_before_the_tail_setting_counts_as_measured_without_one():
-    settings = {"recompute_head": 16, "recompute_tail": 0, "recompute_short_runs": 64, "recompute_last_run": 0,
-                "experimental": {}}
+    settings = {"recompute_head": 16, "recompute_cut_head": 0, "recompute_tail": 0, "recompute_short_runs": 64,
+                "recompute_last_run": 0, "experimental": {}}
     old = {"settings": {"recompute_head": 16, "recompute_short_runs": 64, "experimental": {}}}
     assert measured_alike(old, settings)
     assert not measured_alike(old, {**settings, "recompute_tail": 16})
     assert not measured_alike(old, {**settings, "recompute_last_run": 256})
+    assert not measured_alike(old, {**settings, "recompute_cut_head": 64})
     assert measured_alike({"settings": {**old["settings"], "recompute_tail": 16}}, {**settings, "recompute_tail": 16})
