@@ -268,7 +268,7 @@ class KVCommConfig(BaseModel):
         "Where recompute_head applies, the head of a run that starts 64 or more ids inside the text whose KV "
         "it takes (a page's later lines, an earlier prompt's middle): that KV followed the text's own earlier"
         " ids, absent here, and deviates further in. Held-out shapes: readers' KL 0.0146 -> 0.0118 (windows "
-        "of a page), 0.0083 -> 0.0054 (a tool's page), 3-10% more tokens; the ten dev graphs +0-2% "
+        "of a page), 0.0083 -> 0.0054 (a tool's page), 3-10% more tokens; the ten graphs +0-3% "
         "(benchmarks/LAB.md, 'A run cut inside its text'). 0: recompute_head's."))
     recompute_tail: int = Field(
         default=8, ge=0,

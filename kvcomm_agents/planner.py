@@ -238,8 +238,9 @@ class _RunDecider:
         range). The first run's ``head`` and ``short`` (zero where a version fits it), a later run's the config's."""
         if index:
             head, short = self.config.recompute_head, self.config.recompute_short_runs
-        if head and not run[3] and cut_inside(run[1]):
-            head = max(head, self.config.recompute_cut_head)  # a run cut a whole window inside its text
+        if head and not index and not run[3] and cut_inside(run[1]):
+            # the first run cut a whole window inside its text (a later run follows the earlier ones)
+            head = max(head, self.config.recompute_cut_head)
         if (head or short) and ends_near(self.n, run[0], length) and moved_past_its_context(segment, run[0], run[1]):
             short = max(short, self.config.recompute_last_run)  # a run right before the reader's text that moved
         return max(0, computed_head(head, run[3] + length, short) - run[3])

@@ -57,9 +57,11 @@ def moved_past_its_context(segment: KVSegment, start: int, segment_start: int) -
 
 
 def cut_inside(segment_start: int) -> bool:
-    """Whether a run from its segment's id ``segment_start`` starts a whole window
-    (``CONTEXT_TOKENS``) inside the segment: its KV followed the segment's own earlier ids (a
-    page's first lines, an earlier prompt's text), which the prompt does not hold right before
-    the run (else the run would reach back over them), and deviates further into the run than
-    after a change of the text before a segment's start (``KVCommConfig.recompute_cut_head``)."""
+    """Whether the first run of a segment's occurrence, from the segment's id
+    ``segment_start``, starts a whole window (``CONTEXT_TOKENS``) inside it: its KV followed the
+    segment's own earlier ids (a page's first lines, an earlier prompt's text), which the prompt
+    does not hold right before the run (else the run would reach back over them), and deviates
+    further into the run than after a change of the text before a segment's start
+    (``KVCommConfig.recompute_cut_head``). Not for a later run of the occurrence: it follows the
+    earlier runs, the segment's own text."""
     return segment_start >= CONTEXT_TOKENS
