@@ -20,8 +20,12 @@ missed (``recompute_last_run`` came from ``tool`` there: benchmarks/LAB.md, "The
 before the reader's text"), and ``unseen``, rows and pages nothing was run on before the rule
 was fixed. Quote ``unseen``.
 
+``--noise-floor`` adds dense run in bfloat16 on every reader's call: what a dtype change alone
+moves each shape's readers (KL and 32-token agreement), to read the strategies' figures against.
+
     python -m benchmarks.held_out_shapes [--split unseen] [--shapes reflection,tool,chain,instructed]
-        [--strategies dense,prefix,rerotate,kvcomm-mean] [--requests 5] [--out benchmarks/out/held_out_shapes]
+        [--strategies dense,prefix,rerotate,kvcomm-mean] [--requests 5] [--noise-floor]
+        [--out benchmarks/out/held_out_shapes]
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ import torch
 from examples.tasks import stdlib_doc
 
 from .graph import ModelMeter, run_graph
-from .graph_report import format_graphs, summarize_graphs
+from .graph_report import format_graphs, noise_floor_line, noise_floor_readers, summarize_graphs
 from .graphs import Request, Workload, gsm8k_rows, humaneval_rows, last_reply_number
 from .models import load
 from .provenance import git_commit
-from .strategies import build
+from .strategies import build, noise_floor
 
 __all__ = ["SHAPES", "SPLITS", "workload"]
 
@@ -223,6 +227,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--strategies", default="dense,prefix,rerotate,kvcomm-mean")
     parser.add_argument("--requests", type=int, default=5, help="per shape, the first one a warm-up")
     parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--noise-floor", action="store_true", help="dense in bfloat16 on every reader's call too")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/held_out_shapes"))
     args = parser.parse_args(argv)
@@ -237,13 +242,19 @@ def main(argv=None) -> dict:
     for shape in args.shapes.split(","):
         shape_load = workload(shape, args.split, args.requests, args.reply_tokens)
         strategies = [build(name, loaded.model, loaded.tokenizer) for name in args.strategies.split(",")]
+        if args.noise_floor:
+            floor = noise_floor(loaded.model, loaded.tokenizer, requests=range(1, args.requests))
+            floor.decider_only = False
+            meter.watch(floor.engine.model)
+            strategies.append(floor)
         records, _ = run_graph(shape_load, strategies, warmup=1, phase=shape, tokenizer=loaded.tokenizer, eos_ids=eos,
                                meter=meter)
         graphs = summarize_graphs(records)
-        results["shapes"][shape] = {"title": shape_load.title, "graphs": graphs}
+        floor = noise_floor_readers(records)
+        results["shapes"][shape] = {"title": shape_load.title, "graphs": graphs, "noise_floor": floor}
         (args.out / f"{shape}-{args.split}.records.json").write_text(json.dumps(records))
         print(f"\n{shape} ({shape_load.title}), {args.split}, {args.requests - 1} measured after 1 warm-up\n"
-              + format_graphs(graphs), flush=True)
+              + format_graphs(graphs) + (f"\n{noise_floor_line(floor)}" if floor else ""), flush=True)
     path = args.out / f"held_out_shapes-{args.split}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"written {path}")
