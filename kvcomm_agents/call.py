@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from .alignment import assemble
+from .checks import check_reuse
 from .forwards import ForwardTally, charging
 from .anchors import KVCommAnchors
 from .audit import CallAuditor
@@ -122,6 +123,7 @@ class CallSteps:
         token, in one hold of the engine lock (a sibling planned after it finds it in flight,
         :mod:`.in_flight`). The store entries the plan uses stay pinned, and the call stays in
         flight, until the block ends."""
+        check_reuse(reuse)
         tally = ForwardTally()
         with ExitStack() as held:
             with self.lock, torch.inference_mode(), charging(tally, "prompt"):  # anchor tensors are inference tensors

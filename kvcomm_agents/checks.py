@@ -7,12 +7,15 @@ from typing import Optional, Sequence
 from .errors import InvalidMessagesError, InvalidRequestError
 from .prompt import PromptLayout
 
-__all__ = ["check_agent", "check_max_new_tokens", "check_reply_ids", "check_length"]
+__all__ = ["check_agent", "check_max_new_tokens", "check_reply_ids", "check_length", "check_reuse"]
 
 
 def check_length(layout: PromptLayout, limit: Optional[int], new_tokens: int, what: str) -> None:
     """Prompt plus reply must fit the model's ``limit`` positions (None: no limit)."""
     n = int(layout.ids.numel())
+    if limit is not None and n >= limit:
+        raise InvalidRequestError(f"the prompt alone ({n} tokens) fills the model's {limit} positions, leaving none "
+                                  f"for {what}; shorten the messages")
     if limit is not None and n + new_tokens > limit:
         raise InvalidRequestError(
             f"the prompt ({n} tokens) plus {what} ({new_tokens}) exceeds the model's {limit} positions; "
@@ -23,6 +26,11 @@ def check_length(layout: PromptLayout, limit: Optional[int], new_tokens: int, wh
 def check_agent(agent) -> None:
     if not isinstance(agent, str) or not agent:
         raise InvalidMessagesError("agent must be a non-empty string")
+
+
+def check_reuse(value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(f"reuse must be True, False or None (the engine's setting), got {value!r}")
 
 
 def check_max_new_tokens(value) -> None:

@@ -14,9 +14,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .errors import InvalidMessagesError
+from jinja2 import TemplateError
 
-__all__ = ["PromptLayout", "render_prompt", "normalize_messages", "token_span"]
+from .errors import InvalidMessagesError, InvalidRequestError
+
+__all__ = ["PromptLayout", "render_prompt", "renders_tools", "normalize_messages", "token_span"]
 
 
 @dataclass
@@ -141,11 +143,32 @@ def token_span(offsets: list[tuple[int, int]], start: int, end: int) -> range:
     return range(first, last)
 
 
+def renders_tools(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template renders a ``tools`` list (tool calling possible)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return isinstance(template, str) and "tools" in template
+
+
 def render_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], *, tools=None) -> PromptLayout:
-    """Render messages with the tokenizer's chat template and tokenize the result as a whole."""
+    """Render messages with the tokenizer's chat template and tokenize the result as a whole.
+
+    Raises:
+        InvalidMessagesError: the template refused the messages (e.g. roles that must alternate).
+        InvalidRequestError: ``tools`` given to a template that does not render them.
+    """
     clean = normalize_messages(messages)
+    if tools and not renders_tools(tokenizer):
+        raise InvalidRequestError("this model's chat template does not render tools, so tool calling cannot work; "
+                                  "use a model whose template supports tools, or call it without tools")
     kwargs = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True, **kwargs)
+    try:
+        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True, **kwargs)
+    except (TemplateError, ValueError, TypeError, KeyError) as error:
+        raise InvalidMessagesError(
+            f"the model's chat template refused these messages ({type(error).__name__}: {error}); if it asks for "
+            "alternating roles, merge consecutive messages of one role into one") from error
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
     offsets = [tuple(span) for span in encoded["offset_mapping"]]

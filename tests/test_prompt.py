@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcomm_agents import InvalidMessagesError
+from kvcomm_agents import InvalidMessagesError, InvalidRequestError
 from kvcomm_agents.prompt import normalize_messages, render_prompt, token_span
 from kvcomm_agents.testing import tiny_tokenizer
 
@@ -88,3 +88,21 @@ def test_an_assistant_that_only_calls_tools_may_have_no_content():
     calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
     clean = normalize_messages([{"role": "assistant", "content": None, "tool_calls": calls}])
     assert clean[0]["content"] == ""
+
+
+def test_a_template_that_refuses_the_messages_is_an_invalid_messages_error():
+    """Templates that ask for alternating roles (Llama-2-chat, Mistral-instruct) raise their own
+    jinja error: callers catching the library's error see it, with what to do."""
+    template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                "{{ m['content'] + '\n' }}{% endfor %}")
+    tokenizer = tiny_tokenizer(chat_template=template)
+    assert render_prompt(tokenizer, [{"role": "user", "content": "a"}]).text == "a\n"
+    with pytest.raises(InvalidMessagesError, match="roles must alternate.*merge consecutive"):
+        render_prompt(tokenizer, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_tools_for_a_template_that_does_not_render_them_are_refused(tokenizer):
+    """Otherwise the template drops them and the model never sees the tools."""
+    with pytest.raises(InvalidRequestError, match="does not render tools"):
+        render_prompt(tokenizer, [{"role": "user", "content": "add 2 and 3"}], tools=[{"name": "add"}])

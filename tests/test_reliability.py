@@ -27,6 +27,17 @@ def test_prompt_plus_reply_beyond_the_positions_is_refused_before_compute(llama,
         engine.replay(messages, agent="a", reply_ids=[5] * (limit - n + 1))
     assert len(engine.store) == 0  # nothing was computed or kept
     assert engine.chat(messages, agent="a", max_new_tokens=2).stats.prompt_tokens == n  # the edge fits
+    long = [{"role": "user", "content": "x " * limit}]  # the prompt alone fills the positions
+    with pytest.raises(InvalidRequestError, match="the prompt alone .* shorten the messages") as error:
+        engine.chat(long, agent="a", max_new_tokens=1)
+    assert "at most" not in str(error.value)  # no max_new_tokens would fit: none is suggested
+
+
+@pytest.mark.parametrize("reuse", [0, "false", "no"])
+def test_reuse_that_is_not_a_bool_is_refused(llama, make_engine, reuse):
+    """``reuse="false"`` is truthy: taken as given it would keep reuse on."""
+    with pytest.raises(InvalidRequestError, match="reuse must be True, False or None"):
+        make_engine(llama).chat(solver_messages("You are a judge."), agent="judge", reuse=reuse, max_new_tokens=1)
 
 
 def test_identical_calls_store_each_text_once(llama, tokenizer, make_engine):

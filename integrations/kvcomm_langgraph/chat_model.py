@@ -19,10 +19,11 @@ from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvcomm_agents import ChatResult as EngineResult
 from kvcomm_agents import InvalidRequestError, KVCommEngine
+from kvcomm_agents.prompt import renders_tools
 
 from .agents import current_scope, node_agent
 from .messages import parse_tool_calls, to_engine_messages
@@ -44,10 +45,18 @@ def default_engine() -> KVCommEngine:
 
 def supports_tools(engine: KVCommEngine) -> bool:
     """Whether the engine's chat template renders a ``tools`` list (tool calling possible)."""
-    template = engine.tokenizer.chat_template
-    if isinstance(template, dict):
-        template = " ".join(template.values())
-    return isinstance(template, str) and "tools" in template
+    return renders_tools(engine.tokenizer)
+
+
+#: Call options a call may pass (``invoke(..., temperature=0.7)``, ``bind(...)``, ``bind_tools``);
+#: LangChain's own ``ls_*`` tracing options are let through too.
+CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "reuse", "tools", "tool_choice")
+#: LangChain's settings for remote providers, which generic code (``init_chat_model``, the standard
+#: tests) passes to every chat model: accepted and unused (a local engine has no request to time
+#: out, retry or authenticate).
+REMOTE_SETTINGS = ("timeout", "max_retries", "api_key", "base_url")
+#: Other providers' names for an option, and what ChatKVComm calls it.
+RENAMED = {"max_new_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "max_output_tokens": "max_tokens"}
 
 
 class ChatKVComm(BaseChatModel):
@@ -58,6 +67,11 @@ class ChatKVComm(BaseChatModel):
         agent: the agent name when neither ``@kvcomm_agent`` nor a LangGraph node names one.
         max_tokens, temperature, top_p, stop, seed: decoding (temperature 0 is greedy).
         reuse: False makes this model's calls dense (they still share their KV).
+        streaming: True makes ``invoke`` stream, its tokens reaching callbacks as they come
+            (LangChain's switch for it).
+        timeout, max_retries, api_key, base_url: LangChain's remote-provider settings, accepted
+            and unused. Any other argument (``model=``, ``top_k=``) is refused: an engine serves
+            the model it was loaded with.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -70,6 +84,33 @@ class ChatKVComm(BaseChatModel):
     stop: Optional[list[str]] = None
     seed: Optional[int] = None
     reuse: Optional[bool] = None
+    streaming: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, values: Any) -> Any:
+        """Refuse what ChatKVComm would otherwise drop without a word: a model named by id (it
+        serves the engine it is given) and other providers' options."""
+        if not isinstance(values, dict):
+            return values
+        values = {key: value for key, value in values.items() if key not in REMOTE_SETTINGS}
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = sorted(key for key in values if key not in known)
+        if not unknown:
+            return values
+        if {"model", "model_name", "model_id"} & set(unknown):
+            raise ValueError("ChatKVComm serves the engine it is given, not a model named by id: pass "
+                             "engine=KVCommEngine.from_pretrained(path) (None: the embedded SmolLM2-135M-Instruct)")
+        raise ValueError(f"ChatKVComm has no option {', '.join(map(repr, unknown))}{_renamed(unknown)}; it takes engine, agent, "
+                         "max_tokens, temperature, top_p, stop, seed, reuse, streaming and LangChain's own settings")
+
+    @field_validator("engine")
+    @classmethod
+    def _an_engine(cls, engine: Any) -> Any:
+        if engine is not None and not (callable(getattr(engine, "chat", None)) and callable(getattr(engine, "stream", None))):
+            raise ValueError(f"engine must be a KVCommEngine (or kvcomm_vllm's VLLMEngine), got {type(engine).__name__}; "
+                             "load one with KVCommEngine.from_pretrained(path), or leave it out for the embedded model")
+        return engine
 
     @property
     def _llm_type(self) -> str:
@@ -131,6 +172,7 @@ class ChatKVComm(BaseChatModel):
         return self.engine if self.engine is not None else default_engine()
 
     def _resolve(self, stop: Optional[list[str]], run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict):
+        _check_call_options(kwargs)
         scope = current_scope()
         metadata = run_manager.metadata if run_manager is not None else {}
         agent = (scope.name if scope and scope.name else None) or node_agent(metadata) or self.agent or "default"
@@ -190,6 +232,21 @@ class ChatKVComm(BaseChatModel):
         assert result is not None
         yield ChatGenerationChunk(message=self._message(result, agent, tools_bound, chunk=True),
                                   generation_info={"finish_reason": result.finish_reason})
+
+
+def _check_call_options(kwargs: dict) -> None:
+    """Refuse call options ChatKVComm would ignore (one generation per call: no ``n``)."""
+    if kwargs.get("n", 1) != 1:
+        raise InvalidRequestError(f"ChatKVComm generates one reply per call, got n={kwargs['n']!r}; call it n times")
+    unknown = sorted(k for k in kwargs if k not in CALL_OPTIONS and k != "n" and not k.startswith("ls_"))
+    if unknown:
+        raise InvalidRequestError(f"ChatKVComm has no call option {', '.join(map(repr, unknown))}{_renamed(unknown)}; "
+                                  f"it takes {', '.join(CALL_OPTIONS)}")
+
+
+def _renamed(options: Sequence[str]) -> str:
+    """What ChatKVComm calls the options another provider names otherwise ("" for none)."""
+    return "".join(f"; {key!r} is {RENAMED[key]!r} here" for key in options if key in RENAMED)
 
 
 def _json(args: dict) -> str:

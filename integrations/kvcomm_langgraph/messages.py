@@ -41,9 +41,10 @@ def message_text(message: BaseMessage) -> str:
 
 
 def _segment_of(message: BaseMessage) -> Optional[dict]:
+    """The segment ref ChatKVComm put in a reply's metadata; None for anything else there."""
     meta = getattr(message, "response_metadata", None) or {}
-    kvcomm = meta.get("kvcomm") or {}
-    return kvcomm.get("segment")
+    kvcomm = meta.get("kvcomm") if isinstance(meta, dict) else None
+    return kvcomm.get("segment") if isinstance(kvcomm, dict) else None
 
 
 def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
@@ -95,13 +96,16 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[dict]]:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
         try:
             payload = json.loads(raw)
-            name, args = payload["name"], payload.get("arguments", payload.get("parameters", {}))
+            if not isinstance(payload, dict):
+                raise ValueError("not a JSON object")
+            name, args = payload.get("name"), payload.get("arguments", payload.get("parameters", {}))
             if isinstance(args, str):
                 args = json.loads(args)
             if not isinstance(name, str) or not isinstance(args, dict):
-                raise ValueError("name must be a string and arguments an object")
+                raise ValueError("no string 'name' with an object of 'arguments'")
             calls.append(tool_call(name=name, args=args, id=call_id))
-        except (ValueError, KeyError, TypeError) as error:
-            invalid.append({"name": None, "args": raw, "id": call_id, "error": str(error), "type": "invalid_tool_call"})
+        except ValueError as error:  # json.JSONDecodeError is one
+            invalid.append({"name": None, "args": raw, "id": call_id, "type": "invalid_tool_call",
+                            "error": f'a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}: {error}'})
     remaining = TOOL_CALL_PATTERN.sub("", text).strip() if calls or invalid else text
     return remaining, calls, invalid

@@ -96,6 +96,43 @@ def test_decorator_names_the_agent_and_opts_out(engine):
     assert ChatKVComm(engine=engine, max_tokens=1).invoke(prompt("y")).response_metadata["kvcomm"]["agent"] == "default"
 
 
+def test_a_model_named_by_id_or_another_providers_option_is_refused(engine):
+    """Taken silently, ``model=`` would serve the embedded model in place of the one named."""
+    with pytest.raises(ValueError, match="engine=KVCommEngine.from_pretrained"):
+        ChatKVComm(model="Qwen/Qwen2.5-7B-Instruct")
+    with pytest.raises(ValueError, match="no option 'max_new_tokens', 'top_k'; 'max_new_tokens' is 'max_tokens'"):
+        ChatKVComm(engine=engine, top_k=5, max_new_tokens=4)
+    with pytest.raises(ValueError, match="engine must be a KVCommEngine"):
+        ChatKVComm(engine="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert ChatKVComm(engine=engine, timeout=60, max_retries=2, api_key="x").engine is engine  # LangChain's own
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"max_new_tokens": 3}, "'max_new_tokens' is 'max_tokens' here"), ({"n": 2}, "one reply per call"),
+    ({"frequency_penalty": 1.0}, "no call option 'frequency_penalty'"),
+])
+def test_a_call_option_it_would_ignore_is_refused(engine, options, error):
+    with pytest.raises(ValueError, match=error):
+        ChatKVComm(engine=engine, max_tokens=2).invoke(prompt("You are solver one."), **options)
+
+
+def test_streaming_true_makes_invoke_stream_to_callbacks(engine):
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    class Tokens(BaseCallbackHandler):
+        def __init__(self):
+            self.seen = []
+
+        def on_llm_new_token(self, token, **kwargs):
+            self.seen.append(token)
+
+    for streaming in (False, True):
+        tokens = Tokens()
+        reply = ChatKVComm(engine=engine, max_tokens=6, streaming=streaming).invoke(
+            prompt("You are solver one."), config={"callbacks": [tokens]})
+        assert bool(tokens.seen) == streaming and (not streaming or "".join(tokens.seen) == reply.content)
+
+
 def test_bind_tools_without_template_support_is_a_clear_error(engine):
     with pytest.raises(ValueError, match="does not render tools"):
         ChatKVComm(engine=engine).bind_tools([add])

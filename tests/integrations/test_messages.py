@@ -37,6 +37,18 @@ def test_tool_calls_are_parsed_and_bad_ones_reported():
     assert parse_tool_calls("plain") == ("plain", [], [])
 
 
+@pytest.mark.parametrize("raw", ['{"arguments": {}}', '"add"', "null", '[{"name": "add"}]', '{"name": "add", "arguments": 3}'])
+def test_a_malformed_tool_call_is_reported_with_the_shape_it_needs(raw):
+    _, calls, invalid = parse_tool_calls(f"<tool_call>{raw}</tool_call>")
+    assert calls == [] and invalid[0]["args"] == raw
+    assert invalid[0]["error"].startswith('a tool call must be a JSON object {"name": ..., "arguments": {...}}')
+
+
+def test_metadata_under_kvcomm_that_is_not_ours_is_ignored():
+    for meta in ({"kvcomm": "x"}, {"kvcomm": {"segment": None}}, {"kvcomm": None}):
+        assert "segment" not in to_engine_messages([AIMessage("reply", response_metadata=meta)])[0]
+
+
 def test_node_names_include_the_subgraph_path():
     assert node_agent({}) is None
     assert node_agent({"langgraph_node": "solver", "langgraph_checkpoint_ns": "solver:1"}) == "solver"
