@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvcomm_agents import ChatResult as EngineResult
 from kvcomm_agents import InvalidRequestError, KVCommEngine
-from kvcomm_agents.prompt import renders_tools
+from kvcomm_agents.paged import renders_tools
 
 from .agents import current_scope, node_agent
 from .messages import parse_tool_calls, to_engine_messages
