@@ -20,8 +20,9 @@ missed (``recompute_last_run`` came from ``tool`` there: benchmarks/LAB.md, "The
 before the reader's text"), and ``unseen``, rows and pages nothing was run on before the rule
 was fixed. Quote ``unseen``.
 
-``--noise-floor`` adds dense run in bfloat16 on every reader's call: what a dtype change alone
-moves each shape's readers (KL and 32-token agreement), to read the strategies' figures against.
+``--noise-floor`` adds dense run in bfloat16 (float32 for a bfloat16 model) on every reader's
+call: what a dtype change alone moves each shape's readers (KL and 32-token agreement), to read
+the strategies' figures against.
 
     python -m benchmarks.held_out_shapes [--split unseen] [--shapes reflection,tool,chain,instructed]
         [--strategies dense,prefix,rerotate,kvcomm-mean] [--requests 5] [--noise-floor]
@@ -227,7 +228,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--strategies", default="dense,prefix,rerotate,kvcomm-mean")
     parser.add_argument("--requests", type=int, default=5, help="per shape, the first one a warm-up")
     parser.add_argument("--reply-tokens", type=int, default=64)
-    parser.add_argument("--noise-floor", action="store_true", help="dense in bfloat16 on every reader's call too")
+    parser.add_argument("--noise-floor", action="store_true", help="dense in another dtype on every reader's call too")
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/held_out_shapes"))
     args = parser.parse_args(argv)

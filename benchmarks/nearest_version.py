@@ -59,8 +59,8 @@ SHORT_FOREIGN = 8
 
 
 def version_kv(model, context: torch.Tensor, text: torch.Tensor) -> KVBlock:
-    """KV of ``text`` (``[T]`` ids) computed right after ``context`` (``[C]`` ids), keys moved to
-    the canonical frame (token ``i`` at position ``i``)."""
+    """KV of ``text`` (``[T]`` ids) computed right after ``context`` (``[C]`` ids), keys where
+    they were computed (token ``i`` at position ``C + i``: :func:`reader_kl`'s ``frame`` is ``C``)."""
     ids = torch.cat([context, text])
     pre = hf.prefill(model, ids, torch.arange(ids.numel()))
     return hf.kv_at_positions(pre.cache, pre.slot_positions, torch.arange(context.numel(), ids.numel()))

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from .errors import InvalidMessagesError, InvalidRequestError
 
@@ -156,16 +156,20 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], *, tools=Non
 
     Raises:
         InvalidMessagesError: the template refused the messages (e.g. roles that must alternate).
-        InvalidRequestError: ``tools`` given to a template that does not render them.
+        InvalidRequestError: no chat template, or ``tools`` given to one that does not render them.
     """
     clean = normalize_messages(messages)
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("the tokenizer has no chat template; load the chat (instruct) model's tokenizer")
     if tools and not renders_tools(tokenizer):
-        raise InvalidRequestError("this model's chat template does not render tools, so tool calling cannot work; "
+        raise InvalidRequestError("the tokenizer's chat template does not render tools, so tool calling cannot work; "
                                   "use a model whose template supports tools, or call it without tools")
     kwargs = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True, **kwargs)
-    except (TemplateError, ValueError, TypeError, KeyError) as error:
+    except TemplateSyntaxError:
+        raise  # the template itself is broken, not the messages
+    except TemplateError as error:  # the template's raise_exception, or a field it needs missing
         raise InvalidMessagesError(
             f"the model's chat template refused these messages ({type(error).__name__}: {error}); if it asks for "
             "alternating roles, merge consecutive messages of one role into one") from error

@@ -106,3 +106,14 @@ def test_tools_for_a_template_that_does_not_render_them_are_refused(tokenizer):
     """Otherwise the template drops them and the model never sees the tools."""
     with pytest.raises(InvalidRequestError, match="does not render tools"):
         render_prompt(tokenizer, [{"role": "user", "content": "add 2 and 3"}], tools=[{"name": "add"}])
+
+
+def test_a_broken_template_or_none_is_not_blamed_on_the_messages():
+    from jinja2 import TemplateSyntaxError
+
+    with pytest.raises(TemplateSyntaxError):
+        render_prompt(tiny_tokenizer(chat_template="{% for m in messages %}"), [{"role": "user", "content": "a"}])
+    bare = tiny_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        render_prompt(bare, [{"role": "user", "content": "a"}])

@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, ensure_config
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -49,12 +49,14 @@ def supports_tools(engine: KVCommEngine) -> bool:
 
 
 #: Call options a call may pass (``invoke(..., temperature=0.7)``, ``bind(...)``, ``bind_tools``);
-#: LangChain's own ``ls_*`` tracing options are let through too.
-CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "reuse", "tools", "tool_choice")
-#: LangChain's settings for remote providers, which generic code (``init_chat_model``, the standard
-#: tests) passes to every chat model: accepted and unused (a local engine has no request to time
-#: out, retry or authenticate).
-REMOTE_SETTINGS = ("timeout", "max_retries", "api_key", "base_url")
+#: ``tool_choice``, ``parallel_tool_calls`` and ``strict`` are recorded, not enforced (the model
+#: decides its calls); LangChain's own ``stream`` switch and ``ls_*`` tracing options pass too.
+CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "stop", "seed", "reuse", "tools", "tool_choice",
+                "parallel_tool_calls", "strict", "stream")
+#: LangChain's settings for remote providers, which its standard tests pass to every chat model:
+#: accepted and unused (a local engine has no request to time out, retry or authenticate).
+#: ``base_url`` is refused instead: a server is reached with ``engine=VLLMEngine(base_url)``.
+REMOTE_SETTINGS = ("timeout", "max_retries", "api_key")
 #: Other providers' names for an option, and what ChatKVComm calls it.
 RENAMED = {"max_new_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "max_output_tokens": "max_tokens"}
 
@@ -68,10 +70,10 @@ class ChatKVComm(BaseChatModel):
         max_tokens, temperature, top_p, stop, seed: decoding (temperature 0 is greedy).
         reuse: False makes this model's calls dense (they still share their KV).
         streaming: True makes ``invoke`` stream, its tokens reaching callbacks as they come
-            (LangChain's switch for it).
-        timeout, max_retries, api_key, base_url: LangChain's remote-provider settings, accepted
-            and unused. Any other argument (``model=``, ``top_k=``) is refused: an engine serves
-            the model it was loaded with.
+            (LangChain's switch for it; with tools bound the reply comes whole, at the end).
+        timeout, max_retries, api_key: LangChain's remote-provider settings, accepted and
+            unused. Any other argument (``model=``, ``base_url=``, ``top_k=``) is refused: an
+            engine serves the model it was loaded with, or the server it was given.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -98,6 +100,9 @@ class ChatKVComm(BaseChatModel):
         unknown = sorted(key for key in values if key not in known)
         if not unknown:
             return values
+        if "base_url" in unknown:
+            raise ValueError("ChatKVComm reaches a server through its engine: pass "
+                             "engine=kvcomm_vllm.client.VLLMEngine(base_url)")
         if {"model", "model_name", "model_id"} & set(unknown):
             raise ValueError("ChatKVComm serves the engine it is given, not a model named by id: pass "
                              "engine=KVCommEngine.from_pretrained(path) (None: the embedded SmolLM2-135M-Instruct)")
@@ -151,7 +156,8 @@ class ChatKVComm(BaseChatModel):
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Optional[str] = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (rendered by the chat template; replies' ``<tool_call>`` JSON is parsed).
 
-        ``tool_choice`` is recorded but not enforced: the model decides whether to call a tool.
+        ``tool_choice`` (and ``parallel_tool_calls``, ``strict``) are recorded but not enforced:
+        the model decides whether to call a tool. Other options are refused here, not at the call.
 
         Raises:
             InvalidRequestError: (a ``ValueError``) the model's chat template has no tool support
@@ -164,6 +170,7 @@ class ChatKVComm(BaseChatModel):
                 "cannot work. Use a model whose template supports tools (Qwen2.5-Instruct style "
                 "<tool_call> JSON), or call the model without tools."
             )
+        _check_call_options(kwargs)
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
@@ -174,7 +181,9 @@ class ChatKVComm(BaseChatModel):
     def _resolve(self, stop: Optional[list[str]], run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict):
         _check_call_options(kwargs)
         scope = current_scope()
-        metadata = run_manager.metadata if run_manager is not None else {}
+        # LangChain streams an invoke (streaming=True, astream_events) without a run manager; the
+        # node's metadata is then in the config the runnable runs under
+        metadata = run_manager.metadata if run_manager is not None else ensure_config().get("metadata") or {}
         agent = (scope.name if scope and scope.name else None) or node_agent(metadata) or self.agent or "default"
         reuse = kwargs.get("reuse", scope.reuse if scope and scope.reuse is not None else self.reuse)
         options = dict(

@@ -46,11 +46,12 @@ import logging
 import threading
 import time
 import urllib.request
+import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 from kvcomm_vllm.text_ahead import PrefillAhead
 from kvcomm_vllm.reply_ahead import CHUNK, ReplyAhead, copy_prompt
-from kvcomm_agents.paged import render_prompt
+from kvcomm_agents.paged import check_reuse, render_prompt
 from kvcomm_agents import CallStats, ChatResult, SegmentDecision
 
 __all__ = ["VLLMEngine", "prepare_prompt", "remember_reply"]
@@ -263,6 +264,7 @@ def prepare_prompt(tokenizer, messages: Sequence[dict], agent: str, tools: Optio
     (:mod:`kvcomm_vllm.text_ahead`) and the ids before its reply in each learned reader's prompt
     (:mod:`kvcomm_vllm.reply_ahead`); both books learn from the prompt (not when ``reuse`` is
     False, nor without a book). A failure in the books costs the copies, never the call."""
+    check_reuse(reuse)
     layout = render_prompt(tokenizer, messages, tools=tools)
     ids = layout.ids.tolist()
     copies, bases = [], []
@@ -319,6 +321,10 @@ def _load_tokenizer(name: str):
     if not Path(name).is_dir():
         from kvcomm_agents.paged import embedded_model_dir
 
+        if "smollm2" not in name.lower():
+            warnings.warn(f"the served model {name!r} is not a local folder: prompts are rendered with the embedded "
+                          "SmolLM2's tokenizer and chat template; pass VLLMEngine(tokenizer=<the model's folder>)",
+                          stacklevel=3)
         name = str(embedded_model_dir())
     return AutoTokenizer.from_pretrained(name)
 

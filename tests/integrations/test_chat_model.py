@@ -105,6 +105,8 @@ def test_a_model_named_by_id_or_another_providers_option_is_refused(engine):
     with pytest.raises(ValueError, match="engine must be a KVCommEngine"):
         ChatKVComm(engine="HuggingFaceTB/SmolLM2-135M-Instruct")
     assert ChatKVComm(engine=engine, timeout=60, max_retries=2, api_key="x").engine is engine  # LangChain's own
+    with pytest.raises(ValueError, match=r"engine=kvcomm_vllm.client.VLLMEngine\(base_url\)"):
+        ChatKVComm(base_url="http://127.0.0.1:8000")  # taken silently, it would serve the embedded model
 
 
 @pytest.mark.parametrize("options, error", [
@@ -131,6 +133,15 @@ def test_streaming_true_makes_invoke_stream_to_callbacks(engine):
         reply = ChatKVComm(engine=engine, max_tokens=6, streaming=streaming).invoke(
             prompt("You are solver one."), config={"callbacks": [tokens]})
         assert bool(tokens.seen) == streaming and (not streaming or "".join(tokens.seen) == reply.content)
+
+
+def test_tool_options_are_recorded_and_others_refused_when_bound(tools_engine):
+    model = ChatKVComm(engine=tools_engine, max_tokens=2)
+    bound = model.bind_tools([add], parallel_tool_calls=False, strict=True)
+    assert isinstance(bound.invoke("add 2 and 3"), AIMessage)
+    with pytest.raises(ValueError, match="no call option 'top_k'"):
+        model.bind_tools([add], top_k=5)  # at bind time, not at the first call
+    assert model.invoke("hi", stream=False).content == model.invoke("hi").content  # LangChain's own switch
 
 
 def test_bind_tools_without_template_support_is_a_clear_error(engine):

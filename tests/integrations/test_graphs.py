@@ -5,6 +5,7 @@ import operator
 from typing import Annotated, TypedDict
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.func import entrypoint, task
 from langgraph.graph import END, START, MessagesState, StateGraph
@@ -48,6 +49,18 @@ def test_second_node_reuses_the_first_nodes_reply(engine):
     assert second.usage_metadata["input_token_details"]["cache_read"] > 0
     kinds = {tuple(d["segment"]["kind"]): d["status"] for d in kv(second)["stats"]["decisions"]}
     assert kinds == {("user", None): "reused", ("solver_1", "assistant"): "reused"}
+
+
+@pytest.mark.parametrize("how", ["streaming=True", "stream=True"])
+def test_nodes_are_named_when_langchain_streams_an_invoke(engine, how):
+    """LangChain streams such an invoke without a run manager: the node's name comes from the
+    config the node runs under, as it does from the run manager otherwise."""
+    if how == "streaming=True":
+        model = ChatKVComm(engine=engine, max_tokens=3, streaming=True)
+    else:
+        model = ChatKVComm(engine=engine, max_tokens=3).bind(stream=True)
+    out = two_solver_graph(model).invoke({"messages": [HumanMessage(QUESTION)]})
+    assert [kv(m)["agent"] for m in out["messages"][1:]] == ["solver_1", "solver_2"]
 
 
 def test_reuse_off_graph_equals_dense(llama, tokenizer):
