@@ -10,7 +10,7 @@ import torch
 from .block import KVBlock
 from .segments import KVSegment
 
-__all__ = ["PrefixEntry", "Entry", "entry_fingerprint", "entry_ids"]
+__all__ = ["PrefixEntry", "Entry"]
 
 
 @dataclass(eq=False)
@@ -34,6 +34,10 @@ class PrefixEntry:
     def nbytes(self) -> int:
         return self.kv.nbytes
 
+    def ids_tensor(self) -> torch.Tensor:
+        """``[n]`` int64 (CPU): the ids the KV is for (as on every store entry)."""
+        return self.token_ids
+
     def common_prefix(self, ids: torch.Tensor) -> int:
         """Length of the common prefix of this entry's ids and ``ids`` (``[n]`` int64, CPU)."""
         n = min(self.token_ids.numel(), ids.numel())
@@ -43,15 +47,6 @@ class PrefixEntry:
         return int(differ[0, 0]) if differ.numel() else n
 
 
-#: A stored entry: a segment (keys in the canonical frame) or an exact prefix (keys at 0..n-1).
+#: A stored entry: a segment (keys in the canonical frame) or an exact prefix (keys at 0..n-1);
+#: both give ``id``, ``fingerprint``, ``ids_tensor()``, ``kv`` and ``nbytes``.
 Entry = Union[KVSegment, PrefixEntry]
-
-
-def entry_fingerprint(entry: Entry) -> str:
-    """The fingerprint of the model that computed ``entry``'s KV."""
-    return entry.ref.fingerprint if isinstance(entry, KVSegment) else entry.fingerprint
-
-
-def entry_ids(entry: Entry) -> torch.Tensor:
-    """``[n]`` int64 (CPU): the token ids ``entry`` holds KV for."""
-    return torch.tensor(entry.token_ids, dtype=torch.long) if isinstance(entry, KVSegment) else entry.token_ids

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .block import KVBlock
@@ -128,6 +129,15 @@ class KVSegment:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the model that computed the KV (as on every store entry)."""
+        return self.ref.fingerprint
+
+    def ids_tensor(self) -> torch.Tensor:
+        """``[T]`` int64 (CPU): the ids the KV is for (as on every store entry)."""
+        return torch.tensor(self.token_ids, dtype=torch.long)
 
     @property
     def nbytes(self) -> int:

@@ -23,7 +23,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 from .block import KVBlock, device_groups
-from .entries import Entry, entry_fingerprint, entry_ids
+from .entries import Entry
 from .segments import KVSegment, SegmentRef
 
 __all__ = ["CatalogItem", "SharedSegments", "MemorySegments", "catalog_item", "encode_entry",
@@ -104,7 +104,7 @@ class MemorySegments:
 
 def catalog_item(entry: Entry) -> CatalogItem:
     """The catalog item of a store entry."""
-    return CatalogItem(entry.id, entry_fingerprint(entry), tuple(entry_ids(entry).tolist()),
+    return CatalogItem(entry.id, entry.fingerprint, tuple(entry.ids_tensor().tolist()),
                        not isinstance(entry, KVSegment))
 
 

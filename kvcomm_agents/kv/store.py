@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from ..errors import BudgetWarning
 from .block import KVBlock
-from .entries import Entry, PrefixEntry, entry_fingerprint, entry_ids
+from .entries import Entry, PrefixEntry
 from .prefix_tree import PrefixTree
 from .text_index import TextIndex, placed
 from .run_index import TokenRunIndex, longest_through, scan
@@ -236,7 +236,7 @@ class SegmentStore:
         entry counted as used."""
         def allowed(key: str) -> bool:
             entry = self._entries.get(key)
-            return entry is not None and entry_fingerprint(entry) == fingerprint \
+            return entry is not None and entry.fingerprint == fingerprint \
                 and (isinstance(entry, PrefixEntry) or not prefixes_only)
 
         runs = None
@@ -336,7 +336,7 @@ class SegmentStore:
             self._entries[key] = entry
             self._bytes += size
             self._runs.remove(REMOTE + key)
-            self._runs.add(key, entry_ids(entry))
+            self._runs.add(key, entry.ids_tensor())
             if isinstance(entry, PrefixEntry):
                 self._prefixes.add(key, entry.fingerprint, entry.token_ids.tolist())
             elif isinstance(entry, KVSegment):
