@@ -46,13 +46,12 @@ import logging
 import threading
 import time
 import urllib.request
-import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 from kvcomm_vllm.text_ahead import PrefillAhead
 from kvcomm_vllm.reply_ahead import CHUNK, ReplyAhead, copy_prompt
 from kvcomm_agents.paged import check_reuse, render_prompt
-from kvcomm_agents import CallStats, ChatResult, SegmentDecision
+from kvcomm_agents import CallStats, ChatResult, InvalidRequestError, SegmentDecision
 
 __all__ = ["VLLMEngine", "prepare_prompt", "remember_reply"]
 
@@ -70,7 +69,8 @@ class VLLMEngine:
     Args:
         base_url: the server (``python -m kvcomm_vllm.serve``), e.g. ``http://127.0.0.1:8000``.
         tokenizer: a tokenizer or a folder to load one from (default: the served model's folder
-            when it is local, else the embedded model's).
+            when it is local, the embedded model's for a SmolLM2 id; any other id is refused, since
+            its prompts would be rendered with another model's ids).
         model: the served model id (default: the server's first).
         timeout: seconds per request.
     """
@@ -321,10 +321,9 @@ def _load_tokenizer(name: str):
     if not Path(name).is_dir():
         from kvcomm_agents.paged import embedded_model_dir
 
-        if "smollm2" not in name.lower():
-            warnings.warn(f"the served model {name!r} is not a local folder: prompts are rendered with the embedded "
-                          "SmolLM2's tokenizer and chat template; pass VLLMEngine(tokenizer=<the model's folder>)",
-                          stacklevel=3)
+        if "smollm2" not in name.lower():  # another model's ids from SmolLM2's tokenizer would be garbage
+            raise InvalidRequestError(f"the served model {name!r} is not a local folder, so its tokenizer cannot be "
+                                      "loaded here; pass VLLMEngine(tokenizer=<the model's folder or tokenizer>)")
         name = str(embedded_model_dir())
     return AutoTokenizer.from_pretrained(name)
 

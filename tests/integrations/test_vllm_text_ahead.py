@@ -112,3 +112,14 @@ def test_the_client_sends_copies_the_server_then_serves_as_exact_prefixes(tokeni
         assert len(server.seen) == 9  # no copies with prefill_ahead=False
     finally:
         server.shutdown()
+
+
+def test_a_served_model_whose_tokenizer_is_not_at_hand_is_refused():
+    """Rendered with the embedded SmolLM2's tokenizer, another model's prompts would be wrong ids."""
+    import pytest
+
+    from kvcomm_agents import InvalidRequestError
+    from kvcomm_vllm.client import VLLMEngine
+
+    with pytest.raises(InvalidRequestError, match=r"'Qwen/Qwen2.5-7B-Instruct' is not a local folder.*tokenizer="):
+        VLLMEngine("http://127.0.0.1:9", model="Qwen/Qwen2.5-7B-Instruct")  # no request is made
