@@ -48,7 +48,7 @@ from kvcomm_agents.versions.match import common_suffix
 
 from . import measure
 from .models import load
-from .short_samples import _builders
+from .short_samples import dev_workloads
 
 __all__ = ["reader_kl", "version_kv"]
 
@@ -146,7 +146,7 @@ def main(argv=None) -> list[dict]:
     model, tokenizer = loaded.model, loaded.tokenizer
     rows = []
     for phase in args.phases.split(","):
-        workload = _builders(tokenizer, args.requests + 1)[phase]()
+        workload = dev_workloads(tokenizer, args.requests + 1)[phase]()
         refs = measure.references(workload, model, tokenizer,
                                   args.out.parent / "refs" / f"{loaded.tag}-dev" / f"{workload.name}.pt")
         engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate"))

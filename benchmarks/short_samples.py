@@ -43,7 +43,7 @@ from .workloads import (changing_graph, coding_pipeline, fan_out, long_document,
 __all__ = ["measure_call"]
 
 
-def _builders(tokenizer, n: int) -> dict:
+def dev_workloads(tokenizer, n: int) -> dict:
     """A research script: the development range only."""
     return {
         "a": lambda: paper_shape(tokenizer, requests=n, agents=5, lead_tokens=256, input_tokens=512, reply_tokens=32,
@@ -102,7 +102,7 @@ def main(argv=None) -> list[dict]:
     check = KVCommConfig().model_copy(update={"method": "rerotate", "dense_when_cheaper": False})
     rows = []
     for phase in args.phases.split(","):
-        workload = _builders(tokenizer, args.requests)[phase]()
+        workload = dev_workloads(tokenizer, args.requests)[phase]()
         refs = measure.references(workload, model, tokenizer,
                                   args.out.parent / "refs" / f"{loaded.tag}-dev" / f"{workload.name}.pt")
         engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="rerotate"))

@@ -135,6 +135,21 @@ def test_short_samples_measure_the_cut_prompt_beside_the_whole_one(tmp_path):
         assert max(row["runs"]) > 1000 and short["ids"] < row["ids"] // 3
 
 
+def test_nearest_version_reads_an_exact_version_as_dense_and_the_others_apart(tmp_path):
+    """``benchmarks/nearest_version.py`` on the tiny model: a version computed after the reader's
+    own ids, re-rotated into place, gives dense's first token (the frames line up); versions after
+    a foreign prefix and the base do not."""
+    from benchmarks import nearest_version
+
+    rows = nearest_version.main(["--model", "random:tiny", "--phases", "h", "--requests", "1",
+                                 "--out", str(tmp_path / "nearest.json")])
+    assert rows and json.loads((tmp_path / "nearest.json").read_text())
+    for row in rows:
+        for head in ("0", "16"):
+            assert row["kl"]["exact"][head] < 1e-5  # float error only
+            assert row["kl"]["k=0"][head] > max(50 * row["kl"]["exact"][head], 1e-5)
+
+
 def test_batched_steps_times_a_forward_per_length_and_rows(tmp_path):
     """``benchmarks.batched_steps`` on a tiny model: one record per (length, rows, ids per row),
     per row the forward divided by the rows, a table and the JSON."""
