@@ -40,6 +40,7 @@ import torch
 from kvcomm_agents import ExperimentalSettings, KVCommConfig, KVCommEngine
 
 from . import measure
+from .graphs import changing_graph
 from .models import load
 from .workloads import Workload, coding_pipeline, gsm8k_debate, gsm8k_one_message, rag_handoff
 
@@ -47,7 +48,8 @@ __all__ = ["record_all", "score_pools"]
 
 #: a research script: the development range only (the report range is kept for the figures)
 BUILDERS = {"b": lambda n: gsm8k_debate(requests=n, split="dev"), "e": lambda n: gsm8k_one_message(requests=n, split="dev"),
-            "c": lambda n: rag_handoff(requests=n, split="dev"), "d": lambda n: coding_pipeline(requests=n, split="dev")}
+            "c": lambda n: rag_handoff(requests=n, split="dev"), "d": lambda n: coding_pipeline(requests=n, split="dev"),
+            "g": lambda n: changing_graph(requests=n, split="dev", reply_tokens=32)}
 
 
 def record_all(workload: Workload, refs: dict, model, tokenizer) -> KVCommEngine:
@@ -124,8 +126,34 @@ def _regression_sources(pool, stack, slots: list[int], slot: int, rotator) -> di
     return out
 
 
-def score_pools(engine: KVCommEngine, regression: bool = False) -> list[dict]:
-    """Per segment kind and receiver: relative squared error of each offset source."""
+def _transferred(pool, stacks, receiver: str, slot: int, length: int, index: int) -> dict[str, torch.Tensor]:
+    """Offsets of ``slot`` for ``receiver`` estimated from *other* receivers' anchors of the kind
+    (other segments, at least as long, token by token from the segment's start): ``others' mean``
+    (an anchor learned for one role serving another), and ``all receivers' mean`` (one pool per
+    kind, whoever reads). ``index``: 0 keys, 1 values; each ``[L-1, H, length, D]``."""
+    theirs = []
+    for name, other in stacks:
+        if name == receiver:
+            continue
+        held = [o for o in pool.held_by(other).nonzero().flatten().tolist()
+                if o != slot and int(pool.lengths[o]) >= length]
+        if held:
+            theirs.append(other.dense(torch.tensor(held), length)[index])
+    if not theirs:
+        return {}
+    stacked = torch.cat(theirs)
+    out = {"others' mean": stacked.mean(0)}
+    mine = [o for o in pool.held_by(dict(stacks)[receiver]).nonzero().flatten().tolist()
+            if o != slot and int(pool.lengths[o]) >= length]
+    if mine:
+        own = dict(stacks)[receiver].dense(torch.tensor(mine), length)[index]
+        out["all receivers' mean"] = torch.cat([own, stacked]).mean(0)
+    return out
+
+
+def score_pools(engine: KVCommEngine, regression: bool = False, transfer: bool = False) -> list[dict]:
+    """Per segment kind and receiver: relative squared error of each offset source
+    (``transfer``: also the other receivers' anchors, :func:`_transferred`)."""
     rows = []
     for kind in [tuple(k) for k in engine.anchors._pools]:
         pool = engine.anchors.pool(kind)
@@ -144,6 +172,8 @@ def score_pools(engine: KVCommEngine, regression: bool = False) -> list[dict]:
                     for name, other in stacks:
                         if name != receiver and bool(pool.held_by(other)[slot]):
                             sources[f"from {name}"] = other.dense(torch.tensor([slot]), length)[index][0]
+                    if transfer:
+                        sources.update(_transferred(pool, stacks, receiver, slot, length, index))
                     for source, estimate in sources.items():
                         num, den = _relative(estimate, exact)
                         acc = sums.setdefault(f"{source}|{part}", [0.0, 0.0])
@@ -168,6 +198,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/offset_sources.json"))
     parser.add_argument("--model", default="embedded", help="embedded | random:<shape> | a local model folder")
     parser.add_argument("--regression", action="store_true", help="also score the learned predictors (ridge, probe1)")
+    parser.add_argument("--transfer", action="store_true",
+                        help="also score other receivers' anchors as the estimate (offsets that transfer across roles)")
     args = parser.parse_args(argv)
     loaded = load(args.model, device="cpu", dtype=torch.float32)
     results = {}
@@ -175,7 +207,7 @@ def main(argv=None) -> dict:
         workload = BUILDERS[name](n)
         refs = measure.references(workload, loaded.model, loaded.tokenizer,
                                   args.out.parent / "refs" / "float32-cpu" / f"{workload.name}.pt")
-        rows = score_pools(record_all(workload, refs, loaded.model, loaded.tokenizer), args.regression)
+        rows = score_pools(record_all(workload, refs, loaded.model, loaded.tokenizer), args.regression, args.transfer)
         results[name] = rows
         print(f"== ({name}) {workload.title}")
         for row in rows:
