@@ -41,6 +41,27 @@ def test_offset_sources_scores_the_learned_predictors(tmp_path):
     assert all(v >= 0 and math.isfinite(v) for e in learned for v in e.values())
 
 
+
+def test_offset_sources_scores_other_receivers_anchors_as_the_estimate(tmp_path):
+    """``--transfer`` (issue 32's "offsets that transfer"): wherever other receivers hold other
+    anchors of a kind at least as long, ``others' mean`` is scored, and ``all receivers' mean``
+    where the receiver holds some too; the changing graph (g) is among the workloads. A reply's
+    own records from another receiver stay the closest source there."""
+    import math
+
+    from benchmarks import offset_sources
+
+    results = offset_sources.main(["--model", "random:tiny", "--workloads", "b,g", "--requests", "3,3", "--transfer",
+                                   "--out", str(tmp_path / "sources.json")])
+    replies = [r["error"] for r in results["b"] if r["kind"] == ["solver-1", "assistant"]]
+    assert replies and all({"others' mean|keys", "others' mean|values", "all receivers' mean|keys"} <= e.keys()
+                           for e in replies)
+    assert all(v >= 0 and math.isfinite(v) for rows in results.values() for r in rows for v in r["error"].values())
+    assert any("others' mean|keys" in r["error"] for r in results["g"])
+    for e in replies:
+        closest = min(v for k, v in e.items() if k.startswith("from ") and k.endswith("|keys"))
+        assert closest < e["others' mean|keys"]
+
 def test_framed_decode_times_whole_pipelines_with_and_without_copies(tmp_path):
     """``benchmarks.framed_decode`` answers the same messages on both engines and reports each
     engine's copies (whether the framed engine feeds any on this tiny random model depends on what its
