@@ -39,7 +39,9 @@ a quarter of it, or before any with the first calls so served audited: ``experim
 ``dense-drafted`` (dense prefill, decode steps drafting from the call's own ids and the engine's
 last replies as the library's do by default: what drafting alone gives), ``kvcomm-no-drafts``
 (the default, one id per decode step, ``draft_tokens=0``), ``kvcomm-own-drafts`` (drafts from the
-call's own ids only, ``draft_recent_replies=0``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
+call's own ids only, ``draft_recent_replies=0``), ``kvcomm-fixed-drafts`` (drafts at their adapted
+length only, never longer where a forward of more ids was measured cheaper,
+``experimental.measured_draft_lengths=False``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
 measured, ``experimental.short_rerotation_sample=False``), ``kvcomm-rerotate-replies`` (replies served
 re-rotated alone where re-rotation was measured within the budget, ``experimental.rerotate_replies``),
 ``kvcomm-no-spans`` / ``rerotate-no-spans`` (no run of an earlier prompt preferred over the texts it holds,
@@ -79,7 +81,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
          "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone", "dense-drafted", "kvcomm-no-drafts",
-         "kvcomm-own-drafts", "kvcomm-rerotate-replies", "kvcomm-no-spans", "kvcomm-no-cut-head", "rerotate-no-spans", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
+         "kvcomm-own-drafts", "kvcomm-fixed-drafts", "kvcomm-rerotate-replies", "kvcomm-no-spans", "kvcomm-no-cut-head", "rerotate-no-spans", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -211,6 +213,8 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-mean-steps-alone": {"method": "kvcomm", "gamma": gamma, "batched_decode": False},
         "kvcomm-no-drafts": {"method": "kvcomm", "gamma": gamma, "draft_tokens": 0},
         "kvcomm-own-drafts": {"method": "kvcomm", "gamma": gamma, "draft_recent_replies": 0},
+        "kvcomm-fixed-drafts": {"method": "kvcomm", "gamma": gamma,
+                                "experimental": ExperimentalSettings(measured_draft_lengths=False)},
         "kvcomm-weighted": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(estimator="weighted")},
         "kvcomm-own-text": {"method": "kvcomm", "gamma": gamma, "experimental": ExperimentalSettings(own_text="reuse")},
         "rerotate-messages": {"method": "rerotate", "audit_every": 0, "recompute_head": 0, "recompute_tail": 0, "recompute_short_runs": 0,

@@ -86,7 +86,7 @@ def print_agent_table(reuse_calls: list[CallStats], dense_calls: list[CallStats]
     for call in dense_calls:
         dense_by_agent[call.agent].append(call)
     head = (f"{'agent':<16} {'calls':>5} {'prompt':>6} {'reused':>6} {'TTFT reuse':>10} {'TTFT dense':>10} "
-            f"{'speed-up':>8} {'drafted':>7}  decisions")
+            f"{'speed-up':>8} {'call reuse':>10} {'call dense':>10} {'drafted':>7}  decisions")
     print("\n" + head)
     for agent, calls in by_agent.items():
         dense = dense_by_agent.get(agent, [])
@@ -96,15 +96,18 @@ def print_agent_table(reuse_calls: list[CallStats], dense_calls: list[CallStats]
         dense_ttft = 1000 * sum(c.ttft_s for c in dense) / len(dense) if dense else float("nan")
         opted = " (reuse off)" if all(c.opted_out for c in calls) else ""
         drafted = sum(c.accepted_tokens for c in calls) / max(1, sum(c.generated_tokens for c in calls))
+        whole = sum(c.total_s for c in calls) / len(calls)
+        dense_whole = sum(c.total_s for c in dense) / len(dense) if dense else float("nan")
         print(f"{agent:<16} {len(calls):>5} {prompt:>6.0f} {100 * share:>5.0f}% {ttft:>8.0f}ms {dense_ttft:>8.0f}ms "
-              f"{dense_ttft / ttft:>7.2f}x {100 * drafted:>6.0f}%  {_decisions(calls)}{opted}")
+              f"{dense_ttft / ttft:>7.2f}x {whole:>9.2f}s {dense_whole:>9.2f}s {100 * drafted:>6.0f}%  "
+              f"{_decisions(calls)}{opted}")
     summary = ReuseSummary.of(reuse_calls)
     rate = "-" if summary.reuse_rate is None else f"{100 * summary.reuse_rate:.0f}%"
     print(f"prompt tokens from cache {100 * summary.token_share:.0f}%; calls that computed none of their shared "
           f"text {summary.fully_reused}/{summary.eligible} (reuse rate {rate}; {summary.opted_out} opted out: short "
-          "texts are computed on purpose). TTFT: means per agent, the dense pipeline ran "
-          "on a second engine in the same process. drafted: the replies' ids kept from drafts (no decode "
-          "step of their own).")
+          "texts are computed on purpose). TTFT and call (the whole call, prompt to last token): means per "
+          "agent, the dense pipeline ran on a second engine in the same process. drafted: the replies' ids "
+          "kept from drafts (no decode step of their own).")
 
 
 def print_graph_totals(reuse: list[tuple[float, int]], dense: list[tuple[float, int]]) -> None:

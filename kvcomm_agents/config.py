@@ -35,15 +35,10 @@ class ExperimentalSettings(BaseModel):
     def _moved(cls, data):
         return refuse_old_names(data, MOVED, "experimental.{name} is no longer an experimental setting: use {new}")
 
-    estimator: Literal["mean", "weighted"] = Field(
-        default="mean",
-        description=(
-            "KVCOMM offset estimate from the consulted anchors. 'mean': their plain average, per "
-            "token. 'weighted': the paper's similarity weights. On 40 GSM8K debates both cut "
-            "first-token KL against dense 3x compared with re-rotation only; 'mean' costs less "
-            "(docs/fidelity.md)."
-        ),
-    )
+    estimator: Literal["mean", "weighted"] = Field(default="mean", description=(
+        "KVCOMM offset estimate from the consulted anchors. 'mean': their plain average, per token. 'weighted': "
+        "the paper's similarity weights. On 40 GSM8K debates both cut first-token KL against dense 3x compared "
+        "with re-rotation only; 'mean' costs less (docs/fidelity.md)."))
     own_text: Literal["in_context", "reuse"] = Field(
         default="in_context",
         description=(
@@ -85,6 +80,9 @@ class ExperimentalSettings(BaseModel):
     short_rerotation_sample: bool = Field(default=True, description=(
         "Before the model's first re-rotation sample, measure re-rotation on the reader's prompt with "
         "its long reused runs cut to 128 ids; within a quarter of the KL budget, serve it re-rotated."))
+    measured_draft_lengths: bool = Field(default=True, description=(
+        "Feed a longer draft (as far as the lookup found ids, up to draft_tokens) where the engine measured a "
+        "forward of more ids cheaper than the adapted length's (kvcomm_agents.step_costs): it never keeps fewer."))
     audit_new_readers: bool = Field(
         default=False,
         description=(

@@ -33,6 +33,7 @@ from .decoding import TextAccumulator
 from .drafting import NgramDraft, RecentReplies
 from .engines import hf
 from .forwards import charging
+from .step_costs import StepCosts
 from .framing import Framer
 
 __all__ = ["DecodeLoop"]
@@ -55,6 +56,7 @@ class DecodeLoop:
         self.model, self.config, self.lock, self.framer, self.eos_ids = model, config, lock, framer, eos_ids
         self.batcher = DecodeBatcher(model, lock, self.step_alone) if config.batched_decode else None
         self.recent = RecentReplies(config.draft_recent_replies if config.draft_tokens else 0)  # drafts' second source
+        self.costs = StepCosts()  # what a decode forward of q ids costs here: drafts' lengths
 
     @property
     def device(self) -> torch.device:
@@ -149,6 +151,7 @@ class DecodeLoop:
                 torch.cuda.synchronize(logits.device)
             seconds = time.perf_counter() - started
         if call.framing is None:
+            self.costs.record(1, seconds)
             if self.framer.on:  # an engine that never feeds copies needs no baseline
                 self.framer.copy_cost.record_step(seconds)
         else:
@@ -209,7 +212,8 @@ class DecodeLoop:
         fed with its steps, a cache that cannot be cut back: sliding-window or quantized)."""
         if self.config.draft_tokens < 1 or call.framing is not None or not hf.batchable(call.pre.cache):
             return None
-        return NgramDraft([*call.layout.ids.tolist(), first], self.config.draft_tokens, recent=self.recent)
+        costs = self.costs if self.config.experimental.measured_draft_lengths else None
+        return NgramDraft([*call.layout.ids.tolist(), first], self.config.draft_tokens, recent=self.recent, costs=costs)
 
     def _verify(self, call, tokens: list[int], position: int) -> Optional[torch.Tensor]:
         """``tokens`` fed at ``position`` on in one forward; their ``[q, vocab]`` float32 rows.
@@ -217,10 +221,15 @@ class DecodeLoop:
         def forward() -> torch.Tensor:
             with self.lock, torch.inference_mode(), charging(call.tally, "decode"):
                 device = call.device or self.device
-                return hf.run_forward(
+                started = time.perf_counter()
+                rows = hf.run_forward(
                     self.model, torch.tensor([tokens], device=device), call.pre.cache,
                     position_ids=torch.arange(position, position + len(tokens), device=device)[None],
                     last_logits_only=False,
                 )[0].float()
+                if rows.device.type == "cuda":  # the forward's end, not its launch
+                    torch.cuda.synchronize(rows.device)
+                self.costs.record(len(tokens), time.perf_counter() - started)
+                return rows
 
         return forward() if self.batcher is None else self.batcher.if_alone(call, forward)

@@ -30,6 +30,8 @@ import threading
 from collections import deque
 from typing import Optional, Sequence
 
+from .step_costs import StepCosts
+
 __all__ = ["NgramDraft", "RecentReplies"]
 
 NGRAM_SIZES = (3, 2)  # the n-gram lengths matched, longest first
@@ -95,16 +97,19 @@ class NgramDraft:
             before a shorter one is tried (None: only the call's ids).
         sizes: the n-gram lengths matched, longest first.
         first: the first draft's length.
+        costs: the engine's measured forward costs: a draft is made longer (up to ``most``, as
+            far as the lookup found ids) where a forward of more ids was measured cheaper
+            (:meth:`.step_costs.StepCosts.draft_length`); None: the adapted length alone.
     """
 
     def __init__(self, ids: Sequence[int], most: int, recent: Optional[RecentReplies] = None,
-                 sizes: tuple[int, ...] = NGRAM_SIZES, first: int = 2) -> None:
+                 sizes: tuple[int, ...] = NGRAM_SIZES, first: int = 2, costs: Optional[StepCosts] = None) -> None:
         if most < 1:
             raise ValueError(f"most must be >= 1, got {most}")
         if recent is not None and recent.sizes != sizes:
             raise ValueError(f"recent replies index n-grams of {recent.sizes}, the draft matches {sizes}")
         self.ids: list[int] = []
-        self.most, self.sizes, self.recent = most, sizes, recent
+        self.most, self.sizes, self.recent, self.costs = most, sizes, recent, costs
         self.length = min(first, most)  # the next draft's length
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]  # n-gram -> index just after it
         self._indexed = 0  # the n-grams ending before ids[_indexed] are in _ends (indexed when a draft is asked)
@@ -117,10 +122,17 @@ class NgramDraft:
     def draft(self, room: int) -> list[int]:
         """What followed the last earlier occurrence of the ids' tail (the longest n-gram that
         occurred before: in the call's ids, else in a recent reply), at most ``min(room,
-        length)`` ids; [] where none did."""
-        k = min(room, self.length)
-        if k < 1:
+        length)`` ids, or more where measured forward costs favour a longer draft (``costs``);
+        [] where none did."""
+        if min(room, self.length) < 1:
             return []
+        found = self._lookup(min(room, self.most if self.costs is not None else self.length))
+        if self.costs is None or not found:
+            return found
+        return found[:self.costs.draft_length(min(room, self.length), len(found))]
+
+    def _lookup(self, k: int) -> list[int]:
+        """Up to ``k`` ids that followed the tail's last earlier occurrence; [] where none did."""
         _index(self.ids, self._ends, self._indexed, self.sizes)  # every n-gram ending before the newest id
         self._indexed = len(self.ids)
         for i, (n, ends) in enumerate(zip(self.sizes, self._ends)):
@@ -137,6 +149,7 @@ class NgramDraft:
 
     def settle(self, drafted: int, accepted: int) -> None:
         """After a draft of ``drafted`` ids of which the first ``accepted`` were kept: the next
-        draft's length (doubled after a whole draft, else what was accepted, at least 1). The
+        draft's length (doubled after a whole draft, a longer one than asked for included, else
+        what was accepted, at least 1). The
         call counts what it drafted and kept (``CallStats.drafted_tokens``, ``accepted_tokens``)."""
-        self.length = min(self.most, 2 * self.length) if accepted == drafted else max(1, accepted)
+        self.length = min(self.most, 2 * max(self.length, drafted)) if accepted == drafted else max(1, accepted)
