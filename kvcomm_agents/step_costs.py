@@ -53,18 +53,17 @@ class StepCosts:
 
     def draft_length(self, wanted: int, available: int) -> int:
         """How many of the ``available`` draft ids to feed where ``wanted`` were asked for: the
-        length in ``wanted..available`` whose forward (the token and the draft) was measured
-        cheapest, by at least ``margin``; ``wanted`` where its own cost is not measured yet
-        (or ``available``, where fewer were found)."""
+        longer length whose forward (the token and the draft) was measured cheapest, where it
+        costs at most ``margin`` times the wanted length's; else ``wanted`` (``available`` where
+        fewer were found). Sizes not measured yet are not weighed."""
         wanted = min(wanted, available)
-        best, best_cost = wanted, self.cost(wanted + 1)
-        if best_cost is None:
+        base = self.cost(wanted + 1)
+        longer = [(cost, length) for length in range(wanted + 1, available + 1)
+                  if (cost := self.cost(length + 1)) is not None]
+        if base is None or not longer:
             return wanted
-        for length in range(wanted + 1, available + 1):
-            cost = self.cost(length + 1)
-            if cost is not None and cost <= self.margin * best_cost:
-                best, best_cost = length, cost
-        return best
+        cost, length = min(longer)  # the cheapest; of equal costs the shortest
+        return length if cost <= self.margin * base else wanted
 
     def table(self) -> dict[int, float]:
         """Per number of ids, the median seconds measured (sizes with ``min_samples`` or more)."""

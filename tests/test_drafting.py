@@ -9,8 +9,9 @@ real."""
 import pytest
 import torch
 
-from kvcomm_agents import ChatResult, KVCommConfig, KVCommEngine
+from kvcomm_agents import ChatResult, ExperimentalSettings, KVCommConfig, KVCommEngine
 from kvcomm_agents.drafting import NgramDraft, RecentReplies
+from kvcomm_agents.step_costs import StepCosts
 from kvcomm_agents.kv.store import PrefixEntry
 
 from .batching import at_once, branch, generate, greedy_together, greedy_with, longest
@@ -67,6 +68,78 @@ def test_recent_replies_draft_where_the_calls_own_ids_hold_no_match():
     with pytest.raises(ValueError):
         NgramDraft([], most=4, recent=RecentReplies(keep=1, sizes=(4,)))
 
+
+
+# ---- draft lengths from measured forward costs ----------------------------------------------
+def measured(seconds: dict[int, float]) -> StepCosts:
+    """Costs with three forwards of each size measured at ``seconds`` (ids -> s)."""
+    costs = StepCosts()
+    for _ in range(3):
+        for ids, s in seconds.items():
+            costs.record(ids, s)
+    return costs
+
+
+#: forwards of q ids as measured on 2 cores of an AMD EPYC (benchmarks.batched_steps): 3 ids dearest
+EPYC = {1: 0.041, 2: 0.065, 3: 0.081, 4: 0.062, 5: 0.056, 9: 0.067}
+
+
+def test_a_draft_is_made_longer_where_a_forward_of_more_ids_was_measured_cheaper():
+    costs = measured(EPYC)
+    assert costs.draft_length(wanted=2, available=8) == 4  # 5 ids (56 ms) against 3 (81 ms)
+    assert costs.draft_length(wanted=1, available=8) == 4  # against 2 ids (65 ms)
+    assert costs.draft_length(wanted=4, available=8) == 4  # 9 ids (67 ms) dearer than 5: never shorter either
+    assert costs.draft_length(wanted=8, available=8) == 8
+    assert costs.draft_length(wanted=2, available=3) == 3  # 4 ids (62 ms) the cheapest of 3..4
+    assert costs.draft_length(wanted=6, available=5) == 5  # fewer found than wanted
+    assert costs.draft_length(wanted=5, available=8) == 5  # 6 ids never measured: nothing to weigh
+    assert StepCosts().draft_length(wanted=2, available=8) == 2  # nothing measured: the adapted length
+    assert measured({3: 0.060, 5: 0.057}).draft_length(wanted=2, available=8) == 2  # within the margin: noise
+    twice = StepCosts()
+    for _ in range(2):
+        twice.record(3, 0.080), twice.record(5, 0.050)
+    assert twice.cost(5) is None and twice.draft_length(wanted=2, available=8) == 2  # too few samples
+    assert measured(EPYC).table() == EPYC
+
+
+def test_measured_costs_lengthen_a_draft_and_its_next_length_follows_what_was_fed():
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    drafts = NgramDraft(ids, most=8, costs=measured(EPYC))
+    assert NgramDraft(ids, most=8).draft(room=8) == [4, 5]  # the adapted first length: 2
+    assert drafts.draft(room=8) == [4, 5, 6, 7]
+    assert drafts.draft(room=3) == [4, 5, 6]  # never past the room the reply has left
+    drafts.settle(4, 4)
+    assert drafts.length == 8  # doubled from what was fed and kept
+    drafts.settle(4, 1)
+    assert drafts.length == 1
+
+
+def test_longer_drafts_from_measured_costs_give_the_one_forward_replays_logits(model, tokenizer, monkeypatch):
+    """With every longer forward measured cheaper, the first drafted step feeds more than the
+    adapted two ids; the logits and the accounting stay those of a replay in one forward."""
+    ids = tokenizer(f"{QUESTION} {QUESTION}")["input_ids"]  # its second half repeats its first
+    fed: dict[int, list[int]] = {}
+    record = StepCosts.record
+
+    def spy(self, n, seconds):
+        fed.setdefault(id(self), []).append(n)
+        record(self, n, seconds)
+
+    monkeypatch.setattr(StepCosts, "record", spy)
+    monkeypatch.setattr(StepCosts, "cost", lambda self, n: 1.0 / n)  # more ids always cheaper
+    fixed = KVCommEngine(model, tokenizer, config=KVCommConfig(
+        method="dense", experimental=ExperimentalSettings(measured_draft_lengths=False)))
+    longer = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    want = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense", draft_tokens=0))
+    want_logits = want.replay(branch(0), agent="a", reply_ids=ids).logits
+    for engine in (fixed, longer):
+        got = engine.replay(branch(0), agent="a", reply_ids=ids, stepwise=True)
+        torch.testing.assert_close(got.logits, want_logits, atol=tol(1e-4), rtol=1e-4)
+        stats = got.result.stats
+        assert stats.accepted_tokens > 0
+        assert stats.forwarded.decode == len(ids) - 1 + stats.drafted_tokens - stats.accepted_tokens
+    drafted = {name: [n for n in fed[id(e._calls.decoding.costs)] if n > 1] for name, e in (("fixed", fixed), ("longer", longer))}
+    assert drafted["fixed"][0] == 3 and drafted["longer"][0] > 3
 
 # ---- the decode loop, with the draft source replaced ----------------------------------------
 def engines(model, tokenizer, **config):
