@@ -13,7 +13,9 @@ A forward of more ids costs more: on the embedded model on 2 CPU cores, 9 ids af
 cost ~1.9x one id (``benchmarks/results/draft-steps.json``), so a draft that is mostly refused
 slows the step it rides on. Hence the length adapts per call: the first draft is 2 ids, a draft
 accepted whole doubles the next one (up to the configured most), a refused one is cut to what
-was accepted (at least 1); and the reply's last 3 ids are looked up, else its last 2.
+was accepted (at least 1); and the reply's last 3 ids are looked up, else its last 2. The cost
+is not monotonic in the ids fed on every CPU: where the engine measured a forward of more ids
+cheaper, the draft is made longer (:mod:`.step_costs`).
 
 Where the call's own ids hold no match for the tail's n-gram of a given length, the engine's
 last few replies are looked up for it before a shorter n-gram is tried (:class:`RecentReplies`,
