@@ -3,8 +3,8 @@
 A drafted step feeds the token and a draft of q - 1 ids in one forward (:mod:`.drafting`). Its
 cost does not grow smoothly with q: on 2 cores of an AMD EPYC the embedded model's forward of 3
 ids after 300 cached took 81 ms, of 5 ids 56 ms and of 1 id 42 ms (``python -m
-benchmarks.batched_steps --ids 1,2,3,4,5,6,9``): the matrix kernels pick their blocking by the
-number of rows, and which sizes are slow depends on the CPU and the library build. A draft that
+benchmarks.batched_steps --ids 1,2,3,4,5,6,9``), and an earlier run on the same machine type had
+3 ids at 1.2x one: which sizes are slow depends on the CPU, its state and the library build. A draft that
 keeps its first ids and adds more never accepts fewer (the picker keeps a draft's ids while each
 row's pick agrees, so the shorter draft's ids come first either way), so where a forward of more
 ids was measured cheaper, the longer draft costs less and keeps at least as much:
