@@ -33,8 +33,8 @@ from .decoding import TextAccumulator
 from .drafting import NgramDraft, RecentReplies
 from .engines import hf
 from .forwards import charging
-from .step_costs import StepCosts
 from .framing import Framer
+from .step_costs import StepCosts
 
 __all__ = ["DecodeLoop"]
 
