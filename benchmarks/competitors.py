@@ -11,6 +11,7 @@ from kvcomm_agents import KVCommConfig
 from kvcomm_agents.drafting import NgramDraft, RecentReplies
 from kvcomm_agents.engines import hf
 from kvcomm_agents.prompt import render_prompt
+from kvcomm_agents.step_costs import StepCosts
 
 from .outcome import CallOutcome, Strategy, cuda_peak_extra, cuda_peak_start
 
@@ -26,7 +27,8 @@ class LowerBound(Strategy):
     take exact KV from a dense prefill run beforehand, left out of the figure
     (``untimed_tokens``, ``untimed_s``); the call computes only the rest of its prompt, under the
     position mask, and decodes its reply as the library's calls do (drafts from its own ids, else
-    its last replies: ``KVCommConfig.draft_tokens``, ``draft_recent_replies``): a reuse method
+    its last replies, their lengths from the forward costs it measured: ``KVCommConfig.draft_tokens``,
+    ``draft_recent_replies``, ``experimental.measured_draft_lengths``): a reuse method
     that lost nothing and cost nothing."""
 
     generates = False
@@ -37,6 +39,7 @@ class LowerBound(Strategy):
         self.device = model.get_input_embeddings().weight.device
         self.seen: list[torch.Tensor] = []  # every earlier call's prompt and reply ids
         self.recent = RecentReplies(DEFAULT.draft_recent_replies)  # as an engine's decode steps keep them
+        self.costs = StepCosts()  # and its draft lengths (experimental.measured_draft_lengths)
 
     def _prefix(self, ids: torch.Tensor) -> int:
         """The longest common prefix of ``ids`` with an earlier call's prompt and reply."""
@@ -77,14 +80,20 @@ class LowerBound(Strategy):
         ttft = time.perf_counter() - t0
         reply = list(forced_ids) if forced_ids is not None else [first]
         rows = [pre.logits]
-        drafts = (NgramDraft([*layout.ids.tolist(), reply[0]], DEFAULT.draft_tokens, recent=self.recent)  # as the library's calls
+        costs = self.costs if DEFAULT.experimental.measured_draft_lengths else None
+        drafts = (NgramDraft([*layout.ids.tolist(), reply[0]], DEFAULT.draft_tokens, recent=self.recent,
+                             costs=costs)  # as the library's calls
                   if hf.batchable(pre.cache) else None)  # (a sliding-window cache cannot be cut back)
         while len(rows) < len(reply):
             r = len(rows)
             draft = drafts.draft(len(reply) - r - 1) if drafts is not None else []
+            stepped = time.perf_counter()
             out = hf.run_forward(self.model, torch.tensor([[reply[r - 1], *draft]], device=self.device), pre.cache,
                                  position_ids=torch.arange(n + r - 1, n + r + len(draft), device=self.device)[None],
                                  last_logits_only=False)[0].float()
+            if out.device.type == "cuda":  # the forward's end, not its launch
+                torch.cuda.synchronize(out.device)
+            self.costs.record(len(draft) + 1, time.perf_counter() - stepped)
             kept = next((i for i, d in enumerate(draft) if d != reply[r + i]), len(draft))
             rows.extend(out[:kept + 1])
             if drafts is not None:
