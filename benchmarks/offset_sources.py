@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -131,22 +132,18 @@ def _transferred(pool, stacks, receiver: str, slot: int, length: int, index: int
     (other segments, at least as long, token by token from the segment's start): ``others' mean``
     (an anchor learned for one role serving another), and ``all receivers' mean`` (one pool per
     kind, whoever reads). ``index``: 0 keys, 1 values; each ``[L-1, H, length, D]``."""
-    theirs = []
-    for name, other in stacks:
-        if name == receiver:
-            continue
-        held = [o for o in pool.held_by(other).nonzero().flatten().tolist()
+    def anchors_of(stack) -> Optional[torch.Tensor]:  # [N, L-1, H, length, D]: the stack's other slots, long enough
+        held = [o for o in pool.held_by(stack).nonzero().flatten().tolist()
                 if o != slot and int(pool.lengths[o]) >= length]
-        if held:
-            theirs.append(other.dense(torch.tensor(held), length)[index])
+        return stack.dense(torch.tensor(held), length)[index] if held else None
+
+    theirs = [t for name, other in stacks if name != receiver and (t := anchors_of(other)) is not None]
     if not theirs:
         return {}
     stacked = torch.cat(theirs)
     out = {"others' mean": stacked.mean(0)}
-    mine = [o for o in pool.held_by(dict(stacks)[receiver]).nonzero().flatten().tolist()
-            if o != slot and int(pool.lengths[o]) >= length]
-    if mine:
-        own = dict(stacks)[receiver].dense(torch.tensor(mine), length)[index]
+    own = anchors_of(dict(stacks)[receiver])
+    if own is not None:
         out["all receivers' mean"] = torch.cat([own, stacked]).mean(0)
     return out
 
