@@ -8,6 +8,11 @@ it; per row is that divided by B. Prints a table and writes JSON.
 
     python -m benchmarks.batched_steps [--model embedded] [--lengths 300,800,1600] [--rows 1,2,4]
                                        [--ids 1] [--device cpu] [--dtype float32]
+                                       [--layouts as_loaded,transposed]
+
+``--layouts``: the whole measure once per layout of the linear weights
+(:mod:`kvcomm_agents.engines.weight_layout`), on the same model in turns, and per record the
+second layout's forward over the first's.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from pathlib import Path
 import torch
 
 from kvcomm_agents.engines import hf
+from kvcomm_agents.engines.weight_layout import linear_weights, set_layout
 
 from .models import load
 
-__all__ = ["measure", "table"]
+__all__ = ["measure", "table", "layout_table"]
 
 
 def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, seed: int = 0,
@@ -39,7 +45,9 @@ def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, 
             prompt = torch.randint(100, vocab, (b, length), generator=generator).to(device)
             with torch.inference_mode():
                 cache = hf.new_cache(model)
+                started = time.perf_counter()
                 hf.run_forward(model, prompt, cache)
+                prefill = time.perf_counter() - started
                 for q in ids:
                     positions = torch.arange(length, length + q, device=device).expand(b, q)
                     times = []
@@ -52,7 +60,8 @@ def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, 
                         times.append(time.perf_counter() - started)
                         hf.keep_first(cache, length)
                     step = statistics.median(times)
-                    out.append({"cached": length, "rows": b, "ids": q, "step_s": step, "per_row_s": step / b})
+                    out.append({"cached": length, "rows": b, "ids": q, "step_s": step, "per_row_s": step / b,
+                                "prefill_s": prefill})
     return out
 
 
@@ -69,6 +78,21 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def layout_table(records: list[dict], first: str, second: str) -> str:
+    """Per (cached, rows, ids): the forward with the weights in ``second`` over ``first``, and
+    the prefill's."""
+    lines = [f"| cached tokens | rows | ids per row | {first} ms | {second} ms | {second} ÷ {first} | prefill ÷ |",
+             "|---|---|---|---|---|---|---|"]
+    by = {(r["layout"], r["cached"], r["rows"], r["ids"]): r for r in records}
+    for r in (r for r in records if r["layout"] == first):
+        other = by.get((second, r["cached"], r["rows"], r["ids"]))
+        if other is not None:
+            lines.append(f"| {r['cached']} | {r['rows']} | {r['ids']} | {1000 * r['step_s']:.1f} | "
+                         f"{1000 * other['step_s']:.1f} | {other['step_s'] / r['step_s']:.2f}x | "
+                         f"{other['prefill_s'] / r['prefill_s']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="embedded")
@@ -78,12 +102,19 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--layouts", default="as_loaded", help="comma-separated: as_loaded, transposed")
     parser.add_argument("--out", default="benchmarks/out/batched_steps.json")
     args = parser.parse_args(argv)
     loaded = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
-    records = measure(loaded.model, [int(x) for x in args.lengths.split(",")], [int(x) for x in args.rows.split(",")],
-                      args.steps, len(loaded.tokenizer), ids=tuple(int(x) for x in args.ids.split(",")))
-    print(table(records))
+    records, layouts = [], args.layouts.split(",")
+    for layout in layouts:
+        set_layout(linear_weights(loaded.model), layout)
+        measured = measure(loaded.model, [int(x) for x in args.lengths.split(",")], [int(x) for x in args.rows.split(",")],
+                           args.steps, len(loaded.tokenizer), ids=tuple(int(x) for x in args.ids.split(",")))
+        records += [{**r, "layout": layout} for r in measured]
+        print(f"weights {layout}:\n{table(measured)}\n")
+    if len(layouts) == 2:
+        print(layout_table(records, *layouts))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"kind": "batched_steps", "model": loaded.tag, "device": args.device, "dtype": args.dtype,

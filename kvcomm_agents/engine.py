@@ -26,6 +26,7 @@ from .checks import check_agent, check_length, check_max_new_tokens, check_reply
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
+from .engines.weight_layout import choose_layout
 from .errors import InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
 from .framing import Framer
@@ -78,6 +79,8 @@ class KVCommEngine:
         self.tokenizer = tokenizer
         self.config = config or KVCommConfig()
         self.info = inspect_model(model, tokenizer, reuse=self.config.reuse)
+        #: how the model's linear weights lie in memory, and why (:mod:`.engines.weight_layout`)
+        self.weight_layout = choose_layout(model, self.config.weight_layout)
         self._weights = WeightsWatch(model)
         self.plan_hook = plan_hook
         c, x = self.config, self.config.experimental
@@ -135,10 +138,8 @@ class KVCommEngine:
         """Load a model and wrap it. ``model=None`` loads the embedded SmolLM2-135M-Instruct
         offline; otherwise a local folder or a hub id. ``dtype=None`` means float32 on CPU and
         the checkpoint's dtype on CUDA. ``cache_dir`` also holds remembered measurements."""
-        loaded, tokenizer = load_model(
-            model, dtype=dtype, device=device, device_map=device_map,
-            attn_implementation=attn_implementation, cache_dir=cache_dir,
-        )
+        loaded, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map,
+                                       attn_implementation=attn_implementation, cache_dir=cache_dir)
         return cls(loaded, tokenizer, config=under_cache_dir(config, cache_dir))
 
     @property
@@ -177,8 +178,7 @@ class KVCommEngine:
         return self._refresh(recompute=True)
 
     def _refresh_changed_weights(self) -> None:
-        """A weight tensor was replaced or written in place: the digest must be read again (the
-        per-model cache knows it is stale)."""
+        """A weight tensor was replaced or written in place: the digest must be read again."""
         self._refresh(recompute=False)
 
     def _refresh(self, *, recompute: bool) -> str:

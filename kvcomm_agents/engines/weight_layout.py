@@ -1,0 +1,141 @@
+"""How a model's linear weights lie in memory on the CPU: as loaded, or transposed, measured.
+
+``nn.Linear`` keeps its weight as ``[out, in]``, row-major, and computes ``x @ weight.T``; a
+decode step multiplies a few rows ``x`` by every weight of the model. Which memory order of the
+same values the CPU's matrix kernels stream faster depends on the CPU and the BLAS build: on 2
+cores of an AMD EPYC with torch's MKL build, the embedded model (fp32) took 42.9 ms per forward of 1
+id after 300 cached with its weights as loaded and 34.3 ms with each weight stored ``[in, out]``
+(1 id 42.9 -> 34.3 ms, 3 ids 87.9 -> 60.1, 5 ids 69.7 -> 51.8, a prefill of 300 ids 510 -> 440:
+``python -m benchmarks.batched_steps --layouts as_loaded,transposed``). The transposed weight is
+the same tensor to every reader (``weight[i, j]`` unchanged, only its strides differ: ``weight.T``
+is then contiguous), so the model computes the same function; only float rounding of the
+products' order may differ.
+
+:func:`choose_layout` times the engine's own forward shapes (a decode step of 1 id and one of 5,
+after 32 cached) with each layout on the model itself and keeps the faster, where it is faster by
+a clear margin. The choice is written into the model's parameters in place (``param.data``:
+tied weights stay tied, the identity digest is unchanged, :mod:`kvcomm_agents.identity`) and
+remembered on the model, so engines sharing it measure once. Off the CPU nothing is done (GPU
+kernels read either order well).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+import torch
+
+from . import hf
+
+__all__ = ["Layout", "LayoutChoice", "choose_layout", "linear_weights", "set_layout"]
+
+Layout = Literal["as_loaded", "transposed"]
+_CHOSEN = "_kvcomm_weight_layout"  # the model attribute that remembers the choice
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout an engine's model runs with, and why.
+
+    Attributes:
+        layout: ``"as_loaded"`` or ``"transposed"``.
+        reason: how it was chosen (``"measured"``, ``"set"`` by the setting, ``"chosen before"``
+            by an earlier engine on the model, or why nothing was done: ``"not on the CPU"``,
+            ``"no linear weights"``).
+        seconds: per layout measured, the seconds of the probe forwards (empty where none ran).
+    """
+
+    layout: Layout
+    reason: str
+    seconds: dict = field(default_factory=dict)
+
+
+def linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The 2-D float weights of the model's plain ``nn.Linear`` modules (each parameter once:
+    a tied output head is also the input embedding). Subclasses (quantized layers) are left
+    alone."""
+    seen, weights = set(), []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is torch.nn.Linear and weight is not None and id(weight) not in seen:
+            if weight.dim() == 2 and weight.dtype in _FLOATS:
+                seen.add(id(weight))
+                weights.append(weight)
+    return weights
+
+
+def set_layout(weights: list[torch.nn.Parameter], layout: Layout) -> None:
+    """Store each of ``weights`` in ``layout`` in place (same values, same parameter objects)."""
+    with torch.no_grad():
+        for weight in weights:
+            data = weight.data
+            if layout == "transposed" and not data.t().is_contiguous():
+                weight.data = data.t().contiguous().t()
+            elif layout == "as_loaded" and not data.is_contiguous():
+                weight.data = data.contiguous()
+
+
+def _probe_seconds(model: torch.nn.Module, repeats: int = 3) -> float:
+    """Median seconds of a 1-id and of a 5-id decode forward after 32 cached ids, summed."""
+    device = hf.input_device(model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, 32), generator=generator).to(device)
+    total = 0.0
+    with torch.inference_mode():
+        cache = hf.new_cache(model)
+        hf.run_forward(model, prompt, cache)
+        for q in (1, 5):
+            ids = torch.randint(0, vocab, (1, q), generator=generator).to(device)
+            positions = torch.arange(32, 32 + q, device=device)[None]
+            times = []
+            for _ in range(repeats + 1):  # the first one warms the kernels for this shape
+                started = time.perf_counter()
+                hf.run_forward(model, ids, cache, position_ids=positions, last_logits_only=False)
+                times.append(time.perf_counter() - started)
+                hf.keep_first(cache, 32)
+            total += statistics.median(times[1:])
+    return total
+
+
+def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.9,
+                  probe: Optional[Callable[[torch.nn.Module], float]] = None) -> LayoutChoice:
+    """Lay out ``model``'s linear weights as ``setting`` says and return the choice.
+
+    Args:
+        model: the engine's model (its weights are changed in place where a layout is chosen).
+        setting: ``"measured"`` (time both on the CPU, keep the transposed layout where it took
+            at most ``margin`` times as long), ``"transposed"`` (CPU weights transposed,
+            unmeasured) or ``"keep"`` (touch nothing: the layout the model has, which another
+            engine on it may have chosen). An earlier choice on the same model is kept.
+        margin: how much faster the transposed layout must be to be kept (timings on a shared
+            machine move by several percent).
+        probe: seconds a layout takes (:func:`_probe_seconds` by default; a seam for tests).
+    """
+    weights = [w for w in linear_weights(model) if w.device.type == "cpu"]
+    if not weights:
+        return LayoutChoice("as_loaded", "not on the CPU" if linear_weights(model) else "no linear weights")
+    chosen = getattr(model, _CHOSEN, None)
+    if setting == "keep" or chosen is not None:
+        transposed = all(w.data.t().is_contiguous() and not w.data.is_contiguous() for w in weights)
+        layout = "transposed" if transposed else "as_loaded"
+        return LayoutChoice(layout, "set" if chosen is None else "chosen before", {} if chosen is None else chosen.seconds)
+    if setting == "transposed":
+        set_layout(weights, "transposed")
+        choice = LayoutChoice("transposed", "set")
+    else:
+        probe = probe or _probe_seconds
+        set_layout(weights, "as_loaded")
+        seconds = {"as_loaded": probe(model)}
+        set_layout(weights, "transposed")
+        seconds["transposed"] = probe(model)
+        faster = seconds["transposed"] <= margin * seconds["as_loaded"]
+        if not faster:
+            set_layout(weights, "as_loaded")
+        choice = LayoutChoice("transposed" if faster else "as_loaded", "measured", seconds)
+    object.__setattr__(model, _CHOSEN, choice)  # a plain attribute, not a module or parameter
+    return choice
