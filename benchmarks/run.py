@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kvcomm_agents.engines.weight_layout import choose_layout, pin_layout
+
 from . import measure, report
 from .graph import ModelMeter, run_graph
 from .graph_report import (GRAPH_LEGEND, fastest_and_closest, noise_floor_readers, phase_console, summarize_by_format,
@@ -263,6 +265,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma-separated phases on whose reader calls (measured requests) dense also runs in "
                              "another dtype (bfloat16; float32 for a bfloat16 model): the readers' KL and agreement "
                              "that a dtype change alone moves, beside the strategies' (KL only: not a graph row)")
+    parser.add_argument("--weight-layout", choices=("measured", "as_loaded", "transposed"), default="measured",
+                        help="the shared model's linear weights on a CPU: measured by the first engine (the library's "
+                             "default), or pinned for every strategy (kvcomm_agents.engines.weight_layout)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--summary", type=Path, default=None,
                         help="also write the run's summary (no per-call records) to this JSON file")
@@ -296,6 +301,10 @@ def main(argv=None) -> dict:
     print(profile.describe() + f"; data range: {args.split}", flush=True)
     torch.manual_seed(0)
     loaded = load(args.model, device=str(device), dtype=getattr(torch, args.dtype))
+    layout = (choose_layout(loaded.model, "measured") if args.weight_layout == "measured"
+              else pin_layout(loaded.model, args.weight_layout))
+    info["weight_layout"] = f"{layout.layout} ({layout.reason})"
+    print(f"linear weights: {info['weight_layout']}", flush=True)
     out = args.out / loaded.tag / profile.name / (args.split + ("-cold" if args.cold else ""))
     out.mkdir(parents=True, exist_ok=True)
     from kvcomm_agents.support import inspect_model

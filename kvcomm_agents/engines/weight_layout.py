@@ -30,7 +30,7 @@ import torch
 
 from . import hf
 
-__all__ = ["Layout", "LayoutChoice", "choose_layout", "linear_weights", "set_layout"]
+__all__ = ["Layout", "LayoutChoice", "choose_layout", "linear_weights", "pin_layout", "set_layout"]
 
 Layout = Literal["as_loaded", "transposed"]
 _CHOSEN = "_kvcomm_weight_layout"  # the model attribute that remembers the choice
@@ -138,4 +138,13 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.9,
             set_layout(weights, "as_loaded")
         choice = LayoutChoice("transposed" if faster else "as_loaded", "measured", seconds)
     object.__setattr__(model, _CHOSEN, choice)  # a plain attribute, not a module or parameter
+    return choice
+
+
+def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:
+    """Lay out ``model``'s CPU linear weights in ``layout`` and remember it as chosen, so every
+    engine built on the model keeps it (a benchmark comparing layouts; unmeasured)."""
+    set_layout([w for w in linear_weights(model) if w.device.type == "cpu"], layout)
+    choice = LayoutChoice(layout, "set")
+    object.__setattr__(model, _CHOSEN, choice)
     return choice

@@ -1,0 +1,96 @@
+"""Linear weights laid out for the CPU (kvcomm_agents.engines.weight_layout): the same function in
+either layout, the measured choice follows the timings it is given, and engines keep it."""
+
+import pytest
+import torch
+
+from kvcomm_agents import KVCommConfig, KVCommEngine
+from kvcomm_agents.engines import hf
+from kvcomm_agents.engines.weight_layout import choose_layout, linear_weights, set_layout
+from kvcomm_agents.identity import weights_digest
+from kvcomm_agents.testing import tiny_llama, tiny_qwen2
+
+pytestmark = pytest.mark.model
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf.run_forward(model, ids, hf.new_cache(model), last_logits_only=False)[0]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2])
+def test_transposed_weights_compute_the_same_logits_and_keep_parameters_and_ties(tokenizer, build):
+    model = build(tokenizer, tie_word_embeddings=True)
+    ids = torch.tensor([tokenizer.encode("the answer is 72 because 48 plus 24")])
+    before, digest = _logits(model, ids), weights_digest(model, recompute=True)
+    weights = linear_weights(model)
+    objects = [id(w) for w in weights]
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert sum(w is model.lm_head.weight for w in weights) == 1  # a tied head counted once
+
+    set_layout(weights, "transposed")
+    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in weights)
+    assert [id(w) for w in linear_weights(model)] == objects  # the same parameters, new strides
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+    assert weights_digest(model, recompute=True) == digest  # the same values: the same identity
+
+    set_layout(weights, "as_loaded")
+    assert all(w.is_contiguous() for w in weights)
+    torch.testing.assert_close(_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+
+
+def test_subclasses_of_linear_are_left_alone(tokenizer):
+    class Quantized(torch.nn.Linear):
+        pass
+
+    model = tiny_llama(tokenizer)
+    layer = model.model.layers[0].mlp
+    layer.down_proj = Quantized(layer.down_proj.in_features, layer.down_proj.out_features, bias=False)
+    assert all(w is not layer.down_proj.weight for w in linear_weights(model))
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_measured_choice_keeps_the_faster_layout_by_the_margin(tokenizer, faster):
+    model = tiny_llama(tokenizer)
+    seen = []
+
+    def probe(m):  # the transposed layout takes 0.8x (faster) or 0.95x (within the margin)
+        transposed = all(w.t().is_contiguous() for w in linear_weights(m))
+        seen.append(transposed)
+        return (0.8 if faster else 0.95) if transposed else 1.0
+
+    choice = choose_layout(model, "measured", margin=0.9, probe=probe)
+    assert seen == [False, True]
+    assert choice.reason == "measured" and set(choice.seconds) == {"as_loaded", "transposed"}
+    assert choice.layout == ("transposed" if faster else "as_loaded")
+    assert all((w.t().is_contiguous() if faster else w.is_contiguous()) for w in linear_weights(model))
+
+    again = choose_layout(model, "measured", probe=lambda m: pytest.fail("measured twice"))
+    assert (again.layout, again.reason) == (choice.layout, "chosen before")
+
+
+def test_keep_touches_nothing_and_reports_the_layout_the_model_has(tokenizer):
+    model = tiny_llama(tokenizer)
+    assert choose_layout(model, "keep").layout == "as_loaded"
+    set_layout(linear_weights(model), "transposed")
+    assert choose_layout(model, "keep").layout == "transposed"
+    assert all(w.t().is_contiguous() for w in linear_weights(model))
+
+
+def test_an_engine_lays_out_its_model_as_configured_and_answers_as_before(tokenizer):
+    plain, relaid = tiny_llama(tokenizer, seed=3), tiny_llama(tokenizer, seed=3)
+    messages = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April."}]
+    keep = KVCommEngine(plain, tokenizer, config=KVCommConfig(weight_layout="keep", draft_tokens=0))
+    transposed = KVCommEngine(relaid, tokenizer, config=KVCommConfig(weight_layout="transposed", draft_tokens=0))
+    assert keep.weight_layout.layout == "as_loaded" and all(w.is_contiguous() for w in linear_weights(plain))
+    assert transposed.weight_layout.layout == "transposed"
+    assert keep.fingerprint == transposed.fingerprint  # the same weights: KV may be shared
+    a = keep.chat(messages, agent="a", max_new_tokens=12)
+    b = transposed.chat(messages, agent="a", max_new_tokens=12)
+    assert a.token_ids == b.token_ids
+
+
+def test_plain_transformers_keeps_the_model_as_given():
+    assert KVCommConfig.plain_transformers().weight_layout == "keep"
+    assert KVCommConfig().weight_layout == "measured"
