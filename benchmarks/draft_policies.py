@@ -25,10 +25,10 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from kvcomm_agents.drafting import NgramDraft, RecentReplies
-from kvcomm_agents.step_costs import StepCosts, expected_kept
+from kvcomm_agents.step_costs import StepCosts
 
 __all__ = ["capture", "replay", "POLICIES"]
 
@@ -73,15 +73,11 @@ class Outcomes:
     """A call's draft outcomes so far: accepted ids, and drafts that ended in a refused id."""
 
     def __init__(self) -> None:
-        self.accepted = self.refused = self.drafts = 0
-        self.last_whole = True
+        self.history: list[tuple[int, bool]] = []  # per draft: ids kept, whether one was refused
         self.length = 2  # the adapted rule's next length
 
     def settle(self, drafted: int, accepted: int, most: int) -> None:
-        self.drafts += 1
-        self.accepted += accepted
-        self.refused += accepted < drafted
-        self.last_whole = accepted == drafted
+        self.history.append((accepted, accepted < drafted))
         self.length = min(most, 2 * max(self.length, drafted)) if accepted == drafted else max(1, accepted)
 
 
@@ -106,30 +102,41 @@ def _table(costs: dict) -> StepCosts:
     return table
 
 
-def rate(prior_accepted: float, prior_refused: float) -> Policy:
-    """The length of most expected kept ids per second, the acceptance rate from the call's
-    outcomes (a truncated geometric: kept ids over kept ids and refusals) after a prior."""
+def rate(prior_accepted: float, prior_refused: float, window: Optional[int] = None) -> Policy:
+    """The length of most expected kept ids per second (the expected-rate rule of speculative
+    decoding), the acceptance rate from the call's drafts (its last ``window``, or all) as a
+    truncated geometric's estimate (kept ids over kept ids and refusals) after a prior."""
     def policy(out: Outcomes, found: int, costs: dict, most: int) -> int:
-        alpha = (out.accepted + prior_accepted) / (out.accepted + out.refused + prior_accepted + prior_refused)
-        return _best(alpha, found, costs)
+        recent = out.history[-window:] if window else out.history
+        kept, refused = sum(k for k, _ in recent), sum(r for _, r in recent)
+        return _best((kept + prior_accepted) / (kept + refused + prior_accepted + prior_refused), found, costs)
     return policy
 
 
-def _best(alpha: float, found: int, costs: dict) -> int:
+def expected_kept(alpha: float, length: int) -> float:
+    """Ids a draft of ``length`` keeps on average where each is kept with probability ``alpha``
+    once the ids before it were: alpha + alpha^2 + ... + alpha^length."""
+    return sum(alpha ** i for i in range(1, length + 1))
+
+
+def _fastest(found: int, costs: dict, kept: Callable[[int], float]) -> int:
+    """The draft length (0 to ``found``, sizes with a measured cost) of most kept ids, the
+    step's own pick included, per second; ``kept``: the ids a draft of that length keeps."""
     best, best_rate = 0, 1 / costs[1]
     for k in range(1, found + 1):
-        if k + 1 in costs and (r := (1 + expected_kept(alpha, k)) / costs[k + 1]) > best_rate:
+        if k + 1 in costs and (r := (1 + kept(k)) / costs[k + 1]) > best_rate:
             best, best_rate = k, r
     return best
+
+
+def _best(alpha: float, found: int, costs: dict) -> int:
+    """The draft length of most expected kept ids per second at acceptance rate ``alpha``."""
+    return _fastest(found, costs, lambda k: expected_kept(alpha, k))
 
 
 def oracle(kept: int, found: int, costs: dict) -> int:
     """Knowing the ids the draft would keep: the length of most kept ids per second."""
-    best, best_rate = 0, 1 / costs[1]
-    for k in range(1, found + 1):
-        if k + 1 in costs and (r := (1 + min(k, kept)) / costs[k + 1]) > best_rate:
-            best, best_rate = k, r
-    return best
+    return _fastest(found, costs, lambda k: min(k, kept))
 
 
 POLICIES: dict[str, Policy] = {
@@ -138,6 +145,8 @@ POLICIES: dict[str, Policy] = {
     "rate 1:1": rate(1, 1),
     "rate 2:1": rate(2, 1),
     "rate 4:2": rate(4, 2),
+    "rate 2:1, last 2": rate(2, 1, window=2),
+    "rate 2:1, last 8": rate(2, 1, window=8),
 }
 
 

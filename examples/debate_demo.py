@@ -3,8 +3,8 @@
 For each question, solvers 1..N answer in turn; solver k sees its own system prompt, the
 question, and every earlier solver's reply pasted verbatim ("Solver j answered:\n..."). Each
 call runs twice on the same messages: on the reuse engine (the reply is kept and fed to later
-solvers) and on a dense baseline engine that shares the model weights but has its own empty
-store (8 tokens only, for its time to first token and its first 8 token ids).
+solvers) and on a dense baseline engine on its own copy of the same weights, as loaded, with its
+own empty store (8 tokens only, for its time to first token and its first 8 token ids).
 
 The table shows, per solver position (mean over questions): prompt size, the share of the prompt
 served from the KV store, time to first token with reuse and dense, the speed-up, whether the
@@ -160,7 +160,9 @@ def print_answers(answers: list[tuple[int, str | None, str | None]]) -> None:
 
 def describe_device(engine: KVCommEngine) -> str:
     device = engine.model.device
-    return f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
+    if device.type != "cpu":
+        return str(device)
+    return f"{device} ({torch.get_num_threads()} threads, linear weights {engine.weight_layout.layout})"
 
 
 def warm_up(*engines: KVCommEngine) -> None:
@@ -180,7 +182,7 @@ def main(argv=None) -> None:
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts it, ~40 s) ...")
     config = KVCommConfig(method=args.method, experimental={"own_text": args.own_text})
     reuse = KVCommEngine.from_pretrained(config=config)
-    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig.plain_transformers())
+    dense = KVCommEngine.from_pretrained(config=KVCommConfig.plain_transformers())  # weights as loaded
     warm_up(reuse, dense)
     print(f"{len(questions)} question(s) from {source}, {args.agents} solvers, greedy, "
           f"max {args.max_new_tokens} new tokens, on {describe_device(reuse)}; "

@@ -2,7 +2,7 @@
 callback handler, so the graph code stays plain) and print the per-agent table.
 
 Each example runs its pipeline twice on the same inputs: on a reuse engine and on a dense
-engine (reuse off) that shares the model weights. The table pairs them per agent: reused share
+engine (reuse off) on its own copy of the same weights, as loaded. The table pairs them per agent: reused share
 of the prompt, time to first token with reuse and dense (measured in the same run), and the
 reuse decisions; the examples then compare final answers with the dense pipeline's.
 """
@@ -50,10 +50,11 @@ def config_from(args) -> KVCommConfig:
 
 
 def engines(config: KVCommConfig | None = None) -> tuple[KVCommEngine, KVCommEngine]:
-    """A reuse engine on the embedded model and a dense engine sharing its weights: plain
-    transformers, every call prefilling its whole prompt and stepping its decode alone."""
+    """A reuse engine on the embedded model and a dense engine on its own copy of the weights,
+    left as loaded: plain transformers, every call prefilling its whole prompt and stepping its
+    decode alone (the reuse engine may lay its copy out for the CPU: ``weight_layout``)."""
     reuse = KVCommEngine.from_pretrained(config=config)
-    dense = KVCommEngine(reuse.model, reuse.tokenizer, config=KVCommConfig.plain_transformers())
+    dense = KVCommEngine.from_pretrained(config=KVCommConfig.plain_transformers())
     for engine in (reuse, dense):  # first-call overheads off the measured calls
         engine.chat([{"role": "user", "content": "Say hi."}], agent="warm-up", max_new_tokens=2)
         engine.store.clear()

@@ -22,7 +22,7 @@ import threading
 from collections import deque
 from typing import Optional
 
-__all__ = ["StepCosts", "expected_kept"]
+__all__ = ["StepCosts"]
 
 
 class StepCosts:
@@ -70,9 +70,3 @@ class StepCosts:
         with self._lock:
             sizes = sorted(self._seconds)
         return {ids: cost for ids in sizes if (cost := self.cost(ids)) is not None}
-
-
-def expected_kept(alpha: float, length: int) -> float:
-    """Ids a draft of ``length`` keeps on average where each is kept with probability ``alpha``
-    once the ids before it were: alpha + alpha^2 + ... + alpha^length."""
-    return sum(alpha ** i for i in range(1, length + 1))

@@ -186,6 +186,43 @@ def test_batched_steps_times_a_forward_per_length_and_rows(tmp_path):
     assert "| 16 | 3 | 4 |" in batched_steps.table(records)
 
 
+def test_batched_steps_compares_the_weight_layouts_on_one_model(tmp_path):
+    """``--layouts as_loaded,transposed``: every record once per layout, and the second's
+    forward over the first's per (length, rows, ids)."""
+    from benchmarks import batched_steps
+
+    out = tmp_path / "steps.json"
+    batched_steps.main(["--model", "random:tiny", "--lengths", "8", "--rows", "1", "--ids", "1,3", "--steps", "2",
+                        "--layouts", "as_loaded,transposed", "--out", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["layout"], r["ids"]) for r in records] == [
+        ("as_loaded", 1), ("as_loaded", 3), ("transposed", 1), ("transposed", 3)]
+    assert all(r["prefill_s"] > 0 for r in records)
+    table = batched_steps.layout_table(records, "as_loaded", "transposed").splitlines()
+    assert len(table) == 4 and table[2].startswith("| 8 | 1 | 1 |")
+
+
+def test_draft_policies_replay_a_reply_under_each_length_rule():
+    """``benchmarks.draft_policies.replay`` on a reply that repeats its prompt: no drafts take
+    one forward per id; every policy, where longer forwards cost little more, takes no longer;
+    the oracle's time is the least; a draft found in a recent reply counts."""
+    from benchmarks import draft_policies
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    reply = [5, 6, 7, 8, 9, 10, 11, 40, 41, 42]
+    call = {"ids": prompt + reply, "start": len(prompt) + 1, "recent": []}
+    costs = {q: 0.04 + 0.005 * (q - 1) for q in range(1, 10)}  # longer forwards cost a little more
+    none = draft_policies.replay(call, 8, costs, "none")
+    assert none[1] == len(reply) - 1 and none[2] == len(reply) - 1  # one forward, one id, per pick
+    times = {name: draft_policies.replay(call, 8, costs, draft_policies.POLICIES.get(name, name))
+             for name in ["none", *draft_policies.POLICIES, "oracle"]}
+    assert all(seconds <= none[0] for seconds, _, _ in times.values())
+    assert times["oracle"][0] == min(seconds for seconds, _, _ in times.values())
+    assert times["oracle"][1] < none[1]
+    from_recent = {"ids": [1, 2, 3, 4, 20, 21, 22, 23, 24, 25], "start": 5, "recent": [[3, 4, 20, 21, 22, 23, 24, 25]]}
+    assert draft_policies.replay(from_recent, 8, costs, "oracle")[1] < draft_policies.replay(from_recent, 8, costs, "none")[1]
+
+
 @needs_data
 def test_held_out_shapes_embed_their_shared_texts_and_run_the_graph_protocol(tmp_path):
     """``benchmarks/held_out_shapes.py``: every shared text is held verbatim by a reader's prompt

@@ -11,8 +11,8 @@ the same tensor to every reader (``weight[i, j]`` unchanged, only its strides di
 is then contiguous), so the model computes the same function; only float rounding of the
 products' order may differ.
 
-:func:`choose_layout` times the engine's own forward shapes (a decode step of 1 id and one of 5,
-after 32 cached) with each layout on the model itself and keeps the faster, where it is faster by
+:func:`choose_layout` times the engine's own forward shapes (a decode step of 1 id and a drafted
+one of 5) with each layout on the model itself and keeps the faster, where it is faster by
 a clear margin. The choice is written into the model's parameters in place (``param.data``:
 tied weights stay tied, the identity digest is unchanged, :mod:`kvcomm_agents.identity`) and
 remembered on the model, so engines sharing it measure once. Off the CPU nothing is done (GPU
@@ -80,24 +80,21 @@ def set_layout(weights: list[torch.nn.Parameter], layout: Layout) -> None:
 
 
 def _probe_seconds(model: torch.nn.Module, repeats: int = 3) -> float:
-    """Median seconds of a 1-id and of a 5-id decode forward after 32 cached ids, summed."""
+    """Median seconds of a forward of 1 id and of one of 5 ids, summed: a decode step's and a
+    drafted step's shapes (each on an empty cache: their cost is the weights', which a short
+    cache hardly changes, and no cache has to be cut back, which a sliding window cannot)."""
     device = hf.input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, 32), generator=generator).to(device)
     total = 0.0
     with torch.inference_mode():
-        cache = hf.new_cache(model)
-        hf.run_forward(model, prompt, cache)
         for q in (1, 5):
             ids = torch.randint(0, vocab, (1, q), generator=generator).to(device)
-            positions = torch.arange(32, 32 + q, device=device)[None]
             times = []
             for _ in range(repeats + 1):  # the first one warms the kernels for this shape
                 started = time.perf_counter()
-                hf.run_forward(model, ids, cache, position_ids=positions, last_logits_only=False)
+                hf.run_forward(model, ids, hf.new_cache(model), last_logits_only=False)
                 times.append(time.perf_counter() - started)
-                hf.keep_first(cache, 32)
             total += statistics.median(times[1:])
     return total
 
