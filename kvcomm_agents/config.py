@@ -154,7 +154,7 @@ class KVCommConfig(BaseModel):
     weight_layout: Literal["measured", "transposed", "keep"] = Field(default="measured", description=(
         "How the model's linear weights lie in memory on a CPU (the same values; kvcomm_agents.engines."
         "weight_layout): 'measured' times a decode forward with them as loaded and transposed when the engine "
-        "is built and keeps the faster (2 cores of an AMD EPYC, MKL: 1 id 42.9 -> 34.3 ms per forward); "
+        "is built and keeps the faster (2 cores of an AMD EPYC, MKL: 1 id 40.4 -> 33.8 ms per forward); "
         "'transposed'; 'keep': touch nothing. Changes the model in place; the first engine on it decides."))
     draft_tokens: int = Field(default=8, ge=0, description=(
         "Most ids a decode step drafts from the call's own ids (what followed the reply's last ids where they"

@@ -3,10 +3,10 @@
 ``nn.Linear`` keeps its weight as ``[out, in]``, row-major, and computes ``x @ weight.T``; a
 decode step multiplies a few rows ``x`` by every weight of the model. Which memory order of the
 same values the CPU's matrix kernels stream faster depends on the CPU and the BLAS build: on 2
-cores of an AMD EPYC with torch's MKL build, the embedded model (fp32) took 42.9 ms per forward of 1
-id after 300 cached with its weights as loaded and 34.3 ms with each weight stored ``[in, out]``
-(1 id 42.9 -> 34.3 ms, 3 ids 87.9 -> 60.1, 5 ids 69.7 -> 51.8, a prefill of 300 ids 510 -> 440:
-``python -m benchmarks.batched_steps --layouts as_loaded,transposed``). The transposed weight is
+cores of an AMD EPYC with torch's MKL build, the embedded model's (fp32) forward after 300 cached
+took, as loaded -> with each weight stored ``[in, out]``: 1 id 40.4 -> 33.8 ms, 2 ids 68.0 -> 50.7,
+3 ids 81.3 -> 64.1, 5 ids 56.0 -> 58.3; a prefill of 300 ids 0.84x the time
+(``python -m benchmarks.batched_steps --layouts as_loaded,transposed``). The transposed weight is
 the same tensor to every reader (``weight[i, j]`` unchanged, only its strides differ: ``weight.T``
 is then contiguous), so the model computes the same function; only float rounding of the
 products' order may differ.
@@ -16,7 +16,8 @@ one of 5) with each layout on the model itself and keeps the faster, where it is
 a clear margin. The choice is written into the model's parameters in place (``param.data``:
 tied weights stay tied, the identity digest is unchanged, :mod:`kvcomm_agents.identity`) and
 remembered on the model, so engines sharing it measure once. Off the CPU nothing is done (GPU
-kernels read either order well).
+kernels read either order well). Build the first engine on a model before serving from it: the
+probe times forwards, and a model busy in another thread would time the contention.
 """
 
 from __future__ import annotations
