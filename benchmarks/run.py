@@ -11,6 +11,7 @@ every agent's prompt) is unchanged; ``--fresh`` reruns it.
 
     python -m benchmarks [--profile quick|default|smoke|gpu|graphs|long-replies] [--model embedded|random:<shape>|PATH]
                          [--phases a,b,...] [--strategies dense,...] [--split report|dev] [--out DIR]
+                         [--weight-layout measured|as_loaded|transposed]
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def run_phase(ctx: Context, phase: str) -> dict:
                  torch.device(ctx.device)), "profile": asdict(ctx.profile), "split": ctx.args.split,
                  "strategies": names, "gamma": ctx.args.gamma, "recompute_share": ctx.args.recompute_share,
                  "prompts": prompts_digest(workload), "e2e_timed": phase == "b-e2e" and ctx.args.e2e_timed,
-                 "cold": ctx.args.cold, "remembered": None if ctx.args.remembered is None else str(ctx.args.remembered)}
+                 "cold": ctx.args.cold, "remembered": None if ctx.args.remembered is None else str(ctx.args.remembered),
+                 "weight_layout": ctx.args.layout}
     if phase in ctx.args.noise_floor:
         signature["noise_floor_readers"] = True
     signature = json.loads(json.dumps(signature))  # as it reads back (tuples become lists)
@@ -304,6 +306,7 @@ def main(argv=None) -> dict:
     layout = (choose_layout(loaded.model, "measured") if args.weight_layout == "measured"
               else pin_layout(loaded.model, args.weight_layout))
     info["weight_layout"] = f"{layout.layout} ({layout.reason})"
+    args.layout = layout.layout  # in every phase's signature: phases of another layout are not reloaded
     print(f"linear weights: {info['weight_layout']}", flush=True)
     out = args.out / loaded.tag / profile.name / (args.split + ("-cold" if args.cold else ""))
     out.mkdir(parents=True, exist_ok=True)
