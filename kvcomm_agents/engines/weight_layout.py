@@ -15,8 +15,9 @@ products' order may differ.
 one of 5) with each layout on the model itself and keeps the faster, where it is faster by
 a clear margin. The choice is written into the model's parameters in place (``param.data``:
 tied weights stay tied, the identity digest is unchanged, :mod:`kvcomm_agents.identity`) and
-remembered on the model, so engines sharing it measure once. Off the CPU nothing is done (GPU
-kernels read either order well). Build the first engine on a model before serving from it: the
+remembered on the model, so engines sharing it measure once (:func:`weights_as_loaded` undoes
+it, before ``save_pretrained``). Off the CPU nothing is done (GPU kernels read either order
+well). Build the first engine on a model before serving from it: the
 probe times forwards, and a model busy in another thread would time the contention.
 """
 
@@ -31,7 +32,7 @@ import torch
 
 from . import hf
 
-__all__ = ["Layout", "LayoutChoice", "choose_layout", "linear_weights", "pin_layout", "set_layout"]
+__all__ = ["Layout", "LayoutChoice", "choose_layout", "linear_weights", "pin_layout", "set_layout", "weights_as_loaded"]
 
 Layout = Literal["as_loaded", "transposed"]
 _CHOSEN = "_kvcomm_weight_layout"  # the model attribute that remembers the choice
@@ -146,3 +147,11 @@ def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:
     choice = LayoutChoice(layout, "set")
     object.__setattr__(model, _CHOSEN, choice)
     return choice
+
+
+def weights_as_loaded(model: torch.nn.Module) -> None:
+    """Lay ``model``'s CPU linear weights out as loaded again and forget the choice (the next
+    engine built on it measures again). Call it before ``model.save_pretrained``: transformers
+    checks tied weights through a flat view, which a transposed tied weight does not have."""
+    set_layout([w for w in linear_weights(model) if w.device.type == "cpu"], "as_loaded")
+    model.__dict__.pop(_CHOSEN, None)

@@ -6,7 +6,7 @@ import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.engines import hf
-from kvcomm_agents.engines.weight_layout import choose_layout, linear_weights, set_layout
+from kvcomm_agents.engines.weight_layout import choose_layout, linear_weights, set_layout, weights_as_loaded
 from kvcomm_agents.identity import weights_digest
 from kvcomm_agents.testing import tiny_llama, tiny_qwen2
 
@@ -94,3 +94,17 @@ def test_an_engine_lays_out_its_model_as_configured_and_answers_as_before(tokeni
 def test_plain_transformers_keeps_the_model_as_given():
     assert KVCommConfig.plain_transformers().weight_layout == "keep"
     assert KVCommConfig().weight_layout == "measured"
+
+
+def test_weights_as_loaded_undoes_the_choice_so_a_tied_model_saves_and_reloads_equal(tokenizer, tmp_path):
+    model = tiny_llama(tokenizer, tie_word_embeddings=True)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    assert choose_layout(model, "transposed").layout == "transposed"
+    weights_as_loaded(model)
+    assert all(w.is_contiguous() for w in linear_weights(model))
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(before[name], t) for name, t in reloaded.state_dict().items())
+    measured = choose_layout(model, "measured", probe=lambda m: 1.0)  # forgotten: measured again
+    assert (measured.layout, measured.reason) == ("as_loaded", "measured")
+
