@@ -70,6 +70,16 @@ def linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return weights
 
 
+def _on_cpu(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """:func:`linear_weights` held in CPU memory (not on an accelerator, not offloaded to meta)."""
+    return [w for w in linear_weights(model) if w.device.type == "cpu"]
+
+
+def _nothing_on_cpu(model: torch.nn.Module) -> LayoutChoice:
+    """The choice where no linear weight is in CPU memory: nothing done, and why."""
+    return LayoutChoice("as_loaded", "not on the CPU" if linear_weights(model) else "no linear weights")
+
+
 def set_layout(weights: list[torch.nn.Parameter], layout: Layout) -> None:
     """Store each of ``weights`` in ``layout`` in place (same values, same parameter objects)."""
     with torch.no_grad():
@@ -115,9 +125,9 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.9,
             machine move by several percent).
         probe: seconds a layout takes (:func:`_probe_seconds` by default; a seam for tests).
     """
-    weights = [w for w in linear_weights(model) if w.device.type == "cpu"]
+    weights = _on_cpu(model)
     if not weights:
-        return LayoutChoice("as_loaded", "not on the CPU" if linear_weights(model) else "no linear weights")
+        return _nothing_on_cpu(model)
     chosen = getattr(model, _CHOSEN, None)
     if setting == "keep" or chosen is not None:
         transposed = all(w.data.t().is_contiguous() and not w.data.is_contiguous() for w in weights)
@@ -143,7 +153,10 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.9,
 def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:
     """Lay out ``model``'s CPU linear weights in ``layout`` and remember it as chosen, so every
     engine built on the model keeps it (a benchmark comparing layouts; unmeasured)."""
-    set_layout([w for w in linear_weights(model) if w.device.type == "cpu"], layout)
+    weights = _on_cpu(model)
+    if not weights:
+        return _nothing_on_cpu(model)
+    set_layout(weights, layout)
     choice = LayoutChoice(layout, "set")
     object.__setattr__(model, _CHOSEN, choice)
     return choice
@@ -153,5 +166,5 @@ def weights_as_loaded(model: torch.nn.Module) -> None:
     """Lay ``model``'s CPU linear weights out as loaded again and forget the choice (the next
     engine built on it measures again). Call it before ``model.save_pretrained``: transformers
     checks tied weights through a flat view, which a transposed tied weight does not have."""
-    set_layout([w for w in linear_weights(model) if w.device.type == "cpu"], "as_loaded")
+    set_layout(_on_cpu(model), "as_loaded")
     model.__dict__.pop(_CHOSEN, None)

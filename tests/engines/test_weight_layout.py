@@ -6,7 +6,7 @@ import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.engines import hf
-from kvcomm_agents.engines.weight_layout import choose_layout, linear_weights, set_layout, weights_as_loaded
+from kvcomm_agents.engines.weight_layout import choose_layout, linear_weights, pin_layout, set_layout, weights_as_loaded
 from kvcomm_agents.identity import weights_digest
 from kvcomm_agents.testing import tiny_llama, tiny_qwen2
 
@@ -107,4 +107,12 @@ def test_weights_as_loaded_undoes_the_choice_so_a_tied_model_saves_and_reloads_e
     assert all(torch.equal(before[name], t) for name, t in reloaded.state_dict().items())
     measured = choose_layout(model, "measured", probe=lambda m: 1.0)  # forgotten: measured again
     assert (measured.layout, measured.reason) == ("as_loaded", "measured")
+
+
+def test_weights_off_the_cpu_are_left_alone_and_the_choice_says_why(tokenizer):
+    model = tiny_llama(tokenizer).to("meta")  # stands in for an accelerator or offloaded weights
+    for choice in (choose_layout(model, "measured", probe=lambda m: pytest.fail("probed off the CPU")),
+                   choose_layout(model, "transposed"), pin_layout(model, "transposed")):
+        assert (choice.layout, choice.reason) == ("as_loaded", "not on the CPU")
+    assert all(w.is_contiguous() for w in linear_weights(model))
 
