@@ -155,7 +155,8 @@ class KVCommConfig(BaseModel):
         "How the model's linear weights lie in memory on a CPU (the same values; kvcomm_agents.engines."
         "weight_layout): 'measured' times a decode forward with them as loaded and transposed when the engine "
         "is built and keeps the faster (2 cores of an AMD EPYC, MKL: 1 id 40.4 -> 33.8 ms per forward); "
-        "'transposed'; 'keep': touch nothing. Changes the model in place; the first engine on it decides."))
+        "'transposed'; 'keep': touch nothing. Changes the model in place; the first engine on it decides. A "
+        "measured choice is remembered for the next process where remember_measurements is on."))
     draft_tokens: int = Field(default=8, ge=0, description=(
         "Most ids a decode step drafts from the call's own ids (what followed the reply's last ids where they"
         " occurred before: agents quote the texts passed to them) and checks in the same forward, kept while "
@@ -319,7 +320,8 @@ class KVCommConfig(BaseModel):
         description=(
             "Carry measured_rerotation's samples from one engine to the next on the same model and "
             "measuring settings (kvcomm_agents.anchors.remembered): a restarted process serves its "
-            "first graph re-rotated where an earlier one measured that within kl_budget. True: in "
+            "first graph re-rotated where an earlier one measured that within kl_budget; and the "
+            "measured weight_layout, per CPU, torch and weight shapes. True: in "
             "$KVCOMM_CACHE_DIR/measurements (else the user cache); a folder: there; False: off "
             "(the default under KVCOMM_REMEMBER_MEASUREMENTS=0)."
         ),

@@ -20,7 +20,7 @@ from .audit import CallAuditor
 from .call import CallSteps, EngineParts
 from .budgets import default_budgets
 from .anchors import KVCommAnchors
-from .anchors.remembered import remembered, under_cache_dir
+from .anchors.remembered import measurements_folder, remembered, under_cache_dir
 from .capture import CallCapture
 from .checks import check_agent, check_length, check_max_new_tokens, check_reply_ids
 from .config import KVCommConfig
@@ -80,7 +80,7 @@ class KVCommEngine:
         self.config = config or KVCommConfig()
         self.info = inspect_model(model, tokenizer, reuse=self.config.reuse)
         #: how the model's linear weights lie in memory, and why (:mod:`.engines.weight_layout`)
-        self.weight_layout = choose_layout(model, self.config.weight_layout)
+        self.weight_layout = choose_layout(model, self.config.weight_layout, folder=measurements_folder(self.config))
         self._weights = WeightsWatch(model)
         self.plan_hook = plan_hook
         c, x = self.config, self.config.experimental

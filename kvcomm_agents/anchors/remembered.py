@@ -37,7 +37,7 @@ from typing import Optional
 from .persist import MEASURED_WITH, measured_alike
 from .tracker import OffsetTracker
 
-__all__ = ["FORMAT", "RememberedMeasurements", "default_folder", "remembered", "under_cache_dir"]
+__all__ = ["FORMAT", "RememberedMeasurements", "default_folder", "measurements_folder", "remembered", "under_cache_dir"]
 
 FORMAT = "kvcomm-measurements/1"
 logger = logging.getLogger("kvcomm_agents")
@@ -138,15 +138,23 @@ class RememberedMeasurements:
             return True
 
 
+def measurements_folder(config) -> Optional[Path]:
+    """Where ``config`` (a ``KVCommConfig``) remembers what engines measured (re-rotation samples,
+    the weight layout: :mod:`..engines.weight_layout`): the :func:`default_folder` for
+    ``remember_measurements=True``, the folder it names, None where it is False."""
+    if config.remember_measurements is False:
+        return None
+    return default_folder() if config.remember_measurements is True else Path(config.remember_measurements)
+
+
 def remembered(config, fingerprint: str, tracker: OffsetTracker) -> Optional[RememberedMeasurements]:
     """The remembered measurements ``config`` (a ``KVCommConfig``) asks for, loaded into
     ``tracker``: ``remember_measurements`` True, the :func:`default_folder`; a folder, there;
     None where it is False or nothing trusts re-rotation on samples (another method, no KL
     budget, no audits, ``measured_rerotation=False``)."""
-    c = config
-    if c.remember_measurements is False or not c.measures_rerotation:
+    folder = measurements_folder(config)
+    if folder is None or not config.measures_rerotation:
         return None
-    folder = default_folder() if c.remember_measurements is True else Path(c.remember_measurements)
-    memory = RememberedMeasurements(folder, fingerprint, c.model_dump(mode="json"), tracker)
+    memory = RememberedMeasurements(folder, fingerprint, config.model_dump(mode="json"), tracker)
     memory.load()
     return memory

@@ -19,24 +19,44 @@ remembered on the model, so engines sharing it measure once (:func:`weights_as_l
 it, before ``save_pretrained``). Off the CPU nothing is done (GPU kernels read either order
 well). Build the first engine on a model before serving from it: the
 probe times forwards, and a model busy in another thread would time the contention.
+
+The probe costs 16 forwards (about 0.4 s for the embedded model here; a 7B model on a CPU takes
+seconds per forward). Where a folder is given (the engine's ``remember_measurements`` folder), a
+measured choice is written to ``<folder>/layout-<key>.json`` and read back by the next process:
+the key is what the timing depends on (the CPU's name, torch's version and thread count, each
+weight's shape and dtype), not the weights' values, so a fine-tuned copy of a model reads its
+base's choice. A missing, unreadable or foreign file costs a measurement, never an error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
 
 from . import hf
 
-__all__ = ["Layout", "LayoutChoice", "choose_layout", "linear_weights", "pin_layout", "set_layout", "weights_as_loaded"]
+__all__ = ["FORMAT", "Layout", "LayoutChoice", "choose_layout", "layout_key", "linear_weights", "pin_layout",
+           "set_layout", "weights_as_loaded"]
 
 Layout = Literal["as_loaded", "transposed"]
+FORMAT = "kvcomm-weight-layout/1"  # the remembered choice's file format
 _CHOSEN = "_kvcomm_weight_layout"  # the model attribute that remembers the choice
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+#: a probe forward slower than this is timed once per shape, not three times: at that length a
+#: run's noise is a small share of it, and a large model would pay seconds per repeat
+SLOW_FORWARD_S = 0.25
+logger = logging.getLogger("kvcomm_agents")
 
 
 @dataclass(frozen=True)
@@ -45,10 +65,11 @@ class LayoutChoice:
 
     Attributes:
         layout: ``"as_loaded"`` or ``"transposed"``.
-        reason: how it was chosen (``"measured"``, ``"set"`` by the setting, ``"chosen before"``
-            by an earlier engine on the model, or why nothing was done: ``"not on the CPU"``,
-            ``"no linear weights"``).
-        seconds: per layout measured, the seconds of the probe forwards (empty where none ran).
+        reason: how it was chosen (``"measured"``, ``"remembered"`` from an earlier process's
+            measurement, ``"set"`` by the setting, ``"chosen before"`` by an earlier engine on
+            the model, or why nothing was done: ``"not on the CPU"``, ``"no linear weights"``).
+        seconds: per layout measured, the seconds of the probe forwards (empty where none ran;
+            remembered: the earlier process's).
     """
 
     layout: Layout
@@ -94,25 +115,87 @@ def set_layout(weights: list[torch.nn.Parameter], layout: Layout) -> None:
 def _probe_seconds(model: torch.nn.Module, repeats: int = 3) -> float:
     """Median seconds of a forward of 1 id and of one of 5 ids, summed: a decode step's and a
     drafted step's shapes (each on an empty cache: their cost is the weights', which a short
-    cache hardly changes, and no cache has to be cut back, which a sliding window cannot)."""
+    cache hardly changes, and no cache has to be cut back, which a sliding window cannot).
+    A shape whose warm-up forward took over :data:`SLOW_FORWARD_S` is timed once."""
     device = hf.input_device(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
+
+    def seconds(ids: torch.Tensor) -> float:
+        started = time.perf_counter()
+        hf.run_forward(model, ids, hf.new_cache(model), last_logits_only=False)
+        return time.perf_counter() - started
+
     total = 0.0
     with torch.inference_mode():
         for q in (1, 5):
             ids = torch.randint(0, vocab, (1, q), generator=generator).to(device)
-            times = []
-            for _ in range(repeats + 1):  # the first one warms the kernels for this shape
-                started = time.perf_counter()
-                hf.run_forward(model, ids, hf.new_cache(model), last_logits_only=False)
-                times.append(time.perf_counter() - started)
-            total += statistics.median(times[1:])
+            warm = seconds(ids)  # warms the kernels for this shape
+            total += statistics.median(seconds(ids) for _ in range(repeats if warm <= SLOW_FORWARD_S else 1))
     return total
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux: ``/proc/cpuinfo``), else what ``platform`` says."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def layout_key(weights: list[torch.nn.Parameter]) -> dict:
+    """What a layout's timing depends on: the CPU, torch's version and thread count, and each
+    of ``weights``' shape and dtype (not their values)."""
+    shapes = sorted({(tuple(w.shape), str(w.dtype).removeprefix("torch.")) for w in weights})
+    return {"cpu": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "weights": [[list(shape), dtype] for shape, dtype in shapes]}
+
+
+def _layout_file(folder: Path, key: dict) -> Path:
+    return folder / f"layout-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json"
+
+
+def _remembered(folder: Optional[Path], key: dict) -> Optional[LayoutChoice]:
+    """The choice an earlier process measured for ``key`` in ``folder`` (None: none readable)."""
+    if folder is None:
+        return None
+    path = _layout_file(folder, key)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        logger.warning("remembered weight layout %s unreadable (%s): measuring again", path, error)
+        return None
+    if (not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key
+            or data.get("layout") not in ("as_loaded", "transposed")):
+        return None
+    seconds = data.get("seconds") if isinstance(data.get("seconds"), dict) else {}
+    return LayoutChoice(data["layout"], "remembered", seconds)
+
+
+def _remember(folder: Optional[Path], key: dict, choice: LayoutChoice) -> None:
+    """Write ``choice`` for ``key`` into ``folder`` atomically (a folder that cannot be written:
+    said, then the next process measures again)."""
+    if folder is None:
+        return
+    path = _layout_file(folder, key)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = {"format": FORMAT, "key": key, "layout": choice.layout, "seconds": choice.seconds}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as error:
+        logger.warning("cannot remember the weight layout in %s (%s): the next process measures again", folder, error)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
 def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.9,
-                  probe: Optional[Callable[[torch.nn.Module], float]] = None) -> LayoutChoice:
+                  probe: Optional[Callable[[torch.nn.Module], float]] = None,
+                  folder: Optional[os.PathLike | str] = None) -> LayoutChoice:
     """Lay out ``model``'s linear weights as ``setting`` says and return the choice.
 
     Args:
@@ -124,6 +207,9 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.9,
         margin: how much faster the transposed layout must be to be kept (timings on a shared
             machine move by several percent).
         probe: seconds a layout takes (:func:`_probe_seconds` by default; a seam for tests).
+        folder: where measured choices are remembered across processes (None: nowhere); a
+            ``"measured"`` setting reads the choice there before it measures, and writes what it
+            measured.
     """
     weights = _on_cpu(model)
     if not weights:
@@ -137,17 +223,26 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.9,
         set_layout(weights, "transposed")
         choice = LayoutChoice("transposed", "set")
     else:
-        probe = probe or _probe_seconds
-        set_layout(weights, "as_loaded")
-        seconds = {"as_loaded": probe(model)}
-        set_layout(weights, "transposed")
-        seconds["transposed"] = probe(model)
-        faster = seconds["transposed"] <= margin * seconds["as_loaded"]
-        if not faster:
-            set_layout(weights, "as_loaded")
-        choice = LayoutChoice("transposed" if faster else "as_loaded", "measured", seconds)
+        folder = None if folder is None else Path(folder)
+        key = layout_key(weights)
+        choice = _remembered(folder, key) or _measure(model, weights, margin, probe or _probe_seconds)
+        set_layout(weights, choice.layout)
+        if choice.reason == "measured":
+            _remember(folder, key, choice)
     object.__setattr__(model, _CHOSEN, choice)  # a plain attribute, not a module or parameter
     return choice
+
+
+def _measure(model: torch.nn.Module, weights: list[torch.nn.Parameter], margin: float,
+             probe: Callable[[torch.nn.Module], float]) -> LayoutChoice:
+    """Time ``probe`` with ``weights`` as loaded and transposed; the transposed layout where it
+    took at most ``margin`` times as long."""
+    set_layout(weights, "as_loaded")
+    seconds = {"as_loaded": probe(model)}
+    set_layout(weights, "transposed")
+    seconds["transposed"] = probe(model)
+    faster = seconds["transposed"] <= margin * seconds["as_loaded"]
+    return LayoutChoice("transposed" if faster else "as_loaded", "measured", seconds)
 
 
 def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:

@@ -1,12 +1,16 @@
 """Linear weights laid out for the CPU (kvcomm_agents.engines.weight_layout): the same function in
-either layout, the measured choice follows the timings it is given, and engines keep it."""
+either layout, the measured choice follows the timings it is given, engines keep it, and a later
+process reads it back instead of measuring again."""
+
+import json
 
 import pytest
 import torch
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.engines import hf
-from kvcomm_agents.engines.weight_layout import choose_layout, linear_weights, pin_layout, set_layout, weights_as_loaded
+from kvcomm_agents.engines.weight_layout import (FORMAT, choose_layout, layout_key, linear_weights, pin_layout, set_layout,
+                                                 weights_as_loaded)
 from kvcomm_agents.identity import weights_digest
 from kvcomm_agents.testing import tiny_llama, tiny_qwen2
 
@@ -116,3 +120,59 @@ def test_weights_off_the_cpu_are_left_alone_and_the_choice_says_why(tokenizer):
         assert (choice.layout, choice.reason) == ("as_loaded", "not on the CPU")
     assert all(w.is_contiguous() for w in linear_weights(model))
 
+
+
+def _transposed_faster(m) -> float:
+    return 0.5 if all(w.t().is_contiguous() for w in linear_weights(m)) else 1.0
+
+
+def test_a_measured_choice_is_remembered_for_the_next_process_and_keyed_on_shapes_not_values(tokenizer, tmp_path):
+    first = choose_layout(tiny_llama(tokenizer, seed=1), "measured", probe=_transposed_faster, folder=tmp_path)
+    assert (first.layout, first.reason) == ("transposed", "measured")
+    (written,) = tmp_path.glob("layout-*.json")
+    data = json.loads(written.read_text())
+    assert data["format"] == FORMAT and data["layout"] == "transposed" and data["seconds"] == first.seconds
+
+    other_values = tiny_llama(tokenizer, seed=2)  # a new model object, as in a new process
+    again = choose_layout(other_values, "measured", probe=lambda m: pytest.fail("measured again"), folder=tmp_path)
+    assert (again.layout, again.reason, again.seconds) == ("transposed", "remembered", first.seconds)
+    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in linear_weights(other_values))
+
+    other_shapes = tiny_llama(tokenizer, intermediate_size=96)  # another key: measured, written beside the first
+    assert choose_layout(other_shapes, "measured", probe=lambda m: 1.0, folder=tmp_path).reason == "measured"
+    assert len(list(tmp_path.glob("layout-*.json"))) == 2
+    assert layout_key(linear_weights(other_shapes)) != data["key"]
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "other", "layout": "transposed"}),
+                                     json.dumps({"format": FORMAT, "key": {"cpu": "another"}, "layout": "transposed"})])
+def test_an_unreadable_or_foreign_layout_file_costs_a_measurement_not_an_error(tokenizer, tmp_path, content):
+    model = tiny_llama(tokenizer)
+    choose_layout(tiny_llama(tokenizer), "measured", probe=lambda m: 1.0, folder=tmp_path)
+    (path,) = tmp_path.glob("layout-*.json")
+    path.write_text(content)
+    choice = choose_layout(model, "measured", probe=_transposed_faster, folder=tmp_path)
+    assert (choice.layout, choice.reason) == ("transposed", "measured")
+    assert json.loads(path.read_text())["layout"] == "transposed"  # measured, and written over it
+
+
+def test_an_engine_remembers_its_layout_where_it_remembers_measurements(tokenizer, tmp_path):
+    config = KVCommConfig(remember_measurements=str(tmp_path), draft_tokens=0)
+    first = KVCommEngine(tiny_llama(tokenizer), tokenizer, config=config)
+    assert first.weight_layout.reason == "measured" and len(list(tmp_path.glob("layout-*.json"))) == 1
+    second = KVCommEngine(tiny_llama(tokenizer), tokenizer, config=config)
+    assert (second.weight_layout.reason, second.weight_layout.layout) == ("remembered", first.weight_layout.layout)
+    off = KVCommEngine(tiny_llama(tokenizer), tokenizer, config=config.model_copy(update={"remember_measurements": False}))
+    assert off.weight_layout.reason == "measured"
+
+
+@pytest.mark.parametrize("slow_after, forwards", [(60.0, 8), (0.0, 4)])
+def test_the_probe_times_a_slow_model_once_per_shape(tokenizer, monkeypatch, slow_after, forwards):
+    from kvcomm_agents.engines import weight_layout
+
+    calls = []
+    run_forward = hf.run_forward
+    monkeypatch.setattr(weight_layout.hf, "run_forward", lambda *a, **k: calls.append(1) or run_forward(*a, **k))
+    monkeypatch.setattr(weight_layout, "SLOW_FORWARD_S", slow_after)
+    assert weight_layout._probe_seconds(tiny_llama(tokenizer)) > 0
+    assert len(calls) == forwards  # per shape (1 id, 5 ids): a warm-up, then 3 timed or 1
