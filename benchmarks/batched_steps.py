@@ -8,11 +8,13 @@ it; per row is that divided by B. Prints a table and writes JSON.
 
     python -m benchmarks.batched_steps [--model embedded] [--lengths 300,800,1600] [--rows 1,2,4]
                                        [--ids 1] [--device cpu] [--dtype float32]
-                                       [--layouts as_loaded,transposed]
+                                       [--layouts as_loaded,transposed] [--kv concatenated,in_place]
 
 ``--layouts``: the whole measure once per layout of the linear weights
 (:mod:`kvcomm_agents.engines.weight_layout`), on the same model in turns, and per record the
-second layout's forward over the first's.
+second layout's forward over the first's. ``--kv``: likewise once per way a step's KV is added to
+the cache, concatenated (transformers' ``DynamicCache``) or written in place
+(:mod:`kvcomm_agents.engines.growing_cache`).
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ from pathlib import Path
 import torch
 
 from kvcomm_agents.engines import hf
+from kvcomm_agents.engines.growing_cache import make_growing
 from kvcomm_agents.engines.weight_layout import linear_weights, set_layout
 
 from .models import load
 
-__all__ = ["measure", "table", "layout_table"]
+__all__ = ["measure", "table", "pair_table"]
 
 
 def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, seed: int = 0,
-            ids: tuple[int, ...] = (1,)) -> list[dict]:
-    """One record per (cached length, rows, ids per row): the median seconds of a decode forward."""
+            ids: tuple[int, ...] = (1,), kv_in_place: bool = False) -> list[dict]:
+    """One record per (cached length, rows, ids per row): the median seconds of a decode forward
+    (``kv_in_place``: on a cache whose steps write their KV in place)."""
     generator = torch.Generator().manual_seed(seed)
     device = hf.input_device(model)
     out = []
@@ -44,7 +48,7 @@ def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, 
         for b in rows:
             prompt = torch.randint(100, vocab, (b, length), generator=generator).to(device)
             with torch.inference_mode():
-                cache = hf.new_cache(model)
+                cache = make_growing(hf.new_cache(model)) if kv_in_place else hf.new_cache(model)
                 started = time.perf_counter()
                 hf.run_forward(model, prompt, cache)
                 prefill = time.perf_counter() - started
@@ -78,13 +82,13 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def layout_table(records: list[dict], first: str, second: str) -> str:
-    """Per (cached, rows, ids): the forward with the weights in ``second`` over ``first``, and
-    the prefill's."""
+def pair_table(records: list[dict], field: str, first: str, second: str) -> str:
+    """Per (cached, rows, ids): the forward with ``field`` (``"layout"`` or ``"kv"``) at
+    ``second`` over at ``first``, and the prefill's."""
     lines = [f"| cached tokens | rows | ids per row | {first} ms | {second} ms | {second} ÷ {first} | prefill ÷ |",
              "|---|---|---|---|---|---|---|"]
-    by = {(r["layout"], r["cached"], r["rows"], r["ids"]): r for r in records}
-    for r in (r for r in records if r["layout"] == first):
+    by = {(r[field], r["cached"], r["rows"], r["ids"]): r for r in records}
+    for r in (r for r in records if r[field] == first):
         other = by.get((second, r["cached"], r["rows"], r["ids"]))
         if other is not None:
             lines.append(f"| {r['cached']} | {r['rows']} | {r['ids']} | {1000 * r['step_s']:.1f} | "
@@ -103,18 +107,23 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--layouts", default="as_loaded", help="comma-separated: as_loaded, transposed")
+    parser.add_argument("--kv", default="concatenated", help="comma-separated: concatenated, in_place")
     parser.add_argument("--out", default="benchmarks/out/batched_steps.json")
     args = parser.parse_args(argv)
     loaded = load(args.model, device=args.device, dtype=getattr(torch, args.dtype))
-    records, layouts = [], args.layouts.split(",")
+    records, layouts, kvs = [], args.layouts.split(","), args.kv.split(",")
     for layout in layouts:
         set_layout(linear_weights(loaded.model), layout)
-        measured = measure(loaded.model, [int(x) for x in args.lengths.split(",")], [int(x) for x in args.rows.split(",")],
-                           args.steps, len(loaded.tokenizer), ids=tuple(int(x) for x in args.ids.split(",")))
-        records += [{**r, "layout": layout} for r in measured]
-        print(f"weights {layout}:\n{table(measured)}\n")
+        for kv in kvs:
+            measured = measure(loaded.model, [int(x) for x in args.lengths.split(",")],
+                               [int(x) for x in args.rows.split(",")], args.steps, len(loaded.tokenizer),
+                               ids=tuple(int(x) for x in args.ids.split(",")), kv_in_place=kv == "in_place")
+            records += [{**r, "layout": layout, "kv": kv} for r in measured]
+            print(f"weights {layout}, KV {kv}:\n{table(measured)}\n")
     if len(layouts) == 2:
-        print(layout_table(records, *layouts))
+        print(pair_table([r for r in records if r["kv"] == kvs[0]], "layout", *layouts))
+    if len(kvs) == 2:
+        print(pair_table([r for r in records if r["layout"] == layouts[0]], "kv", *kvs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"kind": "batched_steps", "model": loaded.tag, "device": args.device, "dtype": args.dtype,

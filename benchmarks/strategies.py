@@ -81,7 +81,7 @@ NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-mean"
          "kvcomm-copies-always", "kvcomm-no-rerotation", "kvcomm-no-rerotation-copies",
          "kvcomm-no-rerotation-copies-always", "kvcomm-audit-new", "kvcomm-trust-clear", "kvcomm-trust-audited",
          "kvcomm-no-short-sample", "dense-batched", "kvcomm-mean-steps-alone", "dense-drafted", "kvcomm-no-drafts",
-         "kvcomm-own-drafts", "kvcomm-fixed-drafts", "kvcomm-rerotate-replies", "kvcomm-no-spans", "kvcomm-no-cut-head", "rerotate-no-spans", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
+         "kvcomm-own-drafts", "kvcomm-fixed-drafts", "kvcomm-kv-concatenated", "kvcomm-rerotate-replies", "kvcomm-no-spans", "kvcomm-no-cut-head", "rerotate-no-spans", "kvcomm-remembered", "kvcomm-blend", "kvcomm-paper", "lower-bound")
 #: what a benchmark run compares unless ``--strategies`` says otherwise (the ablations of the
 #: matching and gate ideas run when named: they would double the default profile's duration)
 DEFAULT_NAMES = ("dense", "prefix", "pipelined", "rerotate", "cacheblend", "kvcomm-paper", "kvcomm-mean",
@@ -212,6 +212,7 @@ def settings_of(name: str, *, gamma: float = 0.3) -> dict:
         "kvcomm-mean": {"method": "kvcomm", "gamma": gamma},
         "kvcomm-mean-steps-alone": {"method": "kvcomm", "gamma": gamma, "batched_decode": False},
         "kvcomm-no-drafts": {"method": "kvcomm", "gamma": gamma, "draft_tokens": 0},
+        "kvcomm-kv-concatenated": {"method": "kvcomm", "gamma": gamma, "kv_in_place": False},
         "kvcomm-own-drafts": {"method": "kvcomm", "gamma": gamma, "draft_recent_replies": 0},
         "kvcomm-fixed-drafts": {"method": "kvcomm", "gamma": gamma,
                                 "experimental": ExperimentalSettings(measured_draft_lengths=False)},

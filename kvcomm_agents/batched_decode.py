@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from .engines import hf
+from .engines.growing_cache import make_growing
 
 __all__ = ["DecodeBatcher"]
 
@@ -94,11 +95,12 @@ class DecodeBatcher:
             call's own cache (under the engine lock).
         window_s: how long a leader waits for the other calls decoding to post.
         max_rows: the most calls stepped in one forward.
+        kv_in_place: the batch's steps write their KV in place (:mod:`.engines.growing_cache`).
     """
 
     def __init__(self, model, lock, single: Callable[[Any, int, int], torch.Tensor],
-                 window_s: float = 0.01, max_rows: int = 16) -> None:
-        self.model, self.lock, self.single = model, lock, single
+                 window_s: float = 0.01, max_rows: int = 16, kv_in_place: bool = False) -> None:
+        self.model, self.lock, self.single, self.kv_in_place = model, lock, single, kv_in_place
         self.window_s, self.max_rows = window_s, max_rows
         self._posted: list[_Step] = []
         self._wake = threading.Condition()
@@ -326,6 +328,8 @@ class DecodeBatcher:
     def _pack(self, calls: list) -> None:
         """One cache for ``calls``: each call's KV left-padded to the longest."""
         cache, pads = hf.left_padded(self.model, [c.pre.cache for c in calls])
+        if self.kv_in_place:
+            make_growing(cache)
         mask = torch.ones(len(calls), hf.num_cached(cache), dtype=torch.long, device=hf.input_device(self.model))
         for row, pad in enumerate(pads):
             mask[row, :pad] = 0

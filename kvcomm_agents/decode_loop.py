@@ -32,6 +32,7 @@ from .config import KVCommConfig
 from .decoding import TextAccumulator
 from .drafting import NgramDraft, RecentReplies
 from .engines import hf
+from .engines.growing_cache import make_growing
 from .forwards import charging
 from .framing import Framer
 from .step_costs import StepCosts
@@ -46,7 +47,8 @@ class DecodeLoop:
 
     Args:
         model: the engine's model.
-        config: the engine's settings (``batched_decode``, ``draft_tokens``, ``draft_recent_replies``).
+        config: the engine's settings (``batched_decode``, ``draft_tokens``, ``draft_recent_replies``,
+            ``kv_in_place``).
         lock: the engine lock.
         framer: the engine's copies (a step without copies is their cost baseline).
         eos_ids: ids that end a reply.
@@ -54,7 +56,8 @@ class DecodeLoop:
 
     def __init__(self, model, config: KVCommConfig, lock, framer: Framer, eos_ids: frozenset) -> None:
         self.model, self.config, self.lock, self.framer, self.eos_ids = model, config, lock, framer, eos_ids
-        self.batcher = DecodeBatcher(model, lock, self.step_alone) if config.batched_decode else None
+        self.batcher = (DecodeBatcher(model, lock, self.step_alone, kv_in_place=config.kv_in_place)
+                        if config.batched_decode else None)
         self.recent = RecentReplies(config.draft_recent_replies if config.draft_tokens else 0)  # drafts' second source
         self.costs = StepCosts()  # what a decode forward of q ids costs here: drafts' lengths
 
@@ -65,6 +68,7 @@ class DecodeLoop:
     def decode(self, call, next_id: int, sampler: Picker, text: TextAccumulator, max_new_tokens: int) -> Iterator[str]:
         """The decode loop from the first token; yields text pieces, returns the finish reason."""
         position = call.plan.num_prompt  # where the newest chosen id goes
+        self._in_place(call)
         chosen = [next_id]  # ids picked by the last step; all but the newest were fed with it
         drafts = self._drafts(call, next_id)
         try:
@@ -163,6 +167,7 @@ class DecodeLoop:
         run where drafts hold (the copies ride on the same steps); the same ``[k, vocab]`` logits
         up to float rounding."""
         rows = [call.pre.logits]
+        self._in_place(call)
         drafts = self._drafts(call, ids[0])
         try:
             while len(rows) < len(ids):
@@ -199,6 +204,12 @@ class DecodeLoop:
         if len(text.ids) >= max_new_tokens:
             return "length"
         return None
+
+    def _in_place(self, call) -> None:
+        """The call's steps write their KV in place (``kv_in_place``; :mod:`.engines.growing_cache`)."""
+        if self.config.kv_in_place and call.framing is None:
+            with self.lock:
+                make_growing(call.pre.cache)
 
     # ---- drafts ---------------------------------------------------------------------------
     def _cut(self, call, n: int) -> None:

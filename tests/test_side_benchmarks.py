@@ -198,8 +198,22 @@ def test_batched_steps_compares_the_weight_layouts_on_one_model(tmp_path):
     assert [(r["layout"], r["ids"]) for r in records] == [
         ("as_loaded", 1), ("as_loaded", 3), ("transposed", 1), ("transposed", 3)]
     assert all(r["prefill_s"] > 0 for r in records)
-    table = batched_steps.layout_table(records, "as_loaded", "transposed").splitlines()
+    table = batched_steps.pair_table(records, "layout", "as_loaded", "transposed").splitlines()
     assert len(table) == 4 and table[2].startswith("| 8 | 1 | 1 |")
+
+
+def test_batched_steps_compares_kv_concatenated_and_written_in_place(tmp_path):
+    """``--kv concatenated,in_place``: every record once per way of adding a step's KV."""
+    from benchmarks import batched_steps
+
+    out = tmp_path / "steps.json"
+    batched_steps.main(["--model", "random:tiny", "--lengths", "8,16", "--rows", "2", "--steps", "2",
+                        "--kv", "concatenated,in_place", "--out", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["kv"], r["cached"]) for r in records] == [
+        ("concatenated", 8), ("concatenated", 16), ("in_place", 8), ("in_place", 16)]
+    table = batched_steps.pair_table(records, "kv", "concatenated", "in_place").splitlines()
+    assert len(table) == 4 and table[3].startswith("| 16 | 2 | 1 |")
 
 
 def test_draft_policies_replay_a_reply_under_each_length_rule():

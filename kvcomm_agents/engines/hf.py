@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .. import forwards
 from ..kv.block import KVBlock, device_groups
+from .growing_cache import GrowingLayer
 
 __all__ = ["new_cache", "cache_from_block", "layer_kv", "num_cached", "num_layers", "run_forward",
            "input_device", "kv_devices", "position_mask", "Prefill", "prefill", "kv_at_positions", "kv_reader",
@@ -361,7 +362,7 @@ def kv_reader(cache: DynamicCache, slot_positions: torch.Tensor):
 def batchable(cache: DynamicCache) -> bool:
     """Whether ``cache`` can be stepped in a batch (:func:`left_padded`): one sequence, every
     layer a plain full-attention layer holding KV (no sliding window, no quantization)."""
-    return bool(cache.layers) and all(type(layer) is DynamicLayer and layer.keys is not None
+    return bool(cache.layers) and all(type(layer) in (DynamicLayer, GrowingLayer) and layer.keys is not None
                                       and layer.keys.shape[0] == 1 for layer in cache.layers)
 
 
