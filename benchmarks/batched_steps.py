@@ -114,12 +114,13 @@ def main(argv=None) -> None:
     records, layouts, kvs = [], args.layouts.split(","), args.kv.split(",")
     for layout in layouts:
         set_layout(linear_weights(loaded.model), layout)
-        for kv in kvs:
-            measured = measure(loaded.model, [int(x) for x in args.lengths.split(",")],
-                               [int(x) for x in args.rows.split(",")], args.steps, len(loaded.tokenizer),
-                               ids=tuple(int(x) for x in args.ids.split(",")), kv_in_place=kv == "in_place")
-            records += [{**r, "layout": layout, "kv": kv} for r in measured]
-            print(f"weights {layout}, KV {kv}:\n{table(measured)}\n")
+        for length in (int(x) for x in args.lengths.split(",")):  # the KV ways in turn per length: drift is shared
+            for kv in kvs:
+                measured = measure(loaded.model, [length], [int(x) for x in args.rows.split(",")], args.steps,
+                                   len(loaded.tokenizer), ids=tuple(int(x) for x in args.ids.split(",")),
+                                   kv_in_place=kv == "in_place")
+                records += [{**r, "layout": layout, "kv": kv} for r in measured]
+                print(f"weights {layout}, KV {kv}:\n{table(measured)}\n")
     if len(layouts) == 2:
         print(pair_table([r for r in records if r["kv"] == kvs[0]], "layout", *layouts))
     if len(kvs) == 2:

@@ -210,8 +210,8 @@ def test_batched_steps_compares_kv_concatenated_and_written_in_place(tmp_path):
     batched_steps.main(["--model", "random:tiny", "--lengths", "8,16", "--rows", "2", "--steps", "2",
                         "--kv", "concatenated,in_place", "--out", str(out)])
     records = json.loads(out.read_text())["records"]
-    assert [(r["kv"], r["cached"]) for r in records] == [
-        ("concatenated", 8), ("concatenated", 16), ("in_place", 8), ("in_place", 16)]
+    assert [(r["kv"], r["cached"]) for r in records] == [  # in turn per length
+        ("concatenated", 8), ("in_place", 8), ("concatenated", 16), ("in_place", 16)]
     table = batched_steps.pair_table(records, "kv", "concatenated", "in_place").splitlines()
     assert len(table) == 4 and table[3].startswith("| 16 | 2 | 1 |")
 
