@@ -3,9 +3,10 @@
 transformers' ``DynamicLayer`` appends a step's KV with ``torch.cat``: every decode step copies
 the whole cache of every layer once more, ``2 x L x [B, kv_heads, T, head_dim]`` per step, a cost
 that grows with the context while the step's matrix products do not. On 2 CPU cores with the
-embedded model (fp32), one decode step, concatenating -> writing in place: 1 row 1.00x at 300
-cached, 0.96x at 1,000, 0.94x at 2,000; 4 rows batched 0.99x, 0.94x, 0.84x
-(``python -m benchmarks.batched_steps --growing``).
+embedded model (fp32, weights transposed), a decode forward after 300-2,000 cached ids,
+concatenated -> in place: 0.93-1.01x the time for one row of 1 or 5 ids, 0.94-0.99x for four rows
+(``python -m benchmarks.batched_steps --lengths 300,1000,2000 --rows 1,4 --ids 1,5 --layouts
+transposed --kv concatenated,in_place``, ``benchmarks/results/kv-in-place-steps.json``).
 
 A :class:`GrowingLayer` keeps each layer's keys and values in a buffer
 ``[B, kv_heads, T + room, head_dim]`` and exposes the filled part as a view, so a step writes only

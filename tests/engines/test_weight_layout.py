@@ -59,12 +59,12 @@ def test_the_measured_choice_keeps_the_faster_layout_by_the_margin(tokenizer, fa
     model = tiny_llama(tokenizer)
     seen = []
 
-    def probe(m):  # the transposed layout takes 0.8x (faster) or 0.95x (within the margin)
+    def probe(m):  # the transposed layout takes 0.91x (faster, as on this CPU) or 0.97x (within the margin)
         transposed = all(w.t().is_contiguous() for w in linear_weights(m))
         seen.append(transposed)
-        return (0.8 if faster else 0.95) if transposed else 1.0
+        return (0.91 if faster else 0.97) if transposed else 1.0
 
-    choice = choose_layout(model, "measured", margin=0.9, probe=probe)
+    choice = choose_layout(model, "measured", probe=probe)
     assert seen == [False, True]
     assert choice.reason == "measured" and set(choice.seconds) == {"as_loaded", "transposed"}
     assert choice.layout == ("transposed" if faster else "as_loaded")
