@@ -41,7 +41,8 @@ last replies as the library's do by default: what drafting alone gives), ``kvcom
 (the default, one id per decode step, ``draft_tokens=0``), ``kvcomm-own-drafts`` (drafts from the
 call's own ids only, ``draft_recent_replies=0``), ``kvcomm-fixed-drafts`` (drafts at their adapted
 length only, never longer where a forward of more ids was measured cheaper,
-``experimental.measured_draft_lengths=False``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
+``experimental.measured_draft_lengths=False``), ``kvcomm-kv-concatenated`` (the default with each decode
+step's KV concatenated onto a copy of the cache, as transformers does, ``kv_in_place=False``), ``kvcomm-no-short-sample`` (no short first sample: a first reader computes its shared text to be
 measured, ``experimental.short_rerotation_sample=False``), ``kvcomm-rerotate-replies`` (replies served
 re-rotated alone where re-rotation was measured within the budget, ``experimental.rerotate_replies``),
 ``kvcomm-no-spans`` / ``rerotate-no-spans`` (no run of an earlier prompt preferred over the texts it holds,
