@@ -43,10 +43,10 @@ from .graph import ModelMeter, run_graph
 from .graph_report import format_graphs, noise_floor_line, noise_floor_readers, summarize_graphs
 from .graphs import Request, Workload, gsm8k_rows, humaneval_rows, last_reply_number
 from .models import load
-from .provenance import git_commit
+from .provenance import versions
 from .strategies import build, noise_floor
 
-__all__ = ["SHAPES", "SPLITS", "workload"]
+__all__ = ["SHAPES", "SPLITS", "workload", "described"]
 
 #: per split: the GSM8K and HumanEval offsets in the report range, and the tool's pages
 SPLITS = {
@@ -234,12 +234,17 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     loaded = load(args.model, device="cpu", dtype=torch.float32)
+    from kvcomm_agents.engines.weight_layout import choose_layout
     from kvcomm_agents.support import inspect_model
 
+    info = versions(torch.device("cpu"))
+    layout = choose_layout(loaded.model, "measured")  # as the front run: every strategy on one layout
+    info["weight_layout"] = f"{layout.layout} ({layout.reason})"
     eos = set(inspect_model(loaded.model, loaded.tokenizer, reuse=False).eos_ids)
     meter = ModelMeter(loaded.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"commit": git_commit(), "split": args.split, "model": args.model, "shapes": {}}
+    results = {"kind": "held_out_shapes", "versions": info, "split": args.split, "model": args.model,
+               "dtype": "float32", "phases": {}}
     for shape in args.shapes.split(","):
         shape_load = workload(shape, args.split, args.requests, args.reply_tokens)
         strategies = [build(name, loaded.model, loaded.tokenizer) for name in args.strategies.split(",")]
@@ -252,7 +257,8 @@ def main(argv=None) -> dict:
                                meter=meter)
         graphs = summarize_graphs(records)
         floor = noise_floor_readers(records)
-        results["shapes"][shape] = {"title": shape_load.title, "graphs": graphs, "noise_floor": floor}
+        results["phases"][shape] = {"title": shape_load.title, "requests": {"measured": args.requests - 1, "warmup": 1},
+                                    "graphs": graphs, "noise_floor": floor}
         (args.out / f"{shape}-{args.split}.records.json").write_text(json.dumps(records))
         print(f"\n{shape} ({shape_load.title}), {args.split}, {args.requests - 1} measured after 1 warm-up\n"
               + format_graphs(graphs) + (f"\n{noise_floor_line(floor)}" if floor else ""), flush=True)
@@ -260,6 +266,17 @@ def main(argv=None) -> dict:
     path.write_text(json.dumps(results, indent=1))
     print(f"written {path}")
     return results
+
+
+def described(summary: dict) -> str:
+    """The docs' tables of a run summary: its provenance line, then each shape's whole-graph rows
+    (the front run's columns) and noise floor."""
+    from .graph_report import workload_tables
+
+    v = summary["versions"]
+    return (f"Run: commit `{v['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, {v['device']} "
+            f"({v['threads']} threads), weights {v['weight_layout']}, held-out shapes, {summary['split']} split.\n\n"
+            + workload_tables(summary))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["git_commit"]
+import torch
+
+__all__ = ["git_commit", "versions"]
 
 
 def git_commit() -> str:
@@ -19,3 +22,15 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def versions(device: torch.device) -> dict:
+    """The code and libraries a figure comes from: the commit (and whether the tree had
+    uncommitted changes), Python, torch, transformers, the device."""
+    import transformers
+
+    info = {"commit": git_commit(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": str(device), "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,7 @@ from .graph import ModelMeter, run_graph
 from .graph_report import (GRAPH_LEGEND, fastest_and_closest, noise_floor_readers, phase_console, summarize_by_format,
                            summarize_decisions, summarize_graphs)
 from .models import TINY, load
-from .provenance import git_commit
+from .provenance import git_commit, versions
 from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor
 from .workloads import (Workload, changing_graph, coding_pipeline, fan_out, gsm8k_debate, gsm8k_one_message,
                         long_document, paper_shape, prompt_formats, rag_handoff, shared_history)
@@ -112,18 +111,6 @@ class Context:
     eos_ids: set = field(default_factory=set)
     device: str = "cpu"
     meter: ModelMeter = None
-
-
-def versions(device: torch.device) -> dict:
-    """The code and libraries a figure comes from: the commit (and whether the tree had
-    uncommitted changes), Python, torch, transformers, the device."""
-    import transformers
-
-    info = {"commit": git_commit(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "device": str(device), "threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 def prompts_digest(workload: Workload) -> str:

@@ -31,9 +31,14 @@ _BLOCK = re.compile(r"(?P<opening><!-- generated: python -m benchmarks\.tables (
 def render(summary: dict, *, table: Optional[str] = None, phases: Optional[list[str]] = None) -> str:
     """Every workload's table, or (``table``) the front table or every strategy side by side (one
     row per workload each), with the run's sample; only ``phases`` where given. A
-    parallel-branches summary (:mod:`.parallel_branches`) is its one table."""
+    parallel-branches summary (:mod:`.parallel_branches`) is its one table; a held-out shapes
+    summary (:mod:`.held_out_shapes`) its shapes' tables."""
     if summary.get("kind") == "parallel_branches":
         from .parallel_branches import described
+
+        return described(summary)
+    if summary.get("kind") == "held_out_shapes":
+        from .held_out_shapes import described
 
         return described(summary)
     if phases:

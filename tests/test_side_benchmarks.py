@@ -257,6 +257,11 @@ def test_held_out_shapes_embed_their_shared_texts_and_run_the_graph_protocol(tmp
                 assert any(text in prompt for text in request.shared_texts(k, replies[:k])), (shape, k)
     results = hs.main(["--model", "random:tiny", "--shapes", "tool", "--requests", "2", "--reply-tokens", "4",
                        "--strategies", "dense,kvcomm-mean", "--out", str(tmp_path)])
-    rows = {row["strategy"]: row for row in results["shapes"]["tool"]["graphs"]}
+    rows = {row["strategy"]: row for row in results["phases"]["tool"]["graphs"]}
     assert set(rows) == {"dense", "kvcomm-mean"} and rows["kvcomm-mean"]["tokens_mean"] > 0
-    assert json.loads((tmp_path / "held_out_shapes-unseen.json").read_text())["split"] == "unseen"
+    written = json.loads((tmp_path / "held_out_shapes-unseen.json").read_text())
+    assert written["split"] == "unseen"
+    from benchmarks.tables import render
+
+    table = render(written)
+    assert "unseen split" in table and "#### (tool)" in table and "| **default** |" in table

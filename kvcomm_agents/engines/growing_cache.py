@@ -14,7 +14,8 @@ its own ids. It writes only into a buffer it allocated itself: KV it was handed 
 a stored block's views, :func:`.hf.cache_from_block`; rows taken back from a batch) is copied into
 a new buffer on the first step, as a concatenation would copy it, and is never written. A cut
 (:func:`.hf.keep_first`, a refused draft) keeps a view of the buffer, and the next step writes
-over the dropped slots. The room is ``max(MIN_ROOM, T // 8)`` ids, so a long reply reallocates
+over the dropped slots: a view read before a cut may change after it, so readers that keep KV
+copy it (:func:`.hf.kv_at_positions`, :func:`.hf.take_row`). The room is ``max(MIN_ROOM, T // 8)`` ids, so a long reply reallocates
 geometrically rarely.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["GrowingLayer", "MIN_ROOM", "make_growing"]
+__all__ = ["GrowingLayer", "MIN_ROOM", "hold", "make_growing"]
 
 #: fewest spare slots a buffer is allocated with (a 32-token reply and its drafts fit)
 MIN_ROOM = 64
@@ -41,6 +42,12 @@ class GrowingLayer(DynamicLayer):
         held slots; returns the views of all ``T + n`` slots."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.keys.numel() and not self._fits(self.keys, key_states) or self.values.numel() and not self._fits(
+                self.values, value_states):
+            # rows, heads, dtype or device differ: transformers' own update (it concatenates, or
+            # raises as ``torch.cat`` does), never a slice assignment that would broadcast or cast
+            self._key_buffer = self._value_buffer = None
+            return super().update(key_states, value_states, *args, **kwargs)
         held = self.keys.shape[-2] if self.keys.numel() else 0
         needed = held + key_states.shape[-2]
         if not (self._owns(self.keys, self._key_buffer) and self._owns(self.values, self._value_buffer)
@@ -51,6 +58,19 @@ class GrowingLayer(DynamicLayer):
         self._value_buffer[:, :, held:needed] = value_states
         self.keys, self.values = self._key_buffer[:, :, :needed], self._value_buffer[:, :, :needed]
         return self.keys, self.values
+
+    def offload(self) -> None:
+        """transformers' offload (the held KV to the CPU), letting go of the buffers the held
+        KV was a view of, which would otherwise stay on the device."""
+        super().offload()
+        self._key_buffer = self._value_buffer = None
+
+    @staticmethod
+    def _fits(held: torch.Tensor, new: torch.Tensor) -> bool:
+        """Whether ``new`` KV can be written after ``held`` slot by slot: the same rows, heads,
+        head size, dtype and device."""
+        return (held.shape[:2] == new.shape[:2] and held.shape[3] == new.shape[3] and held.dtype == new.dtype
+                and held.device == new.device)
 
     @staticmethod
     def _owns(view: torch.Tensor, buffer: torch.Tensor | None) -> bool:
@@ -67,6 +87,15 @@ class GrowingLayer(DynamicLayer):
         if count:
             buffer[:, :, :count] = held
         return buffer
+
+
+def hold(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``layer`` hold ``keys`` / ``values`` (``[B, kv_heads, T, head_dim]``, tensors it
+    does not own: the next step copies them once). A growing layer lets go of its buffers, which
+    would otherwise stay alive beside the new KV until that step."""
+    layer.keys, layer.values = keys, values
+    if isinstance(layer, GrowingLayer):
+        layer._key_buffer = layer._value_buffer = None
 
 
 def make_growing(cache: DynamicCache) -> DynamicCache:

@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .. import forwards
 from ..kv.block import KVBlock, device_groups
-from .growing_cache import GrowingLayer
+from .growing_cache import GrowingLayer, hold
 
 __all__ = ["new_cache", "cache_from_block", "layer_kv", "num_cached", "num_layers", "run_forward",
            "input_device", "kv_devices", "position_mask", "Prefill", "prefill", "kv_at_positions", "kv_reader",
@@ -58,7 +58,8 @@ def cache_from_block(model: PreTrainedModel, block: KVBlock) -> DynamicCache:
 
 
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(keys, values)`` of one layer, ``[batch, kv_heads, tokens, head_dim]`` each."""
+    """``(keys, values)`` of one layer, ``[batch, kv_heads, tokens, head_dim]`` each: views a
+    growing layer (:mod:`.growing_cache`) may write over after a cut, so copy what is kept."""
     entry = cache.layers[layer]
     return entry.keys, entry.values
 
@@ -349,8 +350,7 @@ def keep_slots(cache: DynamicCache, slots: torch.Tensor) -> None:
     every layer of ``cache``; the others are dropped."""
     for layer in cache.layers:
         index = slots.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+        hold(layer, layer.keys.index_select(-2, index), layer.values.index_select(-2, index))
 
 
 def kv_reader(cache: DynamicCache, slot_positions: torch.Tensor):
@@ -388,8 +388,7 @@ def left_padded(model: PreTrainedModel, caches: list[DynamicCache]) -> tuple[Dyn
 def take_row(batch: DynamicCache, row: int, pad: int, cache: DynamicCache) -> None:
     """Make ``cache`` hold ``batch``'s row ``row`` without its ``pad`` padding slots (copies)."""
     for source, held in zip(batch.layers, cache.layers):
-        held.keys = source.keys[row:row + 1, :, pad:].clone()
-        held.values = source.values[row:row + 1, :, pad:].clone()
+        hold(held, source.keys[row:row + 1, :, pad:].clone(), source.values[row:row + 1, :, pad:].clone())
 
 
 def keep_first(cache: DynamicCache, n: int) -> None:

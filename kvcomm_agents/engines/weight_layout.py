@@ -34,9 +34,11 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +114,14 @@ def set_layout(weights: list[torch.nn.Parameter], layout: Layout) -> None:
                 weight.data = data.contiguous()
 
 
+def _layout_of(weights: list[torch.nn.Parameter]) -> Layout:
+    """The layout ``weights`` lie in: transposed where every weight whose two orders differ
+    (not a ``[1, n]`` or ``[n, 1]`` one, contiguous both ways) is stored ``[in, out]``."""
+    telling = [w.data for w in weights if not (w.data.is_contiguous() and w.data.t().is_contiguous())]
+    transposed = bool(telling) and all(w.t().is_contiguous() and not w.is_contiguous() for w in telling)
+    return "transposed" if transposed else "as_loaded"
+
+
 def _probe_seconds(model: torch.nn.Module, repeats: int = 3) -> float:
     """Median seconds of a forward of 1 id and of one of 5 ids, summed: a decode step's and a
     drafted step's shapes (each on an empty cache: their cost is the weights', which a short
@@ -156,8 +166,10 @@ def _layout_file(folder: Path, key: dict) -> Path:
     return folder / f"layout-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json"
 
 
-def _remembered(folder: Optional[Path], key: dict) -> Optional[LayoutChoice]:
-    """The choice an earlier process measured for ``key`` in ``folder`` (None: none readable)."""
+def _remembered(folder: Optional[Path], key: dict, margin: float) -> Optional[LayoutChoice]:
+    """The choice an earlier process measured for ``key`` in ``folder`` (None: none readable),
+    decided again from its seconds under ``margin`` where the file holds both layouts' seconds
+    (a file written under another margin is read under this one)."""
     if folder is None:
         return None
     path = _layout_file(folder, key)
@@ -172,6 +184,9 @@ def _remembered(folder: Optional[Path], key: dict) -> Optional[LayoutChoice]:
             or data.get("layout") not in ("as_loaded", "transposed")):
         return None
     seconds = data.get("seconds") if isinstance(data.get("seconds"), dict) else {}
+    timed = [seconds.get(layout) for layout in ("as_loaded", "transposed")]
+    if all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in timed):
+        return LayoutChoice(_faster(*timed, margin), "remembered", seconds)
     return LayoutChoice(data["layout"], "remembered", seconds)
 
 
@@ -181,7 +196,7 @@ def _remember(folder: Optional[Path], key: dict, choice: LayoutChoice) -> None:
     if folder is None:
         return
     path = _layout_file(folder, key)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # per writer: an atomic replace
     data = {"format": FORMAT, "key": key, "layout": choice.layout, "seconds": choice.seconds}
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -216,17 +231,17 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.95,
     if not weights:
         return _nothing_on_cpu(model)
     chosen = getattr(model, _CHOSEN, None)
-    if setting == "keep" or chosen is not None:
-        transposed = all(w.data.t().is_contiguous() and not w.data.is_contiguous() for w in weights)
-        layout = "transposed" if transposed else "as_loaded"
-        return LayoutChoice(layout, "set" if chosen is None else "chosen before", {} if chosen is None else chosen.seconds)
+    if chosen is not None:
+        return LayoutChoice(chosen.layout, "chosen before", chosen.seconds)
+    if setting == "keep":
+        return LayoutChoice(_layout_of(weights), "set")
     if setting == "transposed":
         set_layout(weights, "transposed")
         choice = LayoutChoice("transposed", "set")
     else:
         folder = None if folder is None else Path(folder)
         key = layout_key(weights)
-        choice = _remembered(folder, key) or _measure(model, weights, margin, probe or _probe_seconds)
+        choice = _remembered(folder, key, margin) or _measure(model, weights, margin, probe or _probe_seconds)
         set_layout(weights, choice.layout)
         if choice.reason == "measured":
             _remember(folder, key, choice)
@@ -242,8 +257,12 @@ def _measure(model: torch.nn.Module, weights: list[torch.nn.Parameter], margin: 
     seconds = {"as_loaded": probe(model)}
     set_layout(weights, "transposed")
     seconds["transposed"] = probe(model)
-    faster = seconds["transposed"] <= margin * seconds["as_loaded"]
-    return LayoutChoice("transposed" if faster else "as_loaded", "measured", seconds)
+    return LayoutChoice(_faster(seconds["as_loaded"], seconds["transposed"], margin), "measured", seconds)
+
+
+def _faster(as_loaded: float, transposed: float, margin: float) -> Layout:
+    """The transposed layout where it took at most ``margin`` times as long as the loaded one."""
+    return "transposed" if transposed <= margin * as_loaded else "as_loaded"
 
 
 def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:
@@ -259,8 +278,10 @@ def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:
 
 
 def weights_as_loaded(model: torch.nn.Module) -> None:
-    """Lay ``model``'s CPU linear weights out as loaded again and forget the choice (the next
+    """Lay ``model``'s linear weights out as loaded again and forget the choice (the next
     engine built on it measures again). Call it before ``model.save_pretrained``: transformers
-    checks tied weights through a flat view, which a transposed tied weight does not have."""
-    set_layout(_on_cpu(model), "as_loaded")
+    checks tied weights through a flat view, which a transposed tied weight does not have.
+    Weights moved off the CPU after the choice are restored too (``Tensor.to`` keeps a dense
+    tensor's strides, so a transposed weight stays transposed on the GPU)."""
+    set_layout([w for w in linear_weights(model) if w.device.type != "meta"], "as_loaded")
     model.__dict__.pop(_CHOSEN, None)

@@ -51,6 +51,32 @@ def test_kv_it_was_handed_is_copied_once_and_never_written():
     assert layer._key_buffer.shape[-2] == 16 + MIN_ROOM
 
 
+def test_kv_held_from_outside_lets_the_buffers_go():
+    batch = make_growing(DynamicCache(config=Qwen2Config(num_hidden_layers=1)))
+    batch.layers[0].update(*_kv(6, 0))
+    own = make_growing(DynamicCache(config=Qwen2Config(num_hidden_layers=1)))
+    own.layers[0].update(*_kv(6, 1))
+    assert own.layers[0]._key_buffer is not None
+    hf.take_row(batch, 1, 2, own)  # a row back from a batch: a copy the layer does not own
+    layer = own.layers[0]
+    assert layer._key_buffer is None and layer._value_buffer is None
+    assert torch.equal(layer.keys, batch.layers[0].keys[1:2, :, 2:])
+    hf.keep_slots(batch, torch.tensor([0, 3]))
+    assert batch.layers[0]._key_buffer is None and batch.layers[0].keys.shape[-2] == 2
+
+
+def test_kv_of_other_rows_or_dtype_is_refused_as_a_concatenation_refuses_it():
+    layer = make_growing(DynamicCache(config=Qwen2Config(num_hidden_layers=1))).layers[0]
+    keys, values = _kv(5, 0)
+    layer.update(keys, values)
+    one_row = (keys[:1, :, :1].clone(), values[:1, :, :1].clone())
+    with pytest.raises(RuntimeError):  # torch.cat's error, never one row broadcast over two
+        layer.update(*one_row)
+    assert torch.equal(layer.keys, keys)
+    out_keys, _ = layer.update(*(t[:, :, :1].double() for t in _kv(1, 1)))  # what cat gives: promoted
+    assert out_keys.dtype == torch.float64 and out_keys.shape[-2] == 6 and layer._key_buffer is None
+
+
 def test_only_plain_full_attention_layers_grow():
     config = Qwen2Config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
                          use_sliding_window=True, sliding_window=4, max_window_layers=0)

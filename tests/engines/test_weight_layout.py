@@ -156,6 +156,30 @@ def test_an_unreadable_or_foreign_layout_file_costs_a_measurement_not_an_error(t
     assert json.loads(path.read_text())["layout"] == "transposed"  # measured, and written over it
 
 
+def test_a_remembered_choice_is_decided_again_under_the_margin_given(tokenizer, tmp_path):
+    choose_layout(tiny_llama(tokenizer), "measured", probe=lambda m: 1.0, folder=tmp_path)
+    (path,) = tmp_path.glob("layout-*.json")
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "layout": "as_loaded", "seconds": {"as_loaded": 1.0, "transposed": 0.92}}))
+    strict = choose_layout(tiny_llama(tokenizer), "measured", margin=0.9, folder=tmp_path,
+                           probe=lambda m: pytest.fail("measured again"))
+    loose = choose_layout(tiny_llama(tokenizer), "measured", margin=0.95, folder=tmp_path,
+                          probe=lambda m: pytest.fail("measured again"))
+    assert (strict.layout, loose.layout) == ("as_loaded", "transposed")  # 0.92 is within 0.95, not 0.9
+    assert strict.reason == loose.reason == "remembered"
+
+
+def test_a_weight_contiguous_both_ways_does_not_hide_the_layout(tokenizer):
+    model = tiny_llama(tokenizer)
+    model.model.gate = torch.nn.Linear(model.config.hidden_size, 1, bias=False)  # [1, H]: either order
+    assert choose_layout(model, "transposed").layout == "transposed"
+    assert choose_layout(model, "keep").layout == "transposed"  # the choice, not a re-detection
+    fresh = tiny_llama(tokenizer)
+    fresh.model.gate = torch.nn.Linear(fresh.config.hidden_size, 1, bias=False)
+    set_layout(linear_weights(fresh), "transposed")
+    assert choose_layout(fresh, "keep").layout == "transposed"
+
+
 def test_an_engine_remembers_its_layout_where_it_remembers_measurements(tokenizer, tmp_path):
     config = KVCommConfig(remember_measurements=str(tmp_path), draft_tokens=0)
     first = KVCommEngine(tiny_llama(tokenizer), tokenizer, config=config)
