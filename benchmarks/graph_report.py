@@ -276,6 +276,7 @@ LABELS = {"dense": "dense", "prefix": "exact prefix", "pipelined": "pipelined ex
           "kvcomm-no-spans": "default, texts matched alone (`shared_runs=\"anywhere\"`)",
           "kvcomm-no-cut-head": "default, runs cut inside their text with the plain head (`recompute_cut_head=0`)",
           "rerotate-no-spans": "re-rotation only, texts matched alone (`shared_runs=\"anywhere\"`)",
+          "kvcomm-kv-concatenated": "default, each step's KV concatenated (`kv_in_place=False`)",
           "dense-drafted": "dense prefill, drafted decode"}
 DEFAULT = "kvcomm-mean"
 
