@@ -20,7 +20,8 @@ from benchmarks.workloads import (
 )
 from kvcomm_agents.prompt import render_prompt
 
-SMOKE = ["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--split", "dev"]
+# the layout pinned: a tiny model's probe is noise, and a phase's signature holds the layout
+SMOKE = ["--profile", "smoke", "--model", "random:tiny", "--device", "cpu", "--split", "dev", "--weight-layout", "as_loaded"]
 
 
 @pytest.fixture(scope="module")
