@@ -63,6 +63,11 @@ def test_kv_held_from_outside_lets_the_buffers_go():
     assert torch.equal(layer.keys, batch.layers[0].keys[1:2, :, 2:])
     hf.keep_slots(batch, torch.tensor([0, 3]))
     assert batch.layers[0]._key_buffer is None and batch.layers[0].keys.shape[-2] == 2
+    grown = own.layers[0]
+    grown.update(*(t[1:2, :, :1].clone() for t in _kv(1, 2)))  # a step: a buffer of its own again
+    assert grown._key_buffer is not None
+    grown.offload()  # to the CPU: the buffer the held KV was a view of is let go
+    assert grown._key_buffer is None and grown._value_buffer is None and grown.keys.shape[-2] == 5
 
 
 def test_kv_of_other_rows_or_dtype_is_refused_as_a_concatenation_refuses_it():
