@@ -9,7 +9,7 @@ from typing import Optional
 
 from .report import _order, summarize_calls
 
-__all__ = ["summarize_graphs", "summarize_decisions", "summarize_by_format", "format_graphs", "format_table",
+__all__ = ["summarize_graphs", "further_by_agent", "summarize_decisions", "summarize_by_format", "format_graphs", "format_table",
            "fastest_and_closest", "noise_floor_readers", "noise_floor_line", "phase_console", "GRAPH_LEGEND"]
 
 
@@ -62,7 +62,9 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
       :func:`benchmarks.report.summarize_calls`;
     - ``reader_from_start_speedup``: the readers' first token counted from the graph's start
       (:func:`_first_tokens_from_start`), median ratio to dense's: work a strategy moves into an
-      earlier agent's turn (copies) shows here, not in the readers' TTFT.
+      earlier agent's turn (copies) shows here, not in the readers' TTFT;
+    - ``reader_kl_by_agent``: the readers' mean first-token KL per agent index
+      (:func:`further_by_agent` compares two strategies' index by index).
     """
     # the noise floor runs the deciding agent's calls only: a reference for decisions, not a graph
     measured = [r for r in records if not r["warmup"] and "wall_s" in r and not r["strategy"].startswith("noise-floor")]
@@ -93,8 +95,34 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
                 "shared_text_share": readers["shared_text_share"],
                 "reader_from_start_speedup": _from_start_speedup([r for r in mine if r["strategy"] == "dense"],
                                                                  [r for r in mine if r["strategy"] == strategy]),
+                "reader_kl_by_agent": _kl_by_agent([r for r in mine if r["strategy"] == strategy and r["agent_index"] > 1]),
             })
     return rows
+
+
+def _kl_by_agent(records: list[dict]) -> dict[str, float]:
+    """Mean first-token KL against dense per agent index (a JSON key: the index as text), over
+    the calls that measured one."""
+    out = {}
+    for index in sorted({r["agent_index"] for r in records}):
+        kls = [r["kl"] for r in records if r["agent_index"] == index and r.get("kl") is not None]
+        if kls:
+            out[str(index)] = sum(kls) / len(kls)
+    return out
+
+
+def further_by_agent(summary: dict, strategy: str = "kvcomm-mean", reference: str = "rerotate") -> dict[str, float]:
+    """Per workload, the most ``strategy``'s readers' mean KL at any agent index exceeds
+    ``reference``'s at the same index (negative: closer to dense at every index); workloads
+    without both strategies' per-agent KL are left out."""
+    out = {}
+    for phase, result in summary["phases"].items():
+        rows = {r["strategy"]: r.get("reader_kl_by_agent") for r in result["graphs"]}
+        mine, theirs = rows.get(strategy), rows.get(reference)
+        common = [i for i in (mine or {}) if i in (theirs or {})]
+        if common:
+            out[phase] = max(mine[i] - theirs[i] for i in common)
+    return out
 
 
 def _everyones(records: list[dict]) -> set[int]:
@@ -383,6 +411,10 @@ def workload_tables(summary: dict) -> str:
                 for name, row in info["first_request"].items()) + ".")
         if info.get("noise_floor"):
             out.append("\n" + noise_floor_line(info["noise_floor"]))
+        further = further_by_agent({"phases": {phase: info}}).get(phase)
+        if further is not None:
+            out.append(f"\nPer agent index, the {_label(DEFAULT)}'s readers' mean KL against {_label('rerotate')}'s at the "
+                       f"same index: at most {further:+.1e} (negative: closer at every index).")
         if info.get("by_format"):
             out.append("\nPer prompt format (graph × dense, readers' TTFT × dense, readers' KL):\n")
             out.append(format_table(info["by_format"]))

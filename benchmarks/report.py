@@ -192,18 +192,21 @@ def plot_ttft_by_agent(rows: list[dict], phase: str, title: str, path: Path) -> 
     return path
 
 
-def plot_graph_speedups(rows: list[dict], path: Path) -> Path:
+def plot_graph_speedups(rows: list[dict], path: Path, order: Optional[list[str]] = None,
+                        labels: Optional[dict[str, str]] = None) -> Path:
     """Whole-graph speed-up over dense per workload, one group of bars per workload, one bar per
-    strategy (rows of :func:`benchmarks.graph_report.summarize_graphs`)."""
+    strategy (rows of :func:`benchmarks.graph_report.summarize_graphs`), in ``order`` and named
+    by ``labels`` where given."""
     plt = _pyplot()
     phases = sorted({r["phase"] for r in rows})
-    strategies = sorted({r["strategy"] for r in rows if r["strategy"] != "dense"}, key=_order)
+    strategies = sorted({r["strategy"] for r in rows if r["strategy"] != "dense"},
+                        key=(lambda s: order.index(s) if s in order else len(order)) if order else _order)
     fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(phases)), 4.2))
     width = 0.8 / max(1, len(strategies))
     for i, strategy in enumerate(strategies):
         values = [next((r["speedup_vs_dense"] or 0 for r in rows if r["phase"] == p and r["strategy"] == strategy), 0)
                   for p in phases]
-        ax.bar([j + i * width for j in range(len(phases))], values, width, label=strategy)
+        ax.bar([j + i * width for j in range(len(phases))], values, width, label=(labels or {}).get(strategy, strategy))
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(phases))], [f"({p})" for p in phases])
     ax.set_ylabel("whole-graph speed-up over dense")

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.tables SUMMARY.json [--front | --side-by-side] [--phases b,i]``: the Markdown tables the docs quote, made
+"""``python -m benchmarks.tables SUMMARY.json [--front | --side-by-side] [--phases b,i] [--plot PNG]``: the Markdown tables the docs quote, made
 from a committed run summary (``python -m benchmarks --summary``), so every figure in the README
 and ``docs/benchmarks.md`` traces to a file. A test regenerates every block marked
 
@@ -7,7 +7,8 @@ and ``docs/benchmarks.md`` traces to a file. A test regenerates every block mark
     <!-- end generated -->
 
 in those pages and fails when a block differs from its file; ``python -m benchmarks.tables
---rewrite README.md docs/benchmarks.md`` regenerates them in place after a new run.
+--rewrite README.md docs/benchmarks.md`` regenerates them in place after a new run. ``--plot``
+draws the summary's whole-graph speed-ups as bars (``--strategies``: only these, in that order).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .graph_report import front_table, side_by_side, workload_tables
+from .graph_report import LABELS, front_table, side_by_side, workload_tables
 
-__all__ = ["render", "generated_blocks", "rewrite", "main"]
+__all__ = ["render", "generated_blocks", "rewrite", "plot", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"(?P<opening><!-- generated: python -m benchmarks\.tables (?P<path>\S+)(?: --(?P<table>front|side-by-side))?"
@@ -76,6 +77,19 @@ def rewrite(page: Path) -> int:
     return changed
 
 
+def plot(summary: dict, path: Path, strategies: Optional[list[str]] = None) -> Path:
+    """The summary's whole-graph speed-up over dense, a group of bars per workload
+    (:func:`benchmarks.report.plot_graph_speedups`), only ``strategies`` where given."""
+    from .report import plot_graph_speedups
+
+    rows = [r for phase in summary["phases"].values() for r in phase["graphs"]
+            if strategies is None or r["strategy"] in strategies or r["strategy"] == "dense"]
+    if not any(r["strategy"] != "dense" for r in rows):
+        raise ValueError(f"no strategy of {strategies} in the summary")
+    labels = {name: label.replace("*", "").replace("`", "") for name, label in LABELS.items()}
+    return plot_graph_speedups(rows, path, order=strategies, labels=labels)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tables", description=__doc__.split("\n")[0])
     parser.add_argument("summary", type=Path, nargs="?")
@@ -87,6 +101,9 @@ def main(argv=None) -> None:
     tables.add_argument("--side-by-side", action="store_const", const="side-by-side", dest="table",
                         help="every strategy's whole graph side by side (one row per workload)")
     parser.add_argument("--phases", default=None, help="comma-separated: only these workloads")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="also draw the whole-graph speed-ups to this image")
+    parser.add_argument("--strategies", default=None, help="comma-separated: the plot's strategies, in order")
     args = parser.parse_args(argv)
     if args.rewrite:
         for page in args.rewrite:
@@ -94,8 +111,13 @@ def main(argv=None) -> None:
         return
     if args.summary is None:
         parser.error("give a summary file, or --rewrite PAGE...")
-    print(render(json.loads(args.summary.read_text()), table=args.table,
-                 phases=args.phases.split(",") if args.phases else None))
+    summary = json.loads(args.summary.read_text())
+    phases = args.phases.split(",") if args.phases else None
+    print(render(summary, table=args.table, phases=phases))
+    if args.plot is not None:
+        if phases:
+            summary = {**summary, "phases": {p: v for p, v in summary["phases"].items() if p in phases}}
+        print(f"written {plot(summary, args.plot, args.strategies.split(',') if args.strategies else None)}")
 
 
 if __name__ == "__main__":

@@ -123,9 +123,11 @@ class KVCommConfig(BaseModel):
         default="kvcomm",
         description=(
             "How shared text is reused. 'kvcomm': re-rotated and corrected with offsets learned from anchors; a "
-            "segment the gate judges new is prefilled and becomes an anchor (default: on 40 GSM8K debates "
-            "first-token KL against dense 3x lower than 'rerotate'). 'rerotate': every shared segment found is "
-            "re-rotated to its new position, no correction (fastest, least faithful). 'exact_prefix': only the "
+            "segment the gate judges new is prefilled and becomes an anchor; re-rotation alone is served where "
+            "measured within kl_budget (the default). 'rerotate': every shared segment found is re-rotated to its "
+            "new position, no correction and nothing measured (as fast as the default on the benchmark's graphs, "
+            "with the same computed heads, tails and short runs; nothing checks its fidelity on yours). "
+            "'exact_prefix': only the "
             "longest prefix an earlier call computed is reused, exactly (what vLLM and SGLang give). 'dense': no "
             "reuse at all (no KV kept; plain_transformers() also steps one id at a time, alone); also the way to "
             "run a model re-rotation does not support."
@@ -302,8 +304,8 @@ class KVCommConfig(BaseModel):
         default=True,
         description=(
             "Before the gate (and after a new anchor), reuse the version of a segment computed "
-            "after the same text as this prompt has before it, at least 16 ids in common, longest "
-            "match first: its own KV as it is, or the offsets a receiver recorded for this very "
+            "after the same text as this prompt has before it (its whole 64-id context window "
+            "matches), base first: its own KV as it is, or the offsets a receiver recorded for this very "
             "segment (method='kvcomm'; kvcomm_agents.versions.match). False: only the "
             "receiver's own recorded offsets and the gate's estimates (kept for comparison)."
         ),

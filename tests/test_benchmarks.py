@@ -287,3 +287,49 @@ def test_a_readers_first_token_counts_the_calls_before_it_from_the_graphs_start(
     moved = [call(1, 6.0, 1.0), call(2, 3.0, 0.2), call(3, 3.0, 0.2)]  # copies in agent 1's turn
     assert _first_tokens_from_start(moved) == pytest.approx({(0, 2): 6.2, (0, 3): 9.2})
     assert _from_start_speedup(dense, moved) == pytest.approx((5 / 6.2 + 9 / 9.2) / 2)
+
+
+def test_each_agent_index_has_its_readers_kl_and_two_strategies_compare_index_by_index(smoke):
+    """The claim "never further from dense than re-rotation only, per agent index" reads from the
+    summary a run commits."""
+    from benchmarks.graph_report import further_by_agent
+
+    _, records, _, _, summary = smoke
+    for phase in run.GRAPH_PHASES:
+        row = next(r for r in summary["phases"][phase]["graphs"] if r["strategy"] == "kvcomm-mean")
+        mine = [r for r in records if r["phase"] == phase and r["strategy"] == "kvcomm-mean" and not r["warmup"]
+                and r["agent_index"] > 1 and r.get("kl") is not None]
+        assert set(row["reader_kl_by_agent"]) == {str(r["agent_index"]) for r in mine}, phase
+        for index, kl in row["reader_kl_by_agent"].items():
+            kls = [r["kl"] for r in mine if str(r["agent_index"]) == index]
+            assert kl == pytest.approx(sum(kls) / len(kls)), (phase, index)
+    further = further_by_agent(summary)
+    assert set(further) == set(run.GRAPH_PHASES)
+    assert "Per agent index, the **default**'s readers' mean KL" in workload_tables(summary)
+
+
+def test_two_strategies_per_agent_index_give_the_largest_excess():
+    from benchmarks.graph_report import further_by_agent
+
+    def row(strategy, kls):
+        return {"strategy": strategy, "reader_kl_by_agent": kls}
+
+    summary = {"phases": {
+        "a": {"graphs": [row("rerotate", {"2": 0.01, "3": 0.02}), row("kvcomm-mean", {"2": 0.0, "3": 0.025})]},
+        "b": {"graphs": [row("rerotate", {"2": 0.01}), row("kvcomm-mean", {"2": 0.004})]},
+        "c": {"graphs": [row("kvcomm-mean", {"2": 0.004})]},  # no reference: left out
+        "d": {"graphs": [{"strategy": "rerotate"}, {"strategy": "kvcomm-mean"}]},  # an older summary
+    }}
+    assert further_by_agent(summary) == pytest.approx({"a": 0.005, "b": -0.006})
+
+
+def test_the_tables_command_draws_a_summarys_speed_ups(smoke, tmp_path):
+    from benchmarks import tables
+
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps(smoke[4]))
+    image = tmp_path / "speedups.png"
+    tables.main([str(summary), "--front", "--plot", str(image), "--strategies", "rerotate,kvcomm-mean"])
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no strategy"):
+        tables.plot(smoke[4], tmp_path / "none.png", ["no-such-strategy"])
