@@ -170,7 +170,10 @@ class DecodeBatcher:
         """``call`` steps no more (its reply ended, or its stream closed). Never waits for the
         engine lock (a dropped stream's cleanup may run anywhere, even inside this batcher's own
         condition): its KV goes back home now if the lock is free, else at :meth:`release` or
-        when the next forward finds the batch's calls changed."""
+        when the next forward finds the batch's calls changed. Run on a leader's thread in the
+        middle of its forward (the lock is re-entrant), it unpacks nothing: every call in a
+        batch being forwarded has a step posted, so its stream is running and cannot be the one
+        closed, and a batch is unpacked only for a call it holds or one that left."""
         with self._wake:
             self._active.pop(id(call), None)
             self._lagging.discard(id(call))
