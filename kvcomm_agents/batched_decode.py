@@ -13,7 +13,8 @@ so the steps that are posted while the lock is busy run together:
   hands each thread its logits. A call that does not post in time (a paused stream) is not
   waited for again until it posts; it steps alone or joins a later batch. A call decoding alone
   (a graph whose agents run one after another) never waits, nor is a call waited for whose last
-  step came from a thread now waiting on another step (one thread interleaving two streams); a
+  step came from a thread now waiting on another step (one thread interleaving two streams) or on
+  the engine lock (a refused draft's cut); a
   call made under the engine lock steps alone (a leader may be waiting for that lock). At most ``max_rows``
   calls per forward: the running batch's first, then the others in the order they came.
 - the batch keeps its own cache while its calls stay the same: each call's KV left-padded to the
@@ -39,8 +40,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
@@ -107,6 +109,7 @@ class DecodeBatcher:
         self._leading = False
         self._active: dict[int, int] = {}  # call id -> the thread that last posted for it (first step to leave)
         self._lagging: set[int] = set()  # active calls that missed a window: not waited for
+        self._lock_waiters: dict[int, int] = {}  # thread -> its :meth:`awaiting_lock` scopes open
         self._batch: Optional[_Batch] = None
         self.batched_steps = 0  # forwards that ran more than one call's step
         self.rows = 0  # call steps those forwards ran
@@ -160,6 +163,23 @@ class DecodeBatcher:
             with self._wake:
                 self._leading = False
                 self._wake.notify_all()
+
+    @contextmanager
+    def awaiting_lock(self) -> Iterator[None]:
+        """Around this thread's wait for the engine lock outside a step (a refused draft's cut):
+        a leader holding the lock does not wait for this thread's calls to post meanwhile, as they
+        cannot before it lets the lock go (it would lose its whole window)."""
+        me = threading.get_ident()
+        with self._wake:
+            self._lock_waiters[me] = self._lock_waiters.get(me, 0) + 1
+            self._wake.notify_all()
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._lock_waiters[me] -= 1
+                if not self._lock_waiters[me]:
+                    del self._lock_waiters[me]
 
     def busy(self, call) -> bool:
         """Whether other calls are decoding now (advisory, without the condition: their steps
@@ -217,7 +237,8 @@ class DecodeBatcher:
         """The posted steps, once every active call has posted its next one (they are sampling
         and detokenizing) or the window has passed; those that missed it are not waited for
         again until they post (a paused stream costs one window), nor are calls whose last step
-        came from a thread now waiting on another step (one thread interleaving two streams). At
+        came from a thread now waiting on another step (one thread interleaving two streams) or
+        on the engine lock (:meth:`awaiting_lock`). At
         most ``max_rows``: the
         running batch's calls, then the others in the order they came (as a server's running
         requests keep their slots; a step left out waits for the next forward, its thread
@@ -227,7 +248,8 @@ class DecodeBatcher:
         with self._wake:
             while True:
                 posted = {id(s.call) for s in self._posted}
-                waiting = {s.thread for s in self._posted} | {me}  # threads blocked on a step of their own
+                # threads blocked on a step of their own, or on the lock this leader holds
+                waiting = {s.thread for s in self._posted} | {me} | set(self._lock_waiters)
                 missing = {c for c, thread in self._active.items()
                            if c not in posted and c not in self._lagging and thread not in waiting}
                 left = deadline - time.monotonic()

@@ -22,6 +22,7 @@ Every forward takes the engine lock, never across a yield, and is charged to the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Iterator, Optional
 
@@ -214,8 +215,10 @@ class DecodeLoop:
     # ---- drafts ---------------------------------------------------------------------------
     def _cut(self, call, n: int) -> None:
         """Drop the call's last ``n`` cached slots (fed with a draft, not kept), under the engine
-        lock: siblings may be reading the call's prompt KV (:mod:`.in_flight`)."""
-        with self.lock:
+        lock: siblings may be reading the call's prompt KV (:mod:`.in_flight`). A sibling's
+        leader holding the lock meanwhile does not wait for this call's next step."""
+        waiting = self.batcher.awaiting_lock() if self.batcher is not None else contextlib.nullcontext()
+        with waiting, self.lock:
             hf.keep_first(call.pre.cache, hf.num_cached(call.pre.cache) - n)
 
     def _drafts(self, call, first: int) -> Optional[NgramDraft]:

@@ -4,8 +4,12 @@ random joins and leaves, and forwards, packs or write-backs that fail: nothing h
 finished reply is a lone call's, nothing decodes on a stale cache."""
 
 import threading
+import time
+
+import torch
 
 from kvcomm_agents import ChatResult, KVCommConfig, KVCommEngine
+from kvcomm_agents.batched_decode import DecodeBatcher
 from kvcomm_agents.engines import hf
 
 from .batching import at_once, branch, generate, greedy, greedy_together, greedy_with, longest, waiting
@@ -251,3 +255,32 @@ def test_a_batch_of_calls_that_left_gives_its_memory_back_at_the_next_keep(llama
     assert batcher._batch is not None and not batcher._active
     engine.chat(branch(3), agent="later", max_new_tokens=1)  # no decode step: only its keep
     assert batcher._batch is None
+
+
+def test_a_leader_does_not_wait_for_a_call_whose_thread_waits_for_its_lock():
+    """A refused draft's cut takes the engine lock outside a step (``DecodeLoop._cut``): a
+    sibling's leader holding that lock does not spend its window waiting for the cutting call's
+    next step, which cannot come before the leader lets the lock go."""
+    lock = threading.RLock()
+    batcher = DecodeBatcher(None, lock, single=lambda call, token, position: torch.zeros(4), window_s=60.0)
+    drafting, stepping = object(), object()
+    assert batcher.if_alone(drafting, lambda: "alone") == "alone"  # decoding alone, still active
+    out = {}
+    leader = threading.Thread(target=lambda: out.setdefault("logits", batcher.step(stepping, 1, 0)), daemon=True)
+    leader.start()
+
+    def held_by_the_leader():
+        if lock.acquire(blocking=False):
+            lock.release()
+            return False
+        return True
+
+    for _ in range(2000):  # the leader holds the lock and gathers, the drafting call missing
+        if held_by_the_leader():
+            break
+        time.sleep(0.005)
+    assert held_by_the_leader()
+    with batcher.awaiting_lock(), lock:  # the drafting call's thread cuts (60 s later without it)
+        pass
+    leader.join(20)
+    assert not leader.is_alive() and out["logits"].shape == (4,) and batcher.missed_windows == 0
