@@ -138,6 +138,12 @@ def _recording_first_logits(engine) -> dict:
     return kept
 
 
+def _batcher(strategy):
+    """The strategy's engine's decode batcher (None where its calls step alone)."""
+    calls = getattr(getattr(strategy, "engine", None), "_calls", None)
+    return getattr(getattr(calls, "decoding", None), "batcher", None)
+
+
 def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_tokens: int,
         meter: ModelMeter, progress: Callable[[str], None] = print, at_once: int = 1) -> list[dict]:
     """Each request through every strategy's graph in turn; one record per (request, strategy).
@@ -153,6 +159,8 @@ def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_t
         for s in strategies:
             recorder = CallRecorder()
             s.first_logits.clear()
+            batcher = _batcher(s)
+            missed = batcher.missed_windows if batcher is not None else 0
             with meter.measuring() as tokens:
                 started = time.perf_counter()
                 outs = (graphs[s.name].batch(group, config={"callbacks": [recorder]}) if at_once > 1
@@ -170,6 +178,8 @@ def run(shape: str, strategies: list, requests: list[dict], warmup: int, reply_t
                 "replies": len(texts), "prompt_tokens": sum(c.prompt_tokens for c in calls),
                 "reused_tokens": sum(c.reused_tokens for c in calls),
                 "branch_ttft_s": [c.ttft_s for c in calls if c.agent == "branch"],
+                # calls a batching leader waited its whole window for in vain (batched_decode)
+                "missed_windows": (batcher.missed_windows - missed) if batcher is not None else 0,
             })
             progress(f"{shape} request {r} {s.name}: {wall:.2f} s, {tokens[0]} tokens")
     return records
@@ -192,6 +202,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "from_cache": sum(r["reused_tokens"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows)),
                 "equal_to_dense": f"{sum(r['equal_to_dense'] for r in rows)}/{sum(r['replies'] for r in rows)}",
                 "branch_ttft_median_s": statistics.median(t for r in rows for t in r["branch_ttft_s"]),
+                "missed_windows": sum(r.get("missed_windows", 0) for r in rows),
                 "kl_mean": statistics.fmean(k for r in rows for k in r["branch_kl"]),
                 "kl_calls": sum(len(r["branch_kl"]) for r in rows),
             })
