@@ -102,7 +102,8 @@ def summarize_graphs(records: list[dict]) -> list[dict]:
 
 def _kl_by_agent(records: list[dict]) -> dict[str, float]:
     """Mean first-token KL against dense per agent index (a JSON key: the index as text), over
-    the calls that measured one."""
+    the calls that measured one (every strategy's reader calls measure one on a run's graphs, so
+    two strategies' means cover the same calls)."""
     out = {}
     for index in sorted({r["agent_index"] for r in records}):
         kls = [r["kl"] for r in records if r["agent_index"] == index and r.get("kl") is not None]
@@ -117,7 +118,7 @@ def further_by_agent(summary: dict, strategy: str = "kvcomm-mean", reference: st
     without both strategies' per-agent KL are left out."""
     out = {}
     for phase, result in summary["phases"].items():
-        rows = {r["strategy"]: r.get("reader_kl_by_agent") for r in result["graphs"]}
+        rows = {r["strategy"]: r.get("reader_kl_by_agent") for r in result.get("graphs") or []}
         mine, theirs = rows.get(strategy), rows.get(reference)
         common = [i for i in (mine or {}) if i in (theirs or {})]
         if common:
@@ -411,7 +412,7 @@ def workload_tables(summary: dict) -> str:
                 for name, row in info["first_request"].items()) + ".")
         if info.get("noise_floor"):
             out.append("\n" + noise_floor_line(info["noise_floor"]))
-        further = further_by_agent({"phases": {phase: info}}).get(phase)
+        further = further_by_agent({"phases": {phase: info}}, strategy=DEFAULT, reference="rerotate").get(phase)
         if further is not None:
             out.append(f"\nPer agent index, the {_label(DEFAULT)}'s readers' mean KL against {_label('rerotate')}'s at the "
                        f"same index: at most {further:+.1e} (negative: closer at every index).")

@@ -200,7 +200,7 @@ def plot_graph_speedups(rows: list[dict], path: Path, order: Optional[list[str]]
     plt = _pyplot()
     phases = sorted({r["phase"] for r in rows})
     strategies = sorted({r["strategy"] for r in rows if r["strategy"] != "dense"},
-                        key=(lambda s: order.index(s) if s in order else len(order)) if order else _order)
+                        key=lambda s: (order.index(s),) if order and s in order else (len(order or ()), *_order(s)))
     fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(phases)), 4.2))
     width = 0.8 / max(1, len(strategies))
     for i, strategy in enumerate(strategies):

@@ -82,10 +82,14 @@ def plot(summary: dict, path: Path, strategies: Optional[list[str]] = None) -> P
     (:func:`benchmarks.report.plot_graph_speedups`), only ``strategies`` where given."""
     from .report import plot_graph_speedups
 
-    rows = [r for phase in summary["phases"].values() for r in phase["graphs"]
+    if summary.get("kind") or "phases" not in summary:
+        raise ValueError("--plot draws a benchmark run's summary (python -m benchmarks --summary), "
+                         f"not a {summary.get('kind', 'file without phases')}")
+    rows = [r for phase in summary["phases"].values() for r in phase.get("graphs") or []
             if strategies is None or r["strategy"] in strategies or r["strategy"] == "dense"]
     if not any(r["strategy"] != "dense" for r in rows):
-        raise ValueError(f"no strategy of {strategies} in the summary")
+        raise ValueError(f"nothing to draw: no strategy {'of ' + ', '.join(strategies) + ' ' if strategies else ''}"
+                         "beside dense in the summary's workloads")
     labels = {name: label.replace("*", "").replace("`", "") for name, label in LABELS.items()}
     return plot_graph_speedups(rows, path, order=strategies, labels=labels)
 
@@ -105,6 +109,8 @@ def main(argv=None) -> None:
                         help="also draw the whole-graph speed-ups to this image")
     parser.add_argument("--strategies", default=None, help="comma-separated: the plot's strategies, in order")
     args = parser.parse_args(argv)
+    if args.strategies and args.plot is None:
+        parser.error("--strategies chooses the plot's bars: give --plot too")
     if args.rewrite:
         for page in args.rewrite:
             print(f"{page}: {rewrite(page)} block(s) changed")
@@ -117,7 +123,11 @@ def main(argv=None) -> None:
     if args.plot is not None:
         if phases:
             summary = {**summary, "phases": {p: v for p, v in summary["phases"].items() if p in phases}}
-        print(f"written {plot(summary, args.plot, args.strategies.split(',') if args.strategies else None)}")
+        chosen = [name.strip() for name in args.strategies.split(",")] if args.strategies else None
+        try:
+            print(f"written {plot(summary, args.plot, chosen)}")
+        except ValueError as error:
+            parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ so the steps that are posted while the lock is busy run together:
   hands each thread its logits. A call that does not post in time (a paused stream) is not
   waited for again until it posts; it steps alone or joins a later batch. A call decoding alone
   (a graph whose agents run one after another) never waits, nor is a call waited for whose last
-  step came from a thread now waiting on another step (one thread interleaving two streams) or on
-  the engine lock (a refused draft's cut); a
+  step came from a thread now waiting on another step (one thread interleaving two streams), nor
+  a call waiting for the engine lock (a refused draft's cut); a
   call made under the engine lock steps alone (a leader may be waiting for that lock). At most ``max_rows``
   calls per forward: the running batch's first, then the others in the order they came.
 - the batch keeps its own cache while its calls stay the same: each call's KV left-padded to the
@@ -109,7 +109,7 @@ class DecodeBatcher:
         self._leading = False
         self._active: dict[int, int] = {}  # call id -> the thread that last posted for it (first step to leave)
         self._lagging: set[int] = set()  # active calls that missed a window: not waited for
-        self._lock_waiters: dict[int, int] = {}  # thread -> its :meth:`awaiting_lock` scopes open
+        self._awaiting: dict[int, int] = {}  # call id -> its :meth:`awaiting_lock` scopes open
         self._batch: Optional[_Batch] = None
         self.batched_steps = 0  # forwards that ran more than one call's step
         self.rows = 0  # call steps those forwards ran
@@ -165,21 +165,22 @@ class DecodeBatcher:
                 self._wake.notify_all()
 
     @contextmanager
-    def awaiting_lock(self) -> Iterator[None]:
-        """Around this thread's wait for the engine lock outside a step (a refused draft's cut):
-        a leader holding the lock does not wait for this thread's calls to post meanwhile, as they
-        cannot before it lets the lock go (it would lose its whole window)."""
-        me = threading.get_ident()
+    def awaiting_lock(self, call) -> Iterator[None]:
+        """Around ``call``'s wait for the engine lock outside a step (a refused draft's cut, on
+        whichever thread its stream runs): a leader holding the lock does not wait for ``call``
+        to post meanwhile, as it cannot before the lock is let go (the leader would lose its
+        whole window). Only the wait: once the lock is taken, the call is waited for again."""
+        key = id(call)
         with self._wake:
-            self._lock_waiters[me] = self._lock_waiters.get(me, 0) + 1
+            self._awaiting[key] = self._awaiting.get(key, 0) + 1
             self._wake.notify_all()
         try:
             yield
         finally:
             with self._wake:
-                self._lock_waiters[me] -= 1
-                if not self._lock_waiters[me]:
-                    del self._lock_waiters[me]
+                self._awaiting[key] -= 1
+                if not self._awaiting[key]:
+                    del self._awaiting[key]
 
     def busy(self, call) -> bool:
         """Whether other calls are decoding now (advisory, without the condition: their steps
@@ -190,15 +191,15 @@ class DecodeBatcher:
         """``call`` steps no more (its reply ended, or its stream closed). Never waits for the
         engine lock (a dropped stream's cleanup may run anywhere, even inside this batcher's own
         condition): its KV goes back home now if the lock is free, else at :meth:`release` or
-        when the next forward finds the batch's calls changed. Run on a leader's thread in the
-        middle of its forward (the lock is re-entrant), it unpacks nothing: every call in a
-        batch being forwarded has a step posted, so its stream is running and cannot be the one
-        closed, and a batch is unpacked only for a call it holds or one that left."""
+        when the next forward finds the batch's calls changed. On a thread that holds the lock
+        already (a leader's, where a dropped stream's cleanup may run in the middle of its
+        forward; a call made under the lock) the KV stays too: an unpack there could split a
+        step between its layers."""
         with self._wake:
             self._active.pop(id(call), None)
             self._lagging.discard(id(call))
             self._wake.notify_all()
-        if self.lock.acquire(blocking=False):
+        if not _owns(self.lock) and self.lock.acquire(blocking=False):
             try:
                 with torch.inference_mode():  # the caches' tensors are inference tensors
                     self.release(call)
@@ -237,8 +238,8 @@ class DecodeBatcher:
         """The posted steps, once every active call has posted its next one (they are sampling
         and detokenizing) or the window has passed; those that missed it are not waited for
         again until they post (a paused stream costs one window), nor are calls whose last step
-        came from a thread now waiting on another step (one thread interleaving two streams) or
-        on the engine lock (:meth:`awaiting_lock`). At
+        came from a thread now waiting on another step (one thread interleaving two streams), nor
+        calls waiting for the engine lock (:meth:`awaiting_lock`). At
         most ``max_rows``: the
         running batch's calls, then the others in the order they came (as a server's running
         requests keep their slots; a step left out waits for the next forward, its thread
@@ -248,10 +249,10 @@ class DecodeBatcher:
         with self._wake:
             while True:
                 posted = {id(s.call) for s in self._posted}
-                # threads blocked on a step of their own, or on the lock this leader holds
-                waiting = {s.thread for s in self._posted} | {me} | set(self._lock_waiters)
+                waiting = {s.thread for s in self._posted} | {me}  # threads blocked on a step of their own
                 missing = {c for c, thread in self._active.items()
-                           if c not in posted and c not in self._lagging and thread not in waiting}
+                           if c not in posted and c not in self._lagging and thread not in waiting
+                           and c not in self._awaiting}  # nor calls waiting for the lock held here
                 left = deadline - time.monotonic()
                 if not missing:
                     break

@@ -217,9 +217,12 @@ class DecodeLoop:
         """Drop the call's last ``n`` cached slots (fed with a draft, not kept), under the engine
         lock: siblings may be reading the call's prompt KV (:mod:`.in_flight`). A sibling's
         leader holding the lock meanwhile does not wait for this call's next step."""
-        waiting = self.batcher.awaiting_lock() if self.batcher is not None else contextlib.nullcontext()
-        with waiting, self.lock:
+        with self.batcher.awaiting_lock(call) if self.batcher is not None else contextlib.nullcontext():
+            self.lock.acquire()
+        try:
             hf.keep_first(call.pre.cache, hf.num_cached(call.pre.cache) - n)
+        finally:
+            self.lock.release()
 
     def _drafts(self, call, first: int) -> Optional[NgramDraft]:
         """The call's draft source, None where it does not draft (``draft_tokens=0``, copies

@@ -280,7 +280,36 @@ def test_a_leader_does_not_wait_for_a_call_whose_thread_waits_for_its_lock():
             break
         time.sleep(0.005)
     assert held_by_the_leader()
-    with batcher.awaiting_lock(), lock:  # the drafting call's thread cuts (60 s later without it)
-        pass
+    with batcher.awaiting_lock(drafting):  # the drafting call's cut (60 s later without it)
+        lock.acquire()
+    lock.release()
     leader.join(20)
     assert not leader.is_alive() and out["logits"].shape == (4,) and batcher.missed_windows == 0
+
+
+def test_a_drafts_cut_waits_for_the_lock_as_its_call(llama, tokenizer):
+    """``DecodeLoop._cut`` registers the call with the batcher while it waits for the lock, and
+    only while it waits."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    engine = KVCommEngine(llama, tokenizer, config=KVCommConfig(method="dense"))
+    loop = engine._calls.decoding
+    real, seen = loop.batcher.awaiting_lock, []
+
+    @contextmanager
+    def spy(call):
+        with real(call):
+            seen.append((call, dict(loop.batcher._awaiting)))
+            yield
+        seen.append(("after", dict(loop.batcher._awaiting), engine._lock._is_owned()))
+
+    loop.batcher.awaiting_lock = spy
+    cache = hf.new_cache(llama)
+    with torch.inference_mode():
+        hf.run_forward(llama, torch.tensor([[1, 2, 3, 4]]), cache)
+    call = SimpleNamespace(pre=SimpleNamespace(cache=cache))
+    loop._cut(call, 2)
+    assert hf.num_cached(cache) == 2
+    assert seen == [(call, {id(call): 1}), ("after", {}, True)]  # unregistered once the lock is held
+    assert not engine._lock._is_owned()

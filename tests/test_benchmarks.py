@@ -331,5 +331,9 @@ def test_the_tables_command_draws_a_summarys_speed_ups(smoke, tmp_path):
     image = tmp_path / "speedups.png"
     tables.main([str(summary), "--front", "--plot", str(image), "--strategies", "rerotate,kvcomm-mean"])
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="no strategy"):
+    with pytest.raises(ValueError, match="nothing to draw"):
         tables.plot(smoke[4], tmp_path / "none.png", ["no-such-strategy"])
+    with pytest.raises(ValueError, match="not a parallel_branches"):
+        tables.plot({"kind": "parallel_branches", "rows": []}, tmp_path / "none.png")
+    with pytest.raises(SystemExit):  # --strategies alone draws nothing: an error, not silence
+        tables.main([str(summary), "--strategies", "rerotate"])
