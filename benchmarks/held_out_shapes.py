@@ -40,7 +40,8 @@ import torch
 from examples.tasks import stdlib_doc
 
 from .graph import ModelMeter, run_graph
-from .graph_report import format_graphs, noise_floor_line, noise_floor_readers, summarize_graphs
+from .graph_report import noise_floor_readers, summarize_graphs
+from .graph_tables import format_graphs, noise_floor_line, workload_tables
 from .graphs import Request, Workload, gsm8k_rows, humaneval_rows, last_reply_number
 from .models import load
 from .provenance import versions
@@ -271,8 +272,6 @@ def main(argv=None) -> dict:
 def described(summary: dict) -> str:
     """The docs' tables of a run summary: its provenance line, then each shape's whole-graph rows
     (the front run's columns) and noise floor."""
-    from .graph_report import workload_tables
-
     v = summary["versions"]
     return (f"Run: commit `{v['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, {v['device']} "
             f"({v['threads']} threads), weights {v['weight_layout']}, held-out shapes, {summary['split']} split.\n\n"

@@ -30,8 +30,9 @@ from kvcomm_agents.engines.weight_layout import choose_layout, pin_layout
 
 from . import measure, report
 from .graph import ModelMeter, run_graph
-from .graph_report import (GRAPH_LEGEND, fastest_and_closest, noise_floor_readers, phase_console, summarize_by_format,
-                           summarize_decisions, summarize_graphs)
+from .graph_report import (fastest_and_closest, noise_floor_readers, summarize_by_format, summarize_decisions,
+                           summarize_graphs)
+from .graph_tables import GRAPH_LEGEND, phase_console
 from .models import TINY, load
 from .provenance import git_commit, versions
 from .strategies import DEFAULT_NAMES, NAMES, Strategy, build, known, noise_floor

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .graph_report import LABELS, front_table, side_by_side, workload_tables
+from .graph_tables import LABELS, front_table, side_by_side, workload_tables
 
 __all__ = ["render", "generated_blocks", "rewrite", "plot", "main"]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import run
-from benchmarks.graph_report import front_table, workload_tables
+from benchmarks.graph_tables import front_table, workload_tables
 from benchmarks.strategies import DEFAULT_NAMES, NAMES
 from benchmarks.workloads import (
     coding_pipeline, gsm8k_debate, gsm8k_one_message, paper_shape, rag_handoff, shared_history,
