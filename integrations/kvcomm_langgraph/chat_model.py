@@ -8,7 +8,7 @@ which names its reply's segment kind and selects its anchors.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -132,8 +132,21 @@ class ChatKVComm(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"agent": self.agent, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "stop": self.stop, "seed": self.seed, "reuse": self.reuse}
+        """What LangChain's LLM cache keys on, with the call's options: the model (its weights'
+        fingerprint where the engine has one), so two models never share cached replies."""
+        return {"model": self._model_identity(), "agent": self.agent, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "stop": self.stop, "seed": self.seed,
+                "reuse": self.reuse}
+
+    def _model_identity(self) -> str:
+        fingerprint = getattr(self.engine, "fingerprint", None) if self.engine is not None else None
+        return f"{self.model_name}@{fingerprint}" if fingerprint else self.model_name
+
+    def _get_llm_string(self, stop: Optional[list[str]] = None, **kwargs: Any) -> str:
+        """LangChain's cache key, with the agent and reuse this call resolves to (decorator, node):
+        a cached reply is one agent's, its segment kind and opt-out included."""
+        agent, reuse = self._agent_and_reuse(ensure_config().get("metadata") or {}, kwargs)
+        return f"{super()._get_llm_string(stop=stop, **kwargs)}---agent={agent!r},reuse={reuse!r}"
 
     @property
     def model_name(self) -> str:
@@ -148,8 +161,9 @@ class ChatKVComm(BaseChatModel):
         params = LangSmithParams(ls_provider="kvcomm", ls_model_name=kwargs.get("model", self.model_name), ls_model_type="chat",
                                  ls_temperature=kwargs.get("temperature", self.temperature),
                                  ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
-        if stop or self.stop:
-            params["ls_stop"] = stop or self.stop
+        stop = stop if stop is not None else self.stop
+        if stop:
+            params["ls_stop"] = stop
         return params
 
     # ---- tools ----------------------------------------------------------------------------
@@ -180,22 +194,29 @@ class ChatKVComm(BaseChatModel):
 
     def _resolve(self, stop: Optional[list[str]], run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict):
         _check_call_options(kwargs)
-        scope = current_scope()
         # LangChain streams an invoke (streaming=True, astream_events) without a run manager; the
         # node's metadata is then in the config the runnable runs under
         metadata = run_manager.metadata if run_manager is not None else ensure_config().get("metadata") or {}
-        agent = (scope.name if scope and scope.name else None) or node_agent(metadata) or self.agent or "default"
-        reuse = kwargs.get("reuse", scope.reuse if scope and scope.reuse is not None else self.reuse)
+        agent, reuse = self._agent_and_reuse(metadata, kwargs)
+        if stop is None:
+            stop = _given(kwargs, "stop", self.stop)
         options = dict(
-            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            stop=stop or kwargs.get("stop") or self.stop,
-            seed=kwargs.get("seed", self.seed),
+            max_new_tokens=_given(kwargs, "max_tokens", self.max_tokens),
+            temperature=_given(kwargs, "temperature", self.temperature),
+            top_p=_given(kwargs, "top_p", self.top_p),
+            stop=stop or None,
+            seed=_given(kwargs, "seed", self.seed),
             reuse=reuse,
             tools=kwargs.get("tools"),
         )
         return agent, options
+
+    def _agent_and_reuse(self, metadata: Mapping[str, Any], kwargs: dict) -> tuple[str, Optional[bool]]:
+        """The calling agent (decorator, LangGraph node, constructor, "default") and its reuse."""
+        scope = current_scope(metadata)
+        agent = (scope.name if scope and scope.name else None) or node_agent(metadata) or self.agent or "default"
+        reuse = _given(kwargs, "reuse", scope.reuse if scope and scope.reuse is not None else self.reuse)
+        return agent, reuse
 
     def _message(self, result: EngineResult, agent: str, tools_bound: bool, chunk: bool = False):
         stats = result.stats
@@ -212,7 +233,12 @@ class ChatKVComm(BaseChatModel):
         }
         text, calls, invalid = parse_tool_calls(result.text) if tools_bound else (result.text, [], [])
         if chunk:
+            # A chunk carries calls as raw argument strings that LangChain parses when chunks are
+            # added up; a malformed call keeps the text the model wrote, tags included, so that it
+            # cannot parse as a valid call (the parse error itself has no place in a chunk).
             chunks = [tool_call_chunk(name=c["name"], args=_json(c["args"]), id=c["id"], index=i) for i, c in enumerate(calls)]
+            chunks += [tool_call_chunk(name=c["name"], args=f"<tool_call>{c['args']}</tool_call>", id=c["id"], index=len(calls) + i)
+                       for i, c in enumerate(invalid)]
             return AIMessageChunk(content=text if tools_bound else "", usage_metadata=usage, response_metadata=metadata,
                                   tool_call_chunks=chunks, chunk_position="last")
         return AIMessage(content=text, usage_metadata=usage, response_metadata=metadata,
@@ -241,6 +267,13 @@ class ChatKVComm(BaseChatModel):
         assert result is not None
         yield ChatGenerationChunk(message=self._message(result, agent, tools_bound, chunk=True),
                                   generation_info={"finish_reason": result.finish_reason})
+
+
+def _given(kwargs: dict, option: str, default: Any) -> Any:
+    """A call option, the model's own where the call leaves it out or passes None (as other
+    providers read None)."""
+    value = kwargs.get(option)
+    return default if value is None else value
 
 
 def _check_call_options(kwargs: dict) -> None:

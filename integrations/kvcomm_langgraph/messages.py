@@ -33,7 +33,10 @@ def message_text(message: BaseMessage) -> str:
         if isinstance(block, str):
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(block.get("text", ""))
+            text = block.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidMessagesError(f"a text content block's 'text' must be a string, got {type(text).__name__}")
+            parts.append(text)
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise InvalidMessagesError(f"ChatKVComm serves text-only models; got a {kind!r} content block")

@@ -218,3 +218,61 @@ def test_copies_share_the_engine_and_pickling_is_clear(engine, monkeypatch):
     monkeypatch.setattr(chat_model, "_DEFAULT", engine)  # the process-wide engine pickles by reference
     back = pickle.loads(pickle.dumps(ChatKVComm(engine=engine, max_tokens=5)))
     assert back.engine is None and back.max_tokens == 5 and back._engine() is engine
+
+
+def test_a_malformed_tool_call_is_reported_when_streamed_as_when_invoked(tools_engine):
+    bad = 'Let me call. <tool_call>{"name": "add", "arguments": {"a": 2,}}</tool_call>'
+    invoked = ChatKVComm(engine=ScriptedEngine(tools_engine, [bad])).bind_tools([add]).invoke("2+3?")
+    chunks = list(ChatKVComm(engine=ScriptedEngine(tools_engine, [bad])).bind_tools([add]).stream("2+3?"))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    switched = ChatKVComm(engine=ScriptedEngine(tools_engine, [bad]), streaming=True).bind_tools([add]).invoke("2+3?")
+    for reply in (invoked, streamed, switched):
+        assert reply.content == "Let me call." and reply.tool_calls == []
+        assert len(reply.invalid_tool_calls) == 1 and '"a": 2,}' in reply.invalid_tool_calls[0]["args"]
+
+
+def test_two_models_and_two_agents_never_share_langchains_cache(engine, tokenizer):
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import get_llm_cache, set_llm_cache
+
+    from kvcomm_agents.testing import tiny_qwen2
+
+    other = KVCommEngine(tiny_qwen2(tokenizer, seed=1), tokenizer, config=mechanics())
+    messages = prompt("You are solver one.")
+    uncached = [ChatKVComm(engine=e, max_tokens=6).invoke(messages).content for e in (engine, other)]
+    assert uncached[0] != uncached[1]
+    before = get_llm_cache()
+    set_llm_cache(InMemoryCache())
+    try:
+        cached = [ChatKVComm(engine=e, max_tokens=6).invoke(messages) for e in (engine, other)]
+        assert [r.content for r in cached] == uncached
+        judge_model = ChatKVComm(engine=engine, max_tokens=6)
+
+        @kvcomm_agent("judge", reuse=False)
+        def judge(messages):
+            return judge_model.invoke(messages)
+
+        verdict = judge(messages)  # same model and messages as the cached reply, another agent
+        assert verdict.response_metadata["kvcomm"]["agent"] == "judge"
+        again = ChatKVComm(engine=engine, max_tokens=6).invoke(messages)
+        assert again.response_metadata == cached[0].response_metadata  # a hit, for the same agent
+    finally:
+        set_llm_cache(before)
+
+
+def test_none_call_options_mean_the_models_own_and_an_empty_stop_clears_its_stop(engine):
+    model = ChatKVComm(engine=engine, max_tokens=6, stop=["\x00never"])
+    plain = model.invoke(prompt("You are solver one.")).content
+    assert model.invoke(prompt("You are solver one."), max_tokens=None, temperature=None, seed=None).content == plain
+    first = plain[:2]
+    stopped = ChatKVComm(engine=engine, max_tokens=6, stop=[first]).invoke(prompt("You are solver one."))
+    assert stopped.content == "" and stopped.response_metadata["finish_reason"] == "stop_string"
+    cleared = ChatKVComm(engine=engine, max_tokens=6, stop=[first]).invoke(prompt("You are solver one."), stop=[])
+    assert cleared.content == plain
+
+
+def test_a_text_block_without_a_string_is_a_clear_error(engine):
+    with pytest.raises(ValueError, match="'text' must be a string, got NoneType"):
+        ChatKVComm(engine=engine, max_tokens=2).invoke([HumanMessage([{"type": "text", "text": None}])])

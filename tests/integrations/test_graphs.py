@@ -172,6 +172,49 @@ def test_subgraph_nodes_are_named_with_their_path_and_command_hands_off(engine):
     assert [kv(m)["agent"] for m in out["messages"][1:]] == ["router", "review/critic"]
 
 
+def test_a_decorated_node_names_its_own_calls_not_those_of_a_subgraph_it_runs(engine):
+    model = ChatKVComm(engine=engine, max_tokens=2)
+
+    def critic(state: MessagesState):
+        return {"messages": [model.invoke(state["messages"])]}
+
+    inner = StateGraph(MessagesState)
+    inner.add_node("critic", critic)
+    inner.add_edge(START, "critic")
+    inner = inner.compile()
+
+    @kvcomm_agent("judge", reuse=False)
+    def review(state: MessagesState):
+        verdict = model.invoke(state["messages"])
+        out = inner.invoke({"messages": state["messages"] + [verdict]})
+        return {"messages": out["messages"][len(state["messages"]):]}
+
+    outer = StateGraph(MessagesState)
+    outer.add_node("review", review)
+    outer.add_edge(START, "review")
+    out = outer.compile().invoke({"messages": [HumanMessage(QUESTION)]})
+    verdict, critique = (kv(m) for m in out["messages"][1:])
+    assert verdict["agent"] == "judge" and verdict["stats"]["opted_out"]
+    assert critique["agent"] == "review/critic" and not critique["stats"]["opted_out"]
+
+
+def test_an_async_callable_object_can_be_a_decorated_node(engine):
+    import asyncio
+
+    model = ChatKVComm(engine=engine, max_tokens=2)
+
+    class Critic:
+        async def __call__(self, state: MessagesState):
+            return {"messages": [await model.ainvoke(state["messages"])]}
+
+    for node, agent in ((kvcomm_agent("critic")(Critic()), "critic"), (kvcomm_agent(Critic()), "Critic")):
+        graph = StateGraph(MessagesState)
+        graph.add_node("node", node)
+        graph.add_edge(START, "node")
+        out = asyncio.run(graph.compile().ainvoke({"messages": [HumanMessage(QUESTION)]}))
+        assert kv(out["messages"][-1])["agent"] == agent
+
+
 def test_functional_api_tasks_and_decorated_nodes(engine):
     model = ChatKVComm(engine=engine, max_tokens=2)
 
