@@ -23,7 +23,7 @@ from typing import Hashable
 
 import torch
 
-__all__ = ["weights_digest", "WeightsWatch"]
+__all__ = ["weights_digest", "values_unchanged", "WeightsWatch"]
 
 _CHUNK = 1 << 24  # elements per reduction step (bounded extra memory)
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -79,7 +79,7 @@ def weights_digest(model: torch.nn.Module, *, recompute: bool = False) -> str:
     """Hex digest of every parameter and buffer (names, shapes, dtypes and contents) and of the
     active adapters, if the model has any (PEFT). Remembered per model while :class:`WeightsWatch`
     sees no change (engines sharing one model compute it once); ``recompute`` reads the weights
-    again anyway (writes through ``.data`` bump no version counter)."""
+    again anyway (a write into ``.data`` changes nothing the watch sees)."""
     state = _snapshot(model)
     known = _DIGESTS.get(model)
     if known is not None and known[0] == state and not recompute:
@@ -87,6 +87,15 @@ def weights_digest(model: torch.nn.Module, *, recompute: bool = False) -> str:
     digest = _compute_digest(model)
     _DIGESTS[model] = (state, digest)
     return digest
+
+
+def values_unchanged(model: torch.nn.Module) -> None:
+    """Say that ``model``'s tensors were laid out anew without changing any value (the same
+    values in another memory order, :mod:`.engines.weight_layout`): the digest remembered for it
+    stays valid, so it is not read again."""
+    known = _DIGESTS.get(model)
+    if known is not None:
+        _DIGESTS[model] = (_snapshot(model), known[1])
 
 
 @torch.no_grad()
@@ -137,10 +146,12 @@ class WeightsWatch:
 
 def _snapshot(model: torch.nn.Module) -> tuple:
     """Each module in the tree once (its object and its children's names), each of its
-    parameters' and buffers' names, objects and in-place version counters, and the active
-    adapters. Read from the modules' own slots, not through ``named_parameters`` (a third of its
-    time: no dotted names are built): a replaced, added or renamed module, a tensor replaced or
-    moved between slots, or an in-place write changes it."""
+    parameters' and buffers' names, objects, in-place version counters and memory addresses, and
+    the active adapters. Read from the modules' own slots, not through ``named_parameters`` (a
+    third of its time: no dotted names are built): a replaced, added or renamed module, a tensor
+    replaced or moved between slots, an in-place write, or new memory given through
+    ``param.data = ...`` (which bumps no version counter) changes it. A write *into* ``.data``
+    (``param.data.mul_(2)``) changes none of these: ``refresh_fingerprint`` is for that."""
     state: list = []
     stack, seen = [model], set()
     while stack:
@@ -150,7 +161,7 @@ def _snapshot(model: torch.nn.Module) -> tuple:
         seen.add(id(module))
         state.append(id(module))
         for slots in (module._parameters, module._buffers):
-            state.extend((name, id(t), t._version) for name, t in slots.items() if t is not None)
+            state.extend((name, id(t), t._version, t.data_ptr()) for name, t in slots.items() if t is not None)
         for name, child in module._modules.items():
             if child is not None:
                 state.append(name)

@@ -63,7 +63,7 @@ def test_refresh_drops_anchors_learned_from_other_weights(llama, tokenizer):
     assert engine.anchors.nbytes() > 0
     assert engine.refresh_fingerprint() == engine.fingerprint  # unchanged weights: nothing dropped
     assert engine.anchors.nbytes() > 0
-    model.model.norm.weight.data[0] += 1.0  # through .data: no version bump, so only refresh can tell
+    model.model.norm.weight.data[0] += 1.0  # into .data: no version bump, same memory: only refresh can tell
     assert not engine._weights.changed()
     engine.refresh_fingerprint()
     assert engine.anchors.nbytes() == 0
@@ -111,3 +111,35 @@ def test_the_watch_notices_a_renamed_module_and_reads_a_shared_one_once(llama):
     model.model.tied = model.model.layers[1]  # the same module reached twice
     watch.mark()
     assert not watch.changed()
+
+
+def test_weights_given_new_memory_through_data_are_noticed_before_the_next_call(llama, tokenizer):
+    model = copy.deepcopy(llama)
+    engine = KVCommEngine(model, tokenizer, config=mechanics(method="exact_prefix"))
+    replayed(engine, solver_messages("You are solver one."), "s1")
+    before = engine.fingerprint
+    weight = model.model.layers[1].mlp.down_proj.weight
+    weight.data = weight.data * 1.5  # no version bump, no new parameter: new memory
+    messages = solver_messages("You are solver one.", REPLY)  # extends the stored exact prefix
+    result = replayed(engine, messages, "s1")
+    assert engine.fingerprint != before and result.stats.reused_tokens == 0
+
+
+def test_weights_laid_out_anew_keep_the_digest_without_reading_it_again(llama, tokenizer, monkeypatch):
+    from kvcomm_agents import identity
+    from kvcomm_agents.engines.weight_layout import pin_layout, weights_as_loaded
+
+    model = copy.deepcopy(llama)
+    engine = KVCommEngine(model, tokenizer, config=mechanics())
+    before = engine.fingerprint
+    reads, moved = [], []
+    monkeypatch.setattr(identity, "_compute_digest", lambda m: reads.append(m) or "read again")
+    for layout in ("transposed", "as_loaded"):
+        pin_layout(model, layout)  # the same values in another memory order
+        moved.append(engine._weights.changed())
+        replayed(engine, solver_messages("You are solver one."), "s1")
+        assert engine.fingerprint == before
+    assert any(moved)
+    weights_as_loaded(model)
+    replayed(engine, solver_messages("You are solver two."), "s2")
+    assert engine.fingerprint == before and reads == []

@@ -14,7 +14,8 @@ products' order may differ.
 :func:`choose_layout` times the engine's own forward shapes (a decode step of 1 id and a drafted
 one of 5) with each layout on the model itself and keeps the faster, where it is faster by
 a clear margin. The choice is written into the model's parameters in place (``param.data``:
-tied weights stay tied, the identity digest is unchanged, :mod:`kvcomm_agents.identity`) and
+tied weights stay tied, the identity digest is unchanged and not read again,
+:func:`kvcomm_agents.identity.values_unchanged`) and
 remembered on the model, so engines sharing it measure once (:func:`weights_as_loaded` undoes
 it, before ``save_pretrained``). Off the CPU nothing is done (GPU kernels read either order
 well). Build the first engine on a model before serving from it: the
@@ -46,6 +47,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from ..identity import values_unchanged
 from . import hf
 
 __all__ = ["FORMAT", "Layout", "LayoutChoice", "choose_layout", "layout_key", "linear_weights", "pin_layout",
@@ -245,6 +247,7 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.95,
         set_layout(weights, choice.layout)
         if choice.reason == "measured":
             _remember(folder, key, choice)
+    values_unchanged(model)
     object.__setattr__(model, _CHOSEN, choice)  # a plain attribute, not a module or parameter
     return choice
 
@@ -272,6 +275,7 @@ def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:
     if not weights:
         return _nothing_on_cpu(model)
     set_layout(weights, layout)
+    values_unchanged(model)
     choice = LayoutChoice(layout, "set")
     object.__setattr__(model, _CHOSEN, choice)
     return choice
@@ -284,4 +288,5 @@ def weights_as_loaded(model: torch.nn.Module) -> None:
     Weights moved off the CPU after the choice are restored too (``Tensor.to`` keeps a dense
     tensor's strides, so a transposed weight stays transposed on the GPU)."""
     set_layout([w for w in linear_weights(model) if w.device.type != "meta"], "as_loaded")
+    values_unchanged(model)
     model.__dict__.pop(_CHOSEN, None)
