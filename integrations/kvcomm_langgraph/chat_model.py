@@ -109,6 +109,12 @@ class ChatKVComm(BaseChatModel):
         raise ValueError(f"ChatKVComm has no option {', '.join(map(repr, unknown))}{_renamed(unknown)}; it takes engine, agent, "
                          "max_tokens, temperature, top_p, stop, seed, reuse, streaming and LangChain's own settings")
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, stop: Any) -> Any:
+        """One stop string is a list of one, as a call's ``stop=`` takes it."""
+        return [stop] if isinstance(stop, str) else stop
+
     @field_validator("engine")
     @classmethod
     def _an_engine(cls, engine: Any) -> Any:

@@ -23,11 +23,20 @@ __all__ = ["to_engine_messages", "parse_tool_calls", "TOOL_CALL_PATTERN", "messa
 TOOL_CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
+#: Another provider's chat roles, and the chat template's names for them.
+ROLE_ALIASES = {"human": "user", "ai": "assistant"}
+#: Content blocks in which a reply from another provider (Anthropic ``tool_use``, LangChain's
+#: standard ``tool_call``) states a call its ``tool_calls`` already carry.
+CALL_BLOCKS = ("tool_use", "tool_call")
+
+
 def message_text(message: BaseMessage) -> str:
-    """A message's text; content blocks other than text are refused (text-only models)."""
+    """A message's text: text blocks joined, ``json`` blocks as JSON text, and a reply's call
+    blocks left to its tool calls; other blocks are refused (text-only models)."""
     content = message.content
     if isinstance(content, str):
         return content
+    calls = {call.get("id") for call in getattr(message, "tool_calls", None) or []}
     parts = []
     for block in content:
         if isinstance(block, str):
@@ -37,6 +46,10 @@ def message_text(message: BaseMessage) -> str:
             if not isinstance(text, str):
                 raise InvalidMessagesError(f"a text content block's 'text' must be a string, got {type(text).__name__}")
             parts.append(text)
+        elif isinstance(block, dict) and block.get("type") == "json" and "json" in block:
+            parts.append(json.dumps(block["json"]))
+        elif isinstance(block, dict) and block.get("type") in CALL_BLOCKS and block.get("id") in calls:
+            continue
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise InvalidMessagesError(f"ChatKVComm serves text-only models; got a {kind!r} content block")
@@ -77,7 +90,7 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
             if message.name:
                 entry["name"] = message.name
         elif isinstance(message, ChatMessage):
-            entry = {"role": message.role, "content": message_text(message)}
+            entry = {"role": ROLE_ALIASES.get(message.role, message.role), "content": message_text(message)}
         else:
             raise InvalidMessagesError(f"unsupported message type {type(message).__name__}")
         if getattr(message, "name", None) and "name" not in entry and not isinstance(message, ToolMessage):

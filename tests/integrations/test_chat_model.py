@@ -267,7 +267,7 @@ def test_none_call_options_mean_the_models_own_and_an_empty_stop_clears_its_stop
     plain = model.invoke(prompt("You are solver one.")).content
     assert model.invoke(prompt("You are solver one."), max_tokens=None, temperature=None, seed=None).content == plain
     first = plain[:2]
-    stopped = ChatKVComm(engine=engine, max_tokens=6, stop=[first]).invoke(prompt("You are solver one."))
+    stopped = ChatKVComm(engine=engine, max_tokens=6, stop=first).invoke(prompt("You are solver one."))
     assert stopped.content == "" and stopped.response_metadata["finish_reason"] == "stop_string"
     cleared = ChatKVComm(engine=engine, max_tokens=6, stop=[first]).invoke(prompt("You are solver one."), stop=[])
     assert cleared.content == plain

@@ -28,6 +28,23 @@ def test_text_blocks_join_and_images_are_refused():
         to_engine_messages([HumanMessage([{"type": "image_url", "image_url": {"url": "x"}}])])
 
 
+def test_another_providers_history_converts():
+    from langchain_core.messages import ChatMessage
+
+    call = {"name": "add", "args": {"a": 1}, "id": "toolu_1"}
+    reply = AIMessage([{"type": "text", "text": "Adding."}, {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1}}],
+                      tool_calls=[call])
+    out = to_engine_messages([ChatMessage("hi", role="human"), reply,
+                              ToolMessage([{"type": "json", "json": {"sum": 1}}], tool_call_id="toolu_1"),
+                              ChatMessage("ok", role="ai")])
+    assert [m["role"] for m in out] == ["user", "assistant", "tool", "assistant"]
+    assert out[1]["content"] == "Adding." and out[1]["tool_calls"][0]["function"]["name"] == "add"
+    assert out[2]["content"] == '{"sum": 1}'
+    stray = AIMessage([{"type": "tool_use", "id": "toolu_2", "name": "add", "input": {}}])  # a call its tool_calls lack
+    with pytest.raises(ValueError, match="'tool_use' content block"):
+        to_engine_messages([stray])
+
+
 def test_tool_calls_are_parsed_and_bad_ones_reported():
     text, calls, invalid = parse_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
     assert text == "Let me add." and [(c["name"], c["args"]) for c in calls] == [("add", {"a": 2, "b": 3})]
