@@ -44,7 +44,7 @@ from .graph_report import noise_floor_readers, summarize_graphs
 from .graph_tables import format_graphs, noise_floor_line, workload_tables
 from .graphs import Request, Workload, gsm8k_rows, humaneval_rows, last_reply_number
 from .models import load
-from .provenance import versions
+from .provenance import device_text, versions
 from .strategies import build, noise_floor
 
 __all__ = ["SHAPES", "SPLITS", "workload", "described"]
@@ -273,8 +273,8 @@ def described(summary: dict) -> str:
     """The docs' tables of a run summary: its provenance line, then each shape's whole-graph rows
     (the front run's columns) and noise floor."""
     v = summary["versions"]
-    return (f"Run: commit `{v['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, {v['device']} "
-            f"({v['threads']} threads), weights {v['weight_layout']}, held-out shapes, {summary['split']} split.\n\n"
+    return (f"Run: commit `{v['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, {device_text(v)}, "
+            f"weights {v['weight_layout']}, held-out shapes, {summary['split']} split.\n\n"
             + workload_tables(summary))
 
 

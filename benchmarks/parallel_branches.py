@@ -43,13 +43,14 @@ import torch
 
 from examples.reporting import CallRecorder
 from examples.tasks import stdlib_doc
+from kvcomm_agents.engines.weight_layout import host_cpu
 from kvcomm_agents.fidelity import first_token_kl
 
 from .formats import CODERS, REFERENCE_CHARS, REFERENCE_PAGES
 from .graph import ModelMeter
 from .graphs import humaneval_rows
 from .models import load
-from .provenance import git_commit
+from .provenance import device_text, git_commit
 from .strategies import build
 
 __all__ = ["STRATEGIES", "run", "summarize", "table", "described"]
@@ -223,8 +224,8 @@ def described(summary: dict) -> str:
     """The run's sample, then :func:`table` (what ``benchmarks.tables`` puts in the docs)."""
     k = summary.get("at_once", 1)
     at_once = f", {k} requests' graphs at once (a request here: a group of {k})" if k > 1 else ""
-    return (f"Run: commit `{(summary['commit'] or '?')[:12]}`, {summary['model']} model, float32, cpu "
-            f"({summary['threads']} threads), {summary['split']} range, {summary['requests']} timed requests per "
+    return (f"Run: commit `{(summary['commit'] or '?')[:12]}`, {summary['model']} model, float32, "
+            f"{device_text(summary)}, {summary['split']} range, {summary['requests']} timed requests per "
             f"shape after {summary['warmup']}{at_once}, replies of at most {summary['reply_tokens']} tokens.\n\n"
             + table(summary["summary"]))
 
@@ -258,7 +259,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"kind": "parallel_branches", "commit": commit, "model": loaded.tag, "split": args.split,
-                               "threads": torch.get_num_threads(), "python": platform.python_version(),
+                               "threads": torch.get_num_threads(), "cpu": host_cpu(), "python": platform.python_version(),
                                "torch": torch.__version__, "requests": args.requests, "warmup": args.warmup,
                                "reply_tokens": args.reply_tokens, "at_once": args.at_once, "summary": summary,
                                "records": records}, indent=1))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["git_commit", "versions"]
+__all__ = ["git_commit", "versions", "device_text"]
 
 
 def git_commit() -> str:
@@ -33,4 +33,16 @@ def versions(device: torch.device) -> dict:
             "transformers": transformers.__version__, "device": str(device), "threads": torch.get_num_threads()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        from kvcomm_agents.engines.weight_layout import host_cpu
+
+        info["cpu"] = host_cpu()
     return info
+
+
+def device_text(info: dict) -> str:
+    """A run line's device: ``cpu: AMD EPYC, AVX2 (2 threads)``; results written before the CPU
+    was recorded read ``cpu (2 threads)``."""
+    device = info.get("device", "cpu")
+    host = f": {info['cpu']}" if info.get("cpu") else ""
+    return f"{device}{host} ({info['threads']} threads)"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from .graph_tables import LABELS, front_table, side_by_side, workload_tables
+from .provenance import device_text
 
 __all__ = ["render", "generated_blocks", "rewrite", "plot", "main"]
 
@@ -46,7 +47,7 @@ def render(summary: dict, *, table: Optional[str] = None, phases: Optional[list[
         summary = {**summary, "phases": {p: v for p, v in summary["phases"].items() if p in phases}}
     versions = summary["versions"]
     head = (f"Run: commit `{versions['commit'][:12]}`, {summary['model']} model, {summary['dtype']}, "
-            f"{versions['device']} ({versions['threads']} threads), profile `{summary['profile']['name']}`, "
+            f"{device_text(versions)}, profile `{summary['profile']['name']}`, "
             f"{summary['split']} range"
             + (", every request on fresh engines (each a graph's first)" if summary.get("cold") else "")
             + (", `kvcomm-remembered` starting from the measurements earlier engines left (`--remembered`)"

@@ -14,6 +14,7 @@ import torch
 
 from benchmarks import run
 from benchmarks.graph_tables import front_table, workload_tables
+from benchmarks.tables import render
 from benchmarks.strategies import DEFAULT_NAMES, NAMES
 from benchmarks.workloads import (
     coding_pipeline, gsm8k_debate, gsm8k_one_message, paper_shape, rag_handoff, shared_history,
@@ -50,6 +51,9 @@ def test_every_phase_and_strategy_is_reported(smoke):
     assert results["phases"]["b-e2e"]["concurrent"]
     saved = json.loads((folder / "results.json").read_text())
     assert saved["versions"]["torch"] and saved["versions"]["commit"] and saved["rows"]
+    # the host: one CPU name covers hosts whose kernels differ twofold (AVX2 against AVX512)
+    assert saved["versions"]["cpu"].endswith(", " + torch.backends.cpu.get_cpu_capability())
+    assert f"cpu: {saved['versions']['cpu']} (" in render(summary)
     assert {p.split("/")[-1] for p in saved["plots"]} == (
         {f"ttft_by_agent_{p}.png" for p in run.GRAPH_PHASES} | {"graph_speedup_by_workload.png"})
     # the summary the docs quote: no per-call records, every phase's whole-graph rows

@@ -24,8 +24,8 @@ probe times forwards, and a model busy in another thread would time the contenti
 The probe costs 16 forwards (about 0.4 s for the embedded model here; a 7B model on a CPU takes
 seconds per forward). Where a folder is given (the engine's ``remember_measurements`` folder), a
 measured choice is written to ``<folder>/layout-<key>.json`` and read back by the next process:
-the key is what the timing depends on (the CPU's name, torch's version and thread count, each
-weight's shape and dtype), not the weights' values, so a fine-tuned copy of a model reads its
+the key is what the timing depends on (the CPU's name and vector instructions, torch's version
+and thread count, each weight's shape and dtype), not the weights' values, so a fine-tuned copy of a model reads its
 base's choice. A missing, unreadable or foreign file costs a measurement, never an error.
 """
 
@@ -51,7 +51,7 @@ from ..identity import values_unchanged
 from . import hf
 
 __all__ = ["FORMAT", "Layout", "LayoutChoice", "choose_layout", "layout_key", "linear_weights", "pin_layout",
-           "set_layout", "weights_as_loaded"]
+           "set_layout", "weights_as_loaded", "host_cpu"]
 
 Layout = Literal["as_loaded", "transposed"]
 FORMAT = "kvcomm-weight-layout/1"  # the remembered choice's file format
@@ -147,20 +147,24 @@ def _probe_seconds(model: torch.nn.Module, repeats: int = 3) -> float:
     return total
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (Linux: ``/proc/cpuinfo``), else what ``platform`` says."""
+def host_cpu() -> str:
+    """The CPU's model name (Linux: ``/proc/cpuinfo``, else what ``platform`` says) and the
+    vector instructions torch's kernels use on it (``AVX2``, ``AVX512``): one model name can
+    cover hosts whose kernels differ twofold in speed."""
+    name = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def layout_key(weights: list[torch.nn.Parameter]) -> dict:
-    """What a layout's timing depends on: the CPU, torch's version and thread count, and each
-    of ``weights``' shape and dtype (not their values)."""
+    """What a layout's timing depends on: the CPU (:func:`host_cpu`), torch's version and thread
+    count, and each of ``weights``' shape and dtype (not their values)."""
     shapes = sorted({(tuple(w.shape), str(w.dtype).removeprefix("torch.")) for w in weights})
-    return {"cpu": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    return {"cpu": host_cpu(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "weights": [[list(shape), dtype] for shape, dtype in shapes]}
 
 
