@@ -151,22 +151,26 @@ def test_checkpointed_graph_resumes_on_a_fresh_engine(llama, tokenizer):
     assert "not_found" in reasons  # the old replies' refs point to KV the new engine never had
 
 
-def test_subgraph_nodes_are_named_with_their_path_and_command_hands_off(engine):
-    model = ChatKVComm(engine=engine, max_tokens=2)
-
+def critic_subgraph(model: ChatKVComm):
+    """A compiled graph of one node, ``critic``, that answers its messages."""
     def critic(state: MessagesState):
         return {"messages": [model.invoke(state["messages"])]}
 
     inner = StateGraph(MessagesState)
     inner.add_node("critic", critic)
     inner.add_edge(START, "critic")
+    return inner.compile()
+
+
+def test_subgraph_nodes_are_named_with_their_path_and_command_hands_off(engine):
+    model = ChatKVComm(engine=engine, max_tokens=2)
 
     def router(state: MessagesState):
         return Command(goto="review", update={"messages": [model.invoke(state["messages"])]})
 
     outer = StateGraph(MessagesState)
     outer.add_node("router", router)
-    outer.add_node("review", inner.compile())
+    outer.add_node("review", critic_subgraph(model))
     outer.add_edge(START, "router")
     out = outer.compile().invoke({"messages": [HumanMessage(QUESTION)]})
     assert [kv(m)["agent"] for m in out["messages"][1:]] == ["router", "review/critic"]
@@ -174,14 +178,7 @@ def test_subgraph_nodes_are_named_with_their_path_and_command_hands_off(engine):
 
 def test_a_decorated_node_names_its_own_calls_not_those_of_a_subgraph_it_runs(engine):
     model = ChatKVComm(engine=engine, max_tokens=2)
-
-    def critic(state: MessagesState):
-        return {"messages": [model.invoke(state["messages"])]}
-
-    inner = StateGraph(MessagesState)
-    inner.add_node("critic", critic)
-    inner.add_edge(START, "critic")
-    inner = inner.compile()
+    inner = critic_subgraph(model)
 
     @kvcomm_agent("judge", reuse=False)
     def review(state: MessagesState):
