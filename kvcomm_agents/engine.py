@@ -165,8 +165,10 @@ class KVCommEngine:
 
     @property
     def fingerprint(self) -> str:
-        """Identifies this engine's weights (every parameter and buffer, active adapters), dtype
-        and tokenizer; KV of any other fingerprint is never used."""
+        """Identifies the weights as they are now (a change the watch sees is read first, as before
+        a call), dtype and tokenizer; KV of any other fingerprint is never used."""
+        if self._weights.changed():
+            self._refresh_changed_weights()
         return self.info.fingerprint
 
     def refresh_fingerprint(self) -> str:
@@ -366,9 +368,7 @@ class KVCommEngine:
         if kind is not None and (isinstance(kind, str) or len(tuple(kind)) != 2):
             raise InvalidRequestError("kind must be a (producer, role) pair such as ('document', None)")
         kind = tuple(kind) if kind else ("document", None)  # type: ignore[assignment]
-        if self._weights.changed():
-            self._refresh_changed_weights()
-        existing = self._store.find_text(text, self.fingerprint)
+        existing = self._store.find_text(text, self.fingerprint)  # the fingerprint of the weights as they are now
         if existing is not None and existing.ref.kind == kind:
             return existing.ref
         layout = render_prompt(self.tokenizer, [{"role": "user", "content": text}])

@@ -17,13 +17,15 @@ active adapters.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 import weakref
-from typing import Hashable
+from typing import Hashable, Iterator
 
 import torch
 
-__all__ = ["weights_digest", "values_unchanged", "WeightsWatch"]
+__all__ = ["weights_digest", "values_kept", "WeightsWatch"]
 
 _CHUNK = 1 << 24  # elements per reduction step (bounded extra memory)
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -73,6 +75,7 @@ def _device_sums(flat: torch.Tensor) -> list[int]:
 
 
 _DIGESTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+_DIGESTS_LOCK = threading.RLock()  # engines sharing one model read and re-state its digest
 
 
 def weights_digest(model: torch.nn.Module, *, recompute: bool = False) -> str:
@@ -80,22 +83,28 @@ def weights_digest(model: torch.nn.Module, *, recompute: bool = False) -> str:
     active adapters, if the model has any (PEFT). Remembered per model while :class:`WeightsWatch`
     sees no change (engines sharing one model compute it once); ``recompute`` reads the weights
     again anyway (a write into ``.data`` changes nothing the watch sees)."""
-    state = _snapshot(model)
-    known = _DIGESTS.get(model)
-    if known is not None and known[0] == state and not recompute:
-        return known[1]
-    digest = _compute_digest(model)
-    _DIGESTS[model] = (state, digest)
-    return digest
+    with _DIGESTS_LOCK:
+        state = _snapshot(model)
+        known = _DIGESTS.get(model)
+        if known is not None and known[0] == state and not recompute:
+            return known[1]
+        digest = _compute_digest(model)
+        _DIGESTS[model] = (state, digest)
+        return digest
 
 
-def values_unchanged(model: torch.nn.Module) -> None:
-    """Say that ``model``'s tensors were laid out anew without changing any value (the same
-    values in another memory order, :mod:`.engines.weight_layout`): the digest remembered for it
-    stays valid, so it is not read again."""
-    known = _DIGESTS.get(model)
-    if known is not None:
-        _DIGESTS[model] = (_snapshot(model), known[1])
+@contextlib.contextmanager
+def values_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Lay ``model``'s tensors out anew inside this block without changing any value (the same
+    values in another memory order, :mod:`.engines.weight_layout`): a digest remembered for the
+    weights as they were when the block began stays theirs, so it is not read again. A digest
+    remembered for older weights (a change the watch saw, not read yet) is left to be read."""
+    with _DIGESTS_LOCK:
+        before = _snapshot(model)
+        yield
+        known = _DIGESTS.get(model)
+        if known is not None and known[0] == before:
+            _DIGESTS[model] = (_snapshot(model), known[1])
 
 
 @torch.no_grad()

@@ -143,3 +143,21 @@ def test_weights_laid_out_anew_keep_the_digest_without_reading_it_again(llama, t
     weights_as_loaded(model)
     replayed(engine, solver_messages("You are solver two."), "s2")
     assert engine.fingerprint == before and reads == []
+
+
+@pytest.mark.parametrize("relay", ["weights_as_loaded", "pin_layout"])
+def test_a_weight_change_then_a_new_layout_is_still_noticed(llama, tokenizer, relay):
+    from kvcomm_agents.engines import weight_layout
+
+    model = copy.deepcopy(llama)
+    engine = KVCommEngine(model, tokenizer, config=mechanics(method="exact_prefix"))
+    replayed(engine, solver_messages("You are solver one."), "s1")
+    before = engine.fingerprint
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1.5)  # a fine-tune step
+    if relay == "pin_layout":
+        weight_layout.pin_layout(model, "transposed")
+    else:
+        weight_layout.weights_as_loaded(model)  # before save_pretrained, as its docs ask
+    result = replayed(engine, solver_messages("You are solver one.", REPLY), "s1")
+    assert engine.fingerprint != before and result.stats.reused_tokens == 0

@@ -3,7 +3,9 @@
 The decorator sets a context variable for the duration of the node function (sync or async);
 context variables follow LangChain's executor hops and LangGraph's tasks, so the chat model
 called inside the node sees it. The scope holds only for calls made in the node's own run: a
-subgraph, task or ``@entrypoint`` the node runs has agents of its own, named by its nodes. Without
+subgraph, task or ``@entrypoint`` the node runs has agents of its own, named by its nodes (put the
+decorator under ``@task`` to name a task; a function decorated outside any graph names the calls
+it makes outside one). Without
 the decorator, the node is read from the run's metadata (``langgraph_node``, and
 ``langgraph_checkpoint_ns`` for the path of enclosing subgraphs).
 """
@@ -39,8 +41,9 @@ class AgentScope:
     namespace: Optional[str] = None
 
     def covers(self, metadata: Mapping[str, Any]) -> bool:
-        """Whether a call made under this run metadata is the decorated node's own."""
-        return self.namespace is None or metadata.get("langgraph_checkpoint_ns") == self.namespace
+        """Whether a call made under this run metadata is the decorated node's own (outside
+        LangGraph: a call made outside LangGraph too)."""
+        return metadata.get("langgraph_checkpoint_ns") == self.namespace
 
 
 _SCOPE: contextvars.ContextVar[Optional[AgentScope]] = contextvars.ContextVar("kvcomm_agent_scope", default=None)
@@ -64,11 +67,16 @@ def _entered(scope: AgentScope) -> AgentScope:
 
 
 def _is_async(function: Callable) -> bool:
-    """A coroutine function, also behind ``functools.partial`` or an object's ``async __call__``."""
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+    """A coroutine function, also behind ``functools.partial`` or an object's ``async __call__``
+    (not a class: calling it constructs)."""
+    if inspect.iscoroutinefunction(function):
+        return True
+    return not inspect.isclass(function) and inspect.iscoroutinefunction(getattr(function, "__call__", None))
 
 
 def _name_of(function: Callable) -> str:
+    """A function's name, a ``functools.partial``'s function's, else a callable object's class."""
+    function = getattr(function, "func", function) if isinstance(function, functools.partial) else function
     return getattr(function, "__name__", None) or type(function).__name__
 
 

@@ -149,10 +149,13 @@ class ChatKVComm(BaseChatModel):
         return f"{self.model_name}@{fingerprint}" if fingerprint else self.model_name
 
     def _get_llm_string(self, stop: Optional[list[str]] = None, **kwargs: Any) -> str:
-        """LangChain's cache key, with the agent and reuse this call resolves to (decorator, node):
-        a cached reply is one agent's, its segment kind and opt-out included."""
-        agent, reuse = self._agent_and_reuse(ensure_config().get("metadata") or {}, kwargs)
-        return f"{super()._get_llm_string(stop=stop, **kwargs)}---agent={agent!r},reuse={reuse!r}"
+        """LangChain's cache key: the model as its weights are now, the agent and reuse this call
+        resolves to (a cached reply is one agent's, its segment kind and opt-out included), and
+        the options it decodes with, resolved as the call resolves them (the model's own where
+        the call leaves one out or passes None)."""
+        agent, options = self._resolve(stop, None, kwargs)
+        key = {**kwargs, **options, "_type": self._llm_type, "model": self._model_identity(), "agent": agent}
+        return str(sorted(key.items()))
 
     @property
     def model_name(self) -> str:
@@ -200,9 +203,10 @@ class ChatKVComm(BaseChatModel):
 
     def _resolve(self, stop: Optional[list[str]], run_manager: Optional[CallbackManagerForLLMRun], kwargs: dict):
         _check_call_options(kwargs)
-        # LangChain streams an invoke (streaming=True, astream_events) without a run manager; the
-        # node's metadata is then in the config the runnable runs under
-        metadata = run_manager.metadata if run_manager is not None else ensure_config().get("metadata") or {}
+        # The node's metadata is in the config the runnable runs under; a run manager adds the
+        # call's own (LangChain streams an invoke without one: streaming=True, astream_events).
+        # The cache key (no run manager) resolves from the same config.
+        metadata = {**(ensure_config().get("metadata") or {}), **(run_manager.metadata if run_manager is not None else {})}
         agent, reuse = self._agent_and_reuse(metadata, kwargs)
         if stop is None:
             stop = _given(kwargs, "stop", self.stop)

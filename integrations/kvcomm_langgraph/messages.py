@@ -47,7 +47,10 @@ def message_text(message: BaseMessage) -> str:
                 raise InvalidMessagesError(f"a text content block's 'text' must be a string, got {type(text).__name__}")
             parts.append(text)
         elif isinstance(block, dict) and block.get("type") == "json" and "json" in block:
-            parts.append(json.dumps(block["json"]))
+            try:
+                parts.append(json.dumps(block["json"]))
+            except (TypeError, ValueError) as error:
+                raise InvalidMessagesError(f"a json content block must hold JSON-serialisable data: {error}") from None
         elif isinstance(block, dict) and block.get("type") in CALL_BLOCKS and block.get("id") in calls:
             continue
         else:

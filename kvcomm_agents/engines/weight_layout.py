@@ -15,7 +15,7 @@ products' order may differ.
 one of 5) with each layout on the model itself and keeps the faster, where it is faster by
 a clear margin. The choice is written into the model's parameters in place (``param.data``:
 tied weights stay tied, the identity digest is unchanged and not read again,
-:func:`kvcomm_agents.identity.values_unchanged`) and
+:func:`kvcomm_agents.identity.values_kept`) and
 remembered on the model, so engines sharing it measure once (:func:`weights_as_loaded` undoes
 it, before ``save_pretrained``). Off the CPU nothing is done (GPU kernels read either order
 well). Build the first engine on a model before serving from it: the
@@ -47,7 +47,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from ..identity import values_unchanged
+from ..identity import values_kept
 from . import hf
 
 __all__ = ["FORMAT", "Layout", "LayoutChoice", "choose_layout", "layout_key", "linear_weights", "pin_layout",
@@ -241,17 +241,17 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.95,
         return LayoutChoice(chosen.layout, "chosen before", chosen.seconds)
     if setting == "keep":
         return LayoutChoice(_layout_of(weights), "set")
-    if setting == "transposed":
-        set_layout(weights, "transposed")
-        choice = LayoutChoice("transposed", "set")
-    else:
-        folder = None if folder is None else Path(folder)
-        key = layout_key(weights)
-        choice = _remembered(folder, key, margin) or _measure(model, weights, margin, probe or _probe_seconds)
-        set_layout(weights, choice.layout)
-        if choice.reason == "measured":
-            _remember(folder, key, choice)
-    values_unchanged(model)
+    with values_kept(model):
+        if setting == "transposed":
+            set_layout(weights, "transposed")
+            choice = LayoutChoice("transposed", "set")
+        else:
+            folder = None if folder is None else Path(folder)
+            key = layout_key(weights)
+            choice = _remembered(folder, key, margin) or _measure(model, weights, margin, probe or _probe_seconds)
+            set_layout(weights, choice.layout)
+            if choice.reason == "measured":
+                _remember(folder, key, choice)
     object.__setattr__(model, _CHOSEN, choice)  # a plain attribute, not a module or parameter
     return choice
 
@@ -278,8 +278,8 @@ def pin_layout(model: torch.nn.Module, layout: Layout) -> LayoutChoice:
     weights = _on_cpu(model)
     if not weights:
         return _nothing_on_cpu(model)
-    set_layout(weights, layout)
-    values_unchanged(model)
+    with values_kept(model):
+        set_layout(weights, layout)
     choice = LayoutChoice(layout, "set")
     object.__setattr__(model, _CHOSEN, choice)
     return choice
@@ -291,6 +291,6 @@ def weights_as_loaded(model: torch.nn.Module) -> None:
     checks tied weights through a flat view, which a transposed tied weight does not have.
     Weights moved off the CPU after the choice are restored too (``Tensor.to`` keeps a dense
     tensor's strides, so a transposed weight stays transposed on the GPU)."""
-    set_layout([w for w in linear_weights(model) if w.device.type != "meta"], "as_loaded")
-    values_unchanged(model)
+    with values_kept(model):
+        set_layout([w for w in linear_weights(model) if w.device.type != "meta"], "as_loaded")
     model.__dict__.pop(_CHOSEN, None)

@@ -258,6 +258,11 @@ def test_two_models_and_two_agents_never_share_langchains_cache(engine, tokenize
         assert verdict.response_metadata["kvcomm"]["agent"] == "judge"
         again = ChatKVComm(engine=engine, max_tokens=6).invoke(messages)
         assert again.response_metadata == cached[0].response_metadata  # a hit, for the same agent
+        # the options a call decodes with, resolved as the call resolves them, key the entry
+        short = ChatKVComm(engine=engine, max_tokens=1).invoke(messages, max_tokens=None)
+        assert short.usage_metadata["output_tokens"] == 1
+        stopped = ChatKVComm(engine=engine, max_tokens=6, stop=uncached[0][:2]).invoke(messages)
+        assert stopped.content == ""
     finally:
         set_llm_cache(before)
 
@@ -276,3 +281,25 @@ def test_none_call_options_mean_the_models_own_and_an_empty_stop_clears_its_stop
 def test_a_text_block_without_a_string_is_a_clear_error(engine):
     with pytest.raises(ValueError, match="'text' must be a string, got NoneType"):
         ChatKVComm(engine=engine, max_tokens=2).invoke([HumanMessage([{"type": "text", "text": None}])])
+
+
+def test_a_cached_reply_of_weights_changed_since_is_not_served(engine, llama, tokenizer):
+    import copy
+
+    import torch
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import get_llm_cache, set_llm_cache
+
+    model = copy.deepcopy(llama)
+    tuned = KVCommEngine(model, tokenizer, config=mechanics())
+    messages = prompt("You are solver one.")
+    before = get_llm_cache()
+    set_llm_cache(InMemoryCache())
+    try:
+        first = ChatKVComm(engine=tuned, max_tokens=6).invoke(messages)
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+        changed = ChatKVComm(engine=tuned, max_tokens=6).invoke(messages)
+        assert changed.response_metadata != first.response_metadata  # generated again, not the cached reply
+    finally:
+        set_llm_cache(before)

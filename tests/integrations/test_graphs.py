@@ -1,6 +1,7 @@
 """Real LangGraph graphs on a tiny model: node names become agents, replies are reused by the
 next node, reuse off is dense, Send fan-out equals serial, checkpoints survive a fresh engine."""
 
+import functools
 import operator
 from typing import Annotated, TypedDict
 
@@ -195,6 +196,36 @@ def test_a_decorated_node_names_its_own_calls_not_those_of_a_subgraph_it_runs(en
     assert critique["agent"] == "review/critic" and not critique["stats"]["opted_out"]
 
 
+def test_a_decorated_node_keeps_its_name_when_a_call_brings_its_own_config(engine):
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    model = ChatKVComm(engine=engine, max_tokens=2)
+
+    @kvcomm_agent("judge", reuse=False)
+    def review(state: MessagesState):
+        config = {"metadata": {"purpose": "verdict"}, "callbacks": [BaseCallbackHandler()]}
+        return {"messages": [model.invoke(state["messages"], config=config)]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("review", review)
+    graph.add_edge(START, "review")
+    verdict = kv(graph.compile().invoke({"messages": [HumanMessage(QUESTION)]})["messages"][-1])
+    assert verdict["agent"] == "judge" and verdict["stats"]["opted_out"]
+
+
+def test_a_function_decorated_outside_any_graph_does_not_rename_a_graph_it_runs(engine):
+    model = ChatKVComm(engine=engine, max_tokens=2)
+    inner = critic_subgraph(model)
+
+    @kvcomm_agent("judge", reuse=False)
+    def review(messages):
+        return model.invoke(messages), inner.invoke({"messages": messages})["messages"][-1]
+
+    verdict, critique = review([HumanMessage(QUESTION)])
+    assert kv(verdict)["agent"] == "judge" and kv(critique)["agent"] == "critic"
+    assert not kv(critique)["stats"]["opted_out"]
+
+
 def test_an_async_callable_object_can_be_a_decorated_node(engine):
     import asyncio
 
@@ -204,7 +235,11 @@ def test_an_async_callable_object_can_be_a_decorated_node(engine):
         async def __call__(self, state: MessagesState):
             return {"messages": [await model.ainvoke(state["messages"])]}
 
-    for node, agent in ((kvcomm_agent("critic")(Critic()), "critic"), (kvcomm_agent(Critic()), "Critic")):
+    async def answer(state: MessagesState, prefix: str):
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    for node, agent in ((kvcomm_agent("critic")(Critic()), "critic"), (kvcomm_agent(Critic()), "Critic"),
+                        (kvcomm_agent(functools.partial(answer, prefix="x")), "answer")):
         graph = StateGraph(MessagesState)
         graph.add_node("node", node)
         graph.add_edge(START, "node")
