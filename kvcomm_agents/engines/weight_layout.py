@@ -21,8 +21,8 @@ it, before ``save_pretrained``). Off the CPU nothing is done (GPU kernels read e
 well). Build the first engine on a model before serving from it: the
 probe times forwards, and a model busy in another thread would time the contention.
 
-The probe costs 16 forwards (about 0.4 s for the embedded model here; a 7B model on a CPU takes
-seconds per forward). Where a folder is given (the engine's ``remember_measurements`` folder), a
+The probe costs 32 forwards, each layout timed twice in turns (about 0.8 s for the embedded model;
+a 7B model on a CPU takes seconds per forward). Where a folder is given (the engine's ``remember_measurements`` folder), a
 measured choice is written to ``<folder>/layout-<key>.json`` and read back by the next process:
 the key is what the timing depends on (the CPU's name and vector instructions, torch's version
 and thread count, each weight's shape and dtype), not the weights' values, so a fine-tuned copy of a model reads its
@@ -60,6 +60,8 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: a probe forward slower than this is timed once per shape, not three times: at that length a
 #: run's noise is a small share of it, and a large model would pay seconds per repeat
 SLOW_FORWARD_S = 0.25
+#: The order the probe times the layouts in (balanced against a load that rises or falls).
+PROBE_TURNS: tuple[Layout, ...] = ("as_loaded", "transposed", "transposed", "as_loaded")
 logger = logging.getLogger("kvcomm_agents")
 
 
@@ -258,12 +260,15 @@ def choose_layout(model: torch.nn.Module, setting: str, margin: float = 0.95,
 
 def _measure(model: torch.nn.Module, weights: list[torch.nn.Parameter], margin: float,
              probe: Callable[[torch.nn.Module], float]) -> LayoutChoice:
-    """Time ``probe`` with ``weights`` as loaded and transposed; the transposed layout where it
+    """Time ``probe`` with ``weights`` as loaded and transposed, in turns (as loaded, transposed,
+    transposed, as loaded), each layout's faster turn kept: a burst of load from another process
+    during one turn does not decide the layout a host remembers. The transposed layout where it
     took at most ``margin`` times as long."""
-    set_layout(weights, "as_loaded")
-    seconds = {"as_loaded": probe(model)}
-    set_layout(weights, "transposed")
-    seconds["transposed"] = probe(model)
+    turns: dict[str, list[float]] = {"as_loaded": [], "transposed": []}
+    for layout in PROBE_TURNS:
+        set_layout(weights, layout)
+        turns[layout].append(probe(model))
+    seconds = {layout: min(times) for layout, times in turns.items()}
     return LayoutChoice(_faster(seconds["as_loaded"], seconds["transposed"], margin), "measured", seconds)
 
 
