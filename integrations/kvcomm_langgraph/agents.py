@@ -5,9 +5,8 @@ context variables follow LangChain's executor hops and LangGraph's tasks, so the
 called inside the node sees it. The scope holds only for calls made in the node's own run: a
 subgraph, task or ``@entrypoint`` the node runs has agents of its own, named by its nodes (put the
 decorator under ``@task`` to name a task; a function decorated outside any graph names the calls
-it makes outside one). Without
-the decorator, the node is read from the run's metadata (``langgraph_node``, and
-``langgraph_checkpoint_ns`` for the path of enclosing subgraphs).
+it makes outside one). Without the decorator, the node is read from the run's metadata
+(``langgraph_node``, and ``langgraph_checkpoint_ns`` for the path of enclosing subgraphs).
 """
 
 from __future__ import annotations
