@@ -99,9 +99,9 @@ def values_kept(model: torch.nn.Module) -> Iterator[None]:
     values in another memory order, :mod:`.engines.weight_layout`): a digest remembered for the
     weights as they were when the block began stays theirs, so it is not read again. A digest
     remembered for older weights (a change the watch saw, not read yet) is left to be read."""
-    with _DIGESTS_LOCK:
-        before = _snapshot(model)
-        yield
+    before = _snapshot(model)
+    yield
+    with _DIGESTS_LOCK:  # a digest read meanwhile, mid-layout, was read for another snapshot
         known = _DIGESTS.get(model)
         if known is not None and known[0] == before:
             _DIGESTS[model] = (_snapshot(model), known[1])

@@ -138,13 +138,12 @@ class ChatKVComm(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        """What LangChain's LLM cache keys on, with the call's options: the model (its weights'
-        fingerprint where the engine has one), so two models never share cached replies."""
-        return {"model": self._model_identity(), "agent": self.agent, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "stop": self.stop, "seed": self.seed,
-                "reuse": self.reuse}
+        """The model's settings, for tracing (LangChain's cache keys on :meth:`_get_llm_string`)."""
+        return {"agent": self.agent, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "stop": self.stop, "seed": self.seed, "reuse": self.reuse}
 
     def _model_identity(self) -> str:
+        """The model's name, with its weights' fingerprint where the engine has one."""
         fingerprint = getattr(self.engine, "fingerprint", None) if self.engine is not None else None
         return f"{self.model_name}@{fingerprint}" if fingerprint else self.model_name
 
