@@ -7,7 +7,11 @@ from typing import Optional, Sequence
 from .errors import InvalidMessagesError, InvalidRequestError
 from .prompt import PromptLayout
 
-__all__ = ["check_agent", "check_max_new_tokens", "check_reply_ids", "check_length", "check_reuse"]
+__all__ = ["check_agent", "check_max_new_tokens", "check_reply_ids", "check_length", "check_reuse", "reply_budget",
+           "DEFAULT_MAX_NEW_TOKENS"]
+
+#: The most tokens a reply takes where the call names no ``max_new_tokens``.
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def check_length(layout: PromptLayout, limit: Optional[int], new_tokens: int, what: str) -> None:
@@ -23,6 +27,19 @@ def check_length(layout: PromptLayout, limit: Optional[int], new_tokens: int, wh
         )
 
 
+def reply_budget(layout: PromptLayout, limit: Optional[int], max_new_tokens: Optional[int]) -> int:
+    """The most tokens a reply after ``layout``'s prompt may take: ``max_new_tokens`` where the
+    call names it, refused where prompt plus reply exceed the model's ``limit`` positions (None:
+    no limit); else :data:`DEFAULT_MAX_NEW_TOKENS`, or fewer where the positions end first, as
+    an OpenAI-style server reads an unset ``max_tokens`` (the reply then ends with
+    ``finish_reason="length"``)."""
+    if max_new_tokens is None:
+        room = DEFAULT_MAX_NEW_TOKENS if limit is None else limit - int(layout.ids.numel())
+        max_new_tokens = max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
+    check_length(layout, limit, max_new_tokens, "max_new_tokens")
+    return max_new_tokens
+
+
 def check_agent(agent) -> None:
     if not isinstance(agent, str) or not agent:
         raise InvalidMessagesError("agent must be a non-empty string")
@@ -34,8 +51,9 @@ def check_reuse(value) -> None:
 
 
 def check_max_new_tokens(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1 or None (up to {DEFAULT_MAX_NEW_TOKENS}, "
+                                  f"fewer where the model's positions end first), got {value!r}")
 
 
 def check_reply_ids(ids, vocab_size: int) -> list[int]:

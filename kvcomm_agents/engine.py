@@ -22,7 +22,7 @@ from .budgets import default_budgets
 from .anchors import KVCommAnchors
 from .anchors.remembered import measurements_folder, remembered, under_cache_dir
 from .capture import CallCapture
-from .checks import check_agent, check_length, check_max_new_tokens, check_reply_ids
+from .checks import check_agent, check_length, check_max_new_tokens, check_reply_ids, reply_budget
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
@@ -268,7 +268,7 @@ class KVCommEngine:
         messages: Messages,
         *,
         agent: str,
-        max_new_tokens: int = 256,
+        max_new_tokens: Optional[int] = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop: Optional[Sequence[str]] = None,
@@ -283,7 +283,7 @@ class KVCommEngine:
                 (a ``SegmentRef`` or its dict) naming the segment its content came from.
             agent: the calling agent's name (its replies become segments of kind
                 ``(agent, "assistant")``).
-            max_new_tokens, temperature, top_p, stop, seed: decoding; temperature 0 is greedy.
+            max_new_tokens (None: 256, fewer where the context ends), temperature (0: greedy), top_p, stop, seed.
             reuse: False makes this call dense (it still keeps its KV for others).
             tools: passed to the chat template.
 
@@ -293,7 +293,7 @@ class KVCommEngine:
         sampler = TokenSampler(temperature, top_p, seed, vocab_size=len(self.tokenizer))
         yield from self._generate(messages, agent, max_new_tokens, sampler, stop, reuse, tools)
 
-    def greedy(self, messages: Messages, *, agent: str, max_new_tokens: int = 256, reuse: Optional[bool] = None,
+    def greedy(self, messages: Messages, *, agent: str, max_new_tokens: Optional[int] = None, reuse: Optional[bool] = None,
                tools: Optional[list] = None) -> Replay:
         """``chat`` at temperature 0 that also returns the logits behind every generated token
         (evaluation: a free run's first-token KL against dense). ``Replay.greedy_prefix`` is the
@@ -308,7 +308,7 @@ class KVCommEngine:
         result = _final(self._generate(messages, agent, max_new_tokens, pick, None, reuse, tools))
         return Replay(result, torch.stack(rows), len(result.token_ids))
 
-    def _generate(self, messages: Messages, agent: str, max_new_tokens: int, sampler: Callable[[torch.Tensor], int],
+    def _generate(self, messages: Messages, agent: str, max_new_tokens: Optional[int], sampler: Callable[[torch.Tensor], int],
                   stop: Optional[Sequence[str]], reuse: Optional[bool],
                   tools: Optional[list]) -> Iterator[Union[str, ChatResult]]:
         """:meth:`stream`'s body with the token picker given (``[vocab]`` logits -> id)."""
@@ -319,7 +319,7 @@ class KVCommEngine:
         # cross-thread-resumed stream (LangChain's async streaming) blocks nobody.
         started = time.perf_counter()
         layout = render_prompt(self.tokenizer, messages, tools=tools)
-        check_length(layout, self.info.max_positions, max_new_tokens, "max_new_tokens")
+        max_new_tokens = reply_budget(layout, self.info.max_positions, max_new_tokens)
         with self._calls.prepared(layout, messages, agent, reuse, max_new_tokens, started) as call:
             first = sampler(call.pre.logits)
             ttft = time.perf_counter() - started

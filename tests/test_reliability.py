@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcomm_agents import BudgetWarning, InvalidRequestError, KVCommConfig, KVCommEngine
+from kvcomm_agents.testing import tiny_llama
 
 from .conftest import REPLY, replayed, solver_messages
 
@@ -31,6 +32,24 @@ def test_prompt_plus_reply_beyond_the_positions_is_refused_before_compute(llama,
     with pytest.raises(InvalidRequestError, match="the prompt alone .* shorten the messages") as error:
         engine.chat(long, agent="a", max_new_tokens=1)
     assert "at most" not in str(error.value)  # no max_new_tokens would fit: none is suggested
+
+
+def test_a_call_naming_no_reply_budget_generates_to_the_end_of_a_short_context(tokenizer, make_engine):
+    """An unset ``max_new_tokens`` means 256 or fewer where the model's positions end first (as
+    an OpenAI-style server reads an unset ``max_tokens``); a budget the call names that does
+    not fit is still refused."""
+    messages = solver_messages("You are solver one.")
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")["input_ids"]
+    n, room = prompt.shape[1], 12
+    model = tiny_llama(tokenizer, seed=0, max_position_embeddings=prompt.shape[1] + room).to(dtype=torch.float32)
+    engine = make_engine(model)
+    result = engine.chat(messages, agent="a")
+    plain = model.generate(prompt, max_new_tokens=room, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, n:]
+    assert result.token_ids == plain.tolist()  # token for token what transformers generates up to the limit
+    assert result.finish_reason == ("stop" if plain[-1] == tokenizer.eos_token_id else "length")
+    assert len(result.token_ids) <= room
+    with pytest.raises(InvalidRequestError, match=f"lower max_new_tokens to at most {room}"):
+        engine.chat(messages, agent="a", max_new_tokens=256)
 
 
 @pytest.mark.parametrize("reuse", [0, "false", "no"])

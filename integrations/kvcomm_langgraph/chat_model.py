@@ -67,7 +67,8 @@ class ChatKVComm(BaseChatModel):
     Args:
         engine: the shared engine; None means the process-wide default (the embedded model).
         agent: the agent name when neither ``@kvcomm_agent`` nor a LangGraph node names one.
-        max_tokens, temperature, top_p, stop, seed: decoding (temperature 0 is greedy).
+        max_tokens, temperature, top_p, stop, seed: decoding (temperature 0 is greedy; max_tokens
+            None: the engine's own, 256 or fewer where the model's positions end).
         reuse: False makes this model's calls dense (they still share their KV).
         streaming: True makes ``invoke`` stream, its tokens reaching callbacks as they come
             (LangChain's switch for it; with tools bound the reply comes whole, at the end).
@@ -80,7 +81,7 @@ class ChatKVComm(BaseChatModel):
 
     engine: Optional[Any] = Field(default=None, exclude=True)
     agent: Optional[str] = None
-    max_tokens: int = Field(default=256, ge=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: Optional[list[str]] = None
@@ -234,13 +235,13 @@ class ChatKVComm(BaseChatModel):
             total_tokens=stats.prompt_tokens + stats.generated_tokens,
             input_token_details={"cache_read": stats.reused_tokens},
         )
+        text, calls, invalid = parse_tool_calls(result.text) if tools_bound else (result.text, [], [])
         metadata = {
             "model_name": self.model_name,
-            "finish_reason": result.finish_reason,
+            "finish_reason": _finish_reason(result, bool(calls)),
             "kvcomm": {"agent": agent, "segment": result.segment.model_dump() if result.segment else None,
-                       "stats": stats.model_dump(mode="json")},
+                       "finish_reason": result.finish_reason, "stats": stats.model_dump(mode="json")},
         }
-        text, calls, invalid = parse_tool_calls(result.text) if tools_bound else (result.text, [], [])
         if chunk:
             # A chunk carries calls as raw argument strings that LangChain parses when chunks are
             # added up; a malformed call keeps the text the model wrote, tags included, so that it
@@ -258,7 +259,7 @@ class ChatKVComm(BaseChatModel):
         agent, options = self._resolve(stop, run_manager, kwargs)
         result = self._engine().chat(to_engine_messages(messages), agent=agent, **options)
         message = self._message(result, agent, bool(options["tools"]))
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})])
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=_info(message))])
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -274,8 +275,22 @@ class ChatKVComm(BaseChatModel):
                     run_manager.on_llm_new_token(item, chunk=chunk)
                 yield chunk
         assert result is not None
-        yield ChatGenerationChunk(message=self._message(result, agent, tools_bound, chunk=True),
-                                  generation_info={"finish_reason": result.finish_reason})
+        message = self._message(result, agent, tools_bound, chunk=True)
+        yield ChatGenerationChunk(message=message, generation_info=_info(message))
+
+
+def _finish_reason(result: EngineResult, called: bool) -> str:
+    """The reply's finish reason as OpenAI's chat models name it, which LangChain providers
+    pass on: ``"tool_calls"`` for a reply that ended on its own with tool calls, ``"stop"`` for
+    a stop string (``response_metadata["kvcomm"]["finish_reason"]`` keeps the engine's own)."""
+    if result.finish_reason in ("stop", "stop_string"):
+        return "tool_calls" if called else "stop"
+    return result.finish_reason
+
+
+def _info(message: BaseMessage) -> dict:
+    """A generation's info: its finish reason, as its message's metadata gives it."""
+    return {"finish_reason": message.response_metadata["finish_reason"]}
 
 
 def _given(kwargs: dict, option: str, default: Any) -> Any:

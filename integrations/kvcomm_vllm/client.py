@@ -50,7 +50,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from kvcomm_vllm.text_ahead import PrefillAhead
 from kvcomm_vllm.reply_ahead import CHUNK, ReplyAhead, copy_prompt
-from kvcomm_agents.paged import check_reuse, render_prompt
+from kvcomm_agents.paged import DEFAULT_MAX_NEW_TOKENS, check_reuse, render_prompt
 from kvcomm_agents import CallStats, ChatResult, InvalidRequestError, SegmentDecision
 
 __all__ = ["VLLMEngine", "prepare_prompt", "remember_reply"]
@@ -90,7 +90,7 @@ class VLLMEngine:
     def model_name(self) -> str:
         return f"kvcomm-vllm:{self.model_id}"
 
-    def chat(self, messages: Sequence[dict], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
+    def chat(self, messages: Sequence[dict], *, agent: str, max_new_tokens: Optional[int] = None, temperature: float = 0.0,
              top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
              reuse: Optional[bool] = None, tools: Optional[list] = None) -> ChatResult:
         """One agent call on the server; see :meth:`KVCommEngine.chat <kvcomm_agents.KVCommEngine.chat>`."""
@@ -167,7 +167,7 @@ class VLLMEngine:
         except Exception as error:  # noqa: BLE001 - a copy is an optimisation
             logger.warning("prefill-ahead copy for %s failed: %s", reader, error)
 
-    def complete(self, ids: list[int], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
+    def complete(self, ids: list[int], *, agent: str, max_new_tokens: Optional[int] = None, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
                  reuse: Optional[bool] = None) -> ChatResult:
         """One call on prompt token ids already rendered with the model's chat template."""
@@ -196,7 +196,7 @@ class VLLMEngine:
                 self._finished(agent, ids, piece)
             yield piece
 
-    def stream_ids(self, ids: list[int], *, agent: str, max_new_tokens: int = 256, temperature: float = 0.0,
+    def stream_ids(self, ids: list[int], *, agent: str, max_new_tokens: Optional[int] = None, temperature: float = 0.0,
                    top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
                    reuse: Optional[bool] = None) -> Iterator[Any]:
         """:meth:`stream` on prompt token ids already rendered with the model's chat template."""
@@ -291,10 +291,12 @@ def remember_reply(tokenizer, replies: Optional[ReplyAhead], agent: str, ids: li
             logger.warning("reply not remembered for copies: %s", error)
 
 
-def _body(model: str, ids: list[int], agent: str, max_new_tokens: int, temperature: float, top_p: float,
+def _body(model: str, ids: list[int], agent: str, max_new_tokens: Optional[int], temperature: float, top_p: float,
           stop: Optional[list[str]], seed: Optional[int], reuse: Optional[bool]) -> dict:
-    """A completions request on token ids; the agent and the opt-out travel in ``kv_transfer_params``."""
-    return {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": temperature,
+    """A completions request on token ids; the agent and the opt-out travel in ``kv_transfer_params``.
+    An unset ``max_new_tokens`` asks for 256 (the server refuses it where the context ends first)."""
+    budget = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    return {"model": model, "prompt": ids, "max_tokens": budget, "temperature": temperature,
             "top_p": top_p, "stop": stop or None, "seed": seed, "return_token_ids": True,
             "kv_transfer_params": {"agent": agent, "reuse": reuse is not False}}
 

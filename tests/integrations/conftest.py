@@ -26,6 +26,7 @@ class ScriptedEngine:
         ids = self.engine.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.engine.tokenizer.eos_token_id]
         kept = {k: v for k, v in options.items() if k in ("reuse", "tools")}
         result = self.engine.replay(messages, agent=agent, reply_ids=ids, **kept).result
+        result = result.model_copy(update={"finish_reason": "stop"})  # scripted as a reply ended by eos
         if result.text:
             yield result.text
         yield result

@@ -166,9 +166,11 @@ def test_tool_calls_round_trip_on_a_tools_template(tools_engine):
     call = bound.invoke(messages)
     assert call.content == "I will add them."
     assert [(c["name"], c["args"]) for c in call.tool_calls] == [("add", {"a": 48, "b": 24})]
+    assert call.response_metadata["finish_reason"] == "tool_calls"  # as OpenAI's models say it
     result = ToolMessage(str(add(**call.tool_calls[0]["args"])) + " clips in total, computed by the add tool", tool_call_id=call.tool_calls[0]["id"], name="add")
     final = bound.invoke(messages + [call, result])
     assert final.content == "The total is 72 clips." and final.tool_calls == []
+    assert final.response_metadata["finish_reason"] == "stop"
     # another agent reads the tool result: it was captured as a segment and is reused
     reader = ChatKVComm(engine=scripted, agent="checker").invoke([SystemMessage("Check the tool output."), HumanMessage(result.content)])
     kinds = {tuple(d["segment"]["kind"]): d["status"] for d in reader.response_metadata["kvcomm"]["stats"]["decisions"]}
@@ -273,7 +275,8 @@ def test_none_call_options_mean_the_models_own_and_an_empty_stop_clears_its_stop
     assert model.invoke(prompt("You are solver one."), max_tokens=None, temperature=None, seed=None).content == plain
     first = plain[:2]
     stopped = ChatKVComm(engine=engine, max_tokens=6, stop=first).invoke(prompt("You are solver one."))
-    assert stopped.content == "" and stopped.response_metadata["finish_reason"] == "stop_string"
+    assert stopped.content == "" and stopped.response_metadata["finish_reason"] == "stop"  # as providers name it
+    assert stopped.response_metadata["kvcomm"]["finish_reason"] == "stop_string"
     cleared = ChatKVComm(engine=engine, max_tokens=6, stop=[first]).invoke(prompt("You are solver one."), stop=[])
     assert cleared.content == plain
 
