@@ -161,7 +161,7 @@ def check_rerotation(model: PreTrainedModel, rotator: RopeRotator, tokenizer=Non
     model's own keys at ``δ..δ+n``. Returns the worst relative error; raises
     :class:`RopeCheckError` if too big.
     """
-    device = model.get_input_embeddings().weight.device
+    device = hf.input_device(model)
     ids = None
     if tokenizer is not None:
         ids = tokenizer("Re-rotation check: the quick brown fox.", add_special_tokens=False)["input_ids"][:8]

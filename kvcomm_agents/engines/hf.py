@@ -23,24 +23,11 @@ from transformers.cache_utils import DynamicLayer
 from .. import forwards
 from ..kv.block import KVBlock, device_groups
 from .growing_cache import GrowingLayer, hold
+from .placement import input_device, kv_devices
 
 __all__ = ["new_cache", "cache_from_block", "layer_kv", "num_cached", "num_layers", "run_forward",
            "input_device", "kv_devices", "position_mask", "Prefill", "prefill", "kv_at_positions", "kv_reader",
            "batchable", "left_padded", "take_row", "keep_first"]
-
-
-def input_device(model: PreTrainedModel) -> torch.device:
-    """Where the model's input ids go (its embedding's device)."""
-    return model.get_input_embeddings().weight.device
-
-
-def kv_devices(model: PreTrainedModel) -> list[torch.device]:
-    """Per decoder layer, where its KV lives: its weights' device (one device unless the model is
-    spread over several with ``device_map``)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        return [input_device(model)] * model.config.num_hidden_layers
-    return [next(layer.parameters()).device for layer in layers]
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
