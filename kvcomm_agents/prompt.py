@@ -2,11 +2,15 @@
 where each message's content sits in the rendered text.
 
 Every strategy sees these same ids, so with reuse off the engine is plain transformers, token
-for token. Tokenizing a chat prompt piece by piece gives other ids (measured on SmolLM2: 128 of
-128 prompts, by 0 to 4 tokens), so pieces are never tokenized alone.
+for token, with one difference: tool calls in a history given to a template that would drop them
+(the embedded model's has no tool support) are written into their turn as text. Tokenizing a
+chat prompt piece by piece gives other ids (measured on SmolLM2: 128 of 128 prompts, by 0 to 4
+tokens), so pieces are never tokenized alone.
 """
 
 from __future__ import annotations
+
+import json
 
 import bisect
 from dataclasses import dataclass, field
@@ -18,7 +22,7 @@ from jinja2 import TemplateError, TemplateSyntaxError
 
 from .errors import InvalidMessagesError, InvalidRequestError
 
-__all__ = ["PromptLayout", "render_prompt", "renders_tools", "normalize_messages", "token_span"]
+__all__ = ["PromptLayout", "render_prompt", "renders_tools", "renders_tool_calls", "normalize_messages", "token_span"]
 
 
 @dataclass
@@ -151,6 +155,37 @@ def renders_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def renders_tool_calls(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template renders an assistant message's ``tool_calls``."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return isinstance(template, str) and "tool_calls" in template
+
+
+def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with its tool calls written after its content as
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, for a template that would drop
+    them (the turn would render empty, and the tool result after it would answer nothing)."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls:
+        return message
+    written = []
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, Mapping) else {}
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass  # kept as the model wrote it
+        written.append(f"<tool_call>{json.dumps({'name': function.get('name'), 'arguments': arguments})}</tool_call>")
+    text = "\n".join(written)
+    content = message["content"]
+    return {**{k: v for k, v in message.items() if k != "tool_calls"},
+            "content": f"{content}\n{text}" if content else text}
+
+
 def render_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], *, tools=None) -> PromptLayout:
     """Render messages with the tokenizer's chat template and tokenize the result as a whole.
 
@@ -164,6 +199,8 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], *, tools=Non
     if tools and not renders_tools(tokenizer):
         raise InvalidRequestError("the tokenizer's chat template does not render tools, so tool calling cannot work; "
                                   "use a model whose template supports tools, or call it without tools")
+    if not renders_tool_calls(tokenizer):
+        clean = [_calls_as_text(message) for message in clean]
     kwargs = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True, **kwargs)

@@ -4,7 +4,7 @@ import pytest
 
 from kvcomm_agents import InvalidMessagesError, InvalidRequestError
 from kvcomm_agents.prompt import normalize_messages, render_prompt, token_span
-from kvcomm_agents.testing import tiny_tokenizer
+from kvcomm_agents.testing import TOOLS_TEMPLATE, tiny_tokenizer
 
 from .conftest import solver_messages
 
@@ -117,3 +117,18 @@ def test_a_broken_template_or_none_is_not_blamed_on_the_messages():
     bare.chat_template = None
     with pytest.raises(InvalidRequestError, match="no chat template"):
         render_prompt(bare, [{"role": "user", "content": "a"}])
+
+
+@pytest.mark.parametrize("arguments", [{"a": 48, "b": 24}, '{"a": 48, "b": 24}'])
+def test_tool_calls_in_a_history_are_written_out_for_a_template_that_drops_them(tokenizer, arguments):
+    """A template without tool support renders an assistant turn that only calls a tool as an
+    empty turn, and the tool result after it answers nothing: the calls are written after the
+    turn's text, in the ``<tool_call>`` form tool templates use."""
+    history = [{"role": "user", "content": "add 48 and 24"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"type": "function", "id": "c1", "function": {"name": "add", "arguments": arguments}}]},
+               {"role": "tool", "content": "72", "tool_call_id": "c1"}]
+    written = '<tool_call>{"name": "add", "arguments": {"a": 48, "b": 24}}</tool_call>'
+    assert f"<|im_start|>assistant\n{written}<|im_end|>" in render_prompt(tokenizer, history).text
+    tools = tiny_tokenizer(chat_template=TOOLS_TEMPLATE)  # renders them itself: left to it
+    assert render_prompt(tools, history).text == tools.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
