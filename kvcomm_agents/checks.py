@@ -8,7 +8,7 @@ from .errors import InvalidMessagesError, InvalidRequestError
 from .prompt import PromptLayout
 
 __all__ = ["check_agent", "check_max_new_tokens", "check_reply_ids", "check_length", "check_reuse", "reply_budget",
-           "DEFAULT_MAX_NEW_TOKENS"]
+           "default_reply_budget", "DEFAULT_MAX_NEW_TOKENS"]
 
 #: The most tokens a reply takes where the call names no ``max_new_tokens``.
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -34,10 +34,16 @@ def reply_budget(layout: PromptLayout, limit: Optional[int], max_new_tokens: Opt
     an OpenAI-style server reads an unset ``max_tokens`` (the reply then ends with
     ``finish_reason="length"``)."""
     if max_new_tokens is None:
-        room = DEFAULT_MAX_NEW_TOKENS if limit is None else limit - int(layout.ids.numel())
-        max_new_tokens = max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
+        max_new_tokens = default_reply_budget(int(layout.ids.numel()), limit)
     check_length(layout, limit, max_new_tokens, "max_new_tokens")
     return max_new_tokens
+
+
+def default_reply_budget(num_prompt: int, limit: Optional[int]) -> int:
+    """:data:`DEFAULT_MAX_NEW_TOKENS`, or fewer where the model's ``limit`` positions (None: no
+    limit) end first after ``num_prompt`` prompt tokens (at least 1: a prompt that fills them is
+    refused with its own message)."""
+    return DEFAULT_MAX_NEW_TOKENS if limit is None else max(1, min(DEFAULT_MAX_NEW_TOKENS, limit - num_prompt))
 
 
 def check_agent(agent) -> None:

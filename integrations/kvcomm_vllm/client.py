@@ -50,7 +50,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from kvcomm_vllm.text_ahead import PrefillAhead
 from kvcomm_vllm.reply_ahead import CHUNK, ReplyAhead, copy_prompt
-from kvcomm_agents.paged import DEFAULT_MAX_NEW_TOKENS, check_reuse, render_prompt
+from kvcomm_agents.paged import check_reuse, default_reply_budget, render_prompt
 from kvcomm_agents import CallStats, ChatResult, InvalidRequestError, SegmentDecision
 
 __all__ = ["VLLMEngine", "prepare_prompt", "remember_reply"]
@@ -82,7 +82,10 @@ class VLLMEngine:
         self.timeout = timeout
         self.ahead = PrefillAhead() if prefill_ahead else None
         self.replies = ReplyAhead() if reply_ahead else None
-        self.model_id = model or self._get("/v1/models")["data"][0]["id"]
+        self._served: Optional[dict] = None  # the served model's card (/v1/models), read once
+        if model is None:
+            self._served = self._get("/v1/models")["data"][0]
+        self.model_id = model or self._served["id"]
         self.tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else \
             _load_tokenizer(tokenizer or self.model_id)
 
@@ -171,7 +174,8 @@ class VLLMEngine:
                  top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
                  reuse: Optional[bool] = None) -> ChatResult:
         """One call on prompt token ids already rendered with the model's chat template."""
-        body = _body(self.model_id, ids, agent, max_new_tokens, temperature, top_p, stop, seed, reuse)
+        budget = self._reply_budget(len(ids), max_new_tokens)
+        body = _body(self.model_id, ids, agent, budget, temperature, top_p, stop, seed, reuse)
         started = time.perf_counter()
         answer = self._post("/v1/completions", body)
         elapsed = time.perf_counter() - started
@@ -200,7 +204,8 @@ class VLLMEngine:
                    top_p: float = 1.0, stop: Optional[list[str]] = None, seed: Optional[int] = None,
                    reuse: Optional[bool] = None) -> Iterator[Any]:
         """:meth:`stream` on prompt token ids already rendered with the model's chat template."""
-        body = _body(self.model_id, ids, agent, max_new_tokens, temperature, top_p, stop, seed, reuse)
+        budget = self._reply_budget(len(ids), max_new_tokens)
+        body = _body(self.model_id, ids, agent, budget, temperature, top_p, stop, seed, reuse)
         body.update(stream=True, stream_options={"include_usage": True})
         started = time.perf_counter()
         first: Optional[float] = None
@@ -227,6 +232,21 @@ class VLLMEngine:
                                       elapsed, report, reuse, streamed=True))
 
     # ---- HTTP -----------------------------------------------------------------------------
+    def _reply_budget(self, num_prompt: int, max_new_tokens: Optional[int]) -> int:
+        """``max_new_tokens``, or where the call names none what the local engine takes: 256, or
+        fewer where the served model's context (``max_model_len`` in vLLM's model card) ends first."""
+        if max_new_tokens is not None:
+            return max_new_tokens
+        if self._served is None:
+            try:
+                cards = self._get("/v1/models")["data"]
+                self._served = next((card for card in cards if card.get("id") == self.model_id), {})
+            except (OSError, ValueError, KeyError) as error:  # unknown: the server checks the length itself
+                logger.warning("the served model's context length is unknown (%s): asking for 256 tokens", error)
+                self._served = {}
+        limit = self._served.get("max_model_len")
+        return default_reply_budget(num_prompt, int(limit) if limit else None)
+
     def _get(self, path: str) -> dict:
         with urllib.request.urlopen(self.base_url + path, timeout=self.timeout) as response:
             return json.loads(response.read())
@@ -291,12 +311,10 @@ def remember_reply(tokenizer, replies: Optional[ReplyAhead], agent: str, ids: li
             logger.warning("reply not remembered for copies: %s", error)
 
 
-def _body(model: str, ids: list[int], agent: str, max_new_tokens: Optional[int], temperature: float, top_p: float,
+def _body(model: str, ids: list[int], agent: str, max_new_tokens: int, temperature: float, top_p: float,
           stop: Optional[list[str]], seed: Optional[int], reuse: Optional[bool]) -> dict:
-    """A completions request on token ids; the agent and the opt-out travel in ``kv_transfer_params``.
-    An unset ``max_new_tokens`` asks for 256 (the server refuses it where the context ends first)."""
-    budget = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
-    return {"model": model, "prompt": ids, "max_tokens": budget, "temperature": temperature,
+    """A completions request on token ids; the agent and the opt-out travel in ``kv_transfer_params``."""
+    return {"model": model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": temperature,
             "top_p": top_p, "stop": stop or None, "seed": seed, "return_token_ids": True,
             "kv_transfer_params": {"agent": agent, "reuse": reuse is not False}}
 

@@ -6,12 +6,12 @@ a runtime's adapter needs from the core, under one public name.
   owns its own cache;
 - re-exported for adapters: the KV block a runtime fills (:class:`KVBlock`), the RoPE check at
   load (:func:`rotator_from_config`), the prompt renderer (:func:`render_prompt`), whether a chat template renders tools
-  (:func:`renders_tools`), the ``reuse`` argument's check (:func:`check_reuse`) and the reply budget of a call that names none (:data:`DEFAULT_MAX_NEW_TOKENS`), the token-run
+  (:func:`renders_tools`), the ``reuse`` argument's check (:func:`check_reuse`) and the reply budget of a call that names none (:func:`default_reply_budget`), the token-run
   index a router scores prompts with (:class:`TokenRunIndex`, :func:`scan`), the Redis segment
   tier (:class:`RedisSegments`, and :func:`local_redis`, a throwaway server for demos and tests) and the embedded model's folder (:func:`embedded_model_dir`).
 """
 
-from ..checks import DEFAULT_MAX_NEW_TOKENS, check_reuse
+from ..checks import check_reuse, default_reply_budget
 from ..embedded import embedded_model_dir
 from ..kv.block import KVBlock
 from ..kv.redis_tier import RedisSegments, local_redis
@@ -22,4 +22,4 @@ from .broker import KVCommBroker, for_runtime
 from .claims import Claim, contiguous_claim
 
 __all__ = ["KVCommBroker", "for_runtime", "Claim", "contiguous_claim", "KVBlock", "RedisSegments", "local_redis", "TokenRunIndex",
-           "scan", "render_prompt", "renders_tools", "check_reuse", "DEFAULT_MAX_NEW_TOKENS", "rotator_from_config", "embedded_model_dir"]
+           "scan", "render_prompt", "renders_tools", "check_reuse", "default_reply_budget", "rotator_from_config", "embedded_model_dir"]

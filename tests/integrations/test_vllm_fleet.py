@@ -70,10 +70,11 @@ class _Replica(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
-        self._send({"data": [{"id": "tiny"}]})
+        self._send({"data": [{"id": "tiny", "max_model_len": 64}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.asked.append(body["max_tokens"])
         seen = self.server.seen
         ids = body["prompt"]
         reused = max((sum(1 for a, b in zip(old, ids) if a == b) for old in seen), default=0)
@@ -108,7 +109,7 @@ def replicas():
     servers = []
     for _ in range(2):
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Replica)
-        server.seen = []
+        server.seen, server.asked = [], []
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
     yield servers
@@ -131,6 +132,19 @@ def test_a_fleet_serves_an_agents_follow_up_where_its_first_turn_ran(replicas, t
     assert both[1][:20] == both[0][:20] and follow.stats.reused_tokens > 20
     assert other.stats.agent == "x" and other.stats.reused_tokens == 0
     assert fleet.model_name == "kvcomm-vllm:tiny"
+
+
+def test_a_call_naming_no_reply_budget_asks_for_what_the_served_context_leaves(replicas, tokenizer):
+    """As the local engine: 256 tokens, or fewer where the served model's context (its card's
+    ``max_model_len``) ends first; a budget the call names is sent as given."""
+    from kvcomm_vllm.client import VLLMEngine
+
+    server = replicas[0]
+    engine = VLLMEngine(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=tokenizer, model="tiny")
+    engine.complete(list(range(5, 45)), agent="a")
+    engine.complete(list(range(5, 45)), agent="a", max_new_tokens=7)
+    list(engine.stream_ids(list(range(5, 15)), agent="a"))
+    assert server.asked == [64 - 40, 7, 64 - 10]
 
 
 def test_the_clients_stats_read_a_brokers_report_with_decisions(llama, tokenizer):

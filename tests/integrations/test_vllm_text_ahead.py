@@ -80,7 +80,7 @@ def test_the_client_sends_copies_the_server_then_serves_as_exact_prefixes(tokeni
     from .test_vllm_fleet import _Replica
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Replica)
-    server.seen = []
+    server.seen, server.asked = [], []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         engine = VLLMEngine(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=tokenizer)
