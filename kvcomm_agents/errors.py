@@ -39,9 +39,10 @@ __all__ = [
 SUPPORTED_MODELS_HINT = (
     "kvcomm-agents reuses KV caches of decoder-only models with rotary position embeddings of "
     "rope_type 'default', 'linear' or 'llama3' (Llama, Qwen2, Mistral families and the like), "
-    "loaded with attn_implementation 'sdpa' or 'eager', with a chat template and a fast tokenizer. "
-    "To run any other causal LM without reuse, pass config=KVCommConfig(method='dense')."
+    "loaded with attn_implementation 'sdpa' or 'eager', with a chat template and a fast tokenizer."
 )
+#: Appended where a model that cannot reuse KV could still be served without reuse.
+DENSE_HINT = "To run any other causal LM without reuse, pass config=KVCommConfig(method='dense')."
 
 
 class KVCommError(Exception):
@@ -51,9 +52,9 @@ class KVCommError(Exception):
 class UnsupportedModelError(KVCommError):
     """The model cannot be used with KV reuse; the message says why and what is supported."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, dense_fallback: bool = True) -> None:
         self.reason = reason
-        super().__init__(f"{reason}. {SUPPORTED_MODELS_HINT}")
+        super().__init__(f"{reason}. {SUPPORTED_MODELS_HINT}" + (f" {DENSE_HINT}" if dense_fallback else ""))
 
 
 class RopeCheckError(UnsupportedModelError):

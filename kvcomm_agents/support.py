@@ -3,7 +3,9 @@
 Config checks refuse what re-rotation cannot handle (dynamic NTK, YaRN, partial or interleaved
 rotary dimensions, per-layer rope bases, MLA, attention kernels that ignore 4-D masks); then a
 numerical self-check re-rotates the model's own layer-0 keys from positions ``0..n`` to
-``δ..δ+n`` and compares them with the keys the model computes there. It fails loudly.
+``δ..δ+n`` and compares them with the keys the model computes there. Before either, every
+model, dense included, passes :func:`~.cache_check.check_cache`. A composite (vision-language)
+config is read through its text config. It fails loudly.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import torch
 from transformers import PreTrainedModel
 
 from .engines import hf
+from .cache_check import check_cache
 from .identity import weights_digest
 from .kv.rope import RopeRotator
 from .errors import RopeCheckError, UnsupportedModelError
 
-__all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint", "check_config", "rotator_from_config"]
+__all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint", "check_config", "rotator_from_config",
+           "text_config"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REUSE_ATTENTION = ("sdpa", "eager")
@@ -56,6 +60,13 @@ def _rope_parameters(config) -> dict:
     return dict(params)
 
 
+def text_config(config):
+    """The decoder's settings: a composite (vision-language) config keeps them under its text
+    config, a text model's config is its own."""
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if callable(getter) else config
+
+
 def _sliding_window(config) -> Optional[int]:
     window = getattr(config, "sliding_window", None)
     if window is None or getattr(config, "use_sliding_window", True) is False:
@@ -74,14 +85,19 @@ def check_config(config, *, attention: Optional[str] = "check") -> None:
     Raises:
         UnsupportedModelError: with what is not supported.
     """
-    model_type = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"'{model_type}' is an encoder-decoder model")
+        raise UnsupportedModelError(f"'{getattr(config, 'model_type', '?')}' is an encoder-decoder model")
+    config = text_config(config)
+    model_type = getattr(config, "model_type", "?")
     if model_type in REFUSED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"'{model_type}' uses per-layer rope bases, sliding-window layers or MLA, "
             "which re-rotation does not support yet"
         )
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "qk_rope_head_dim", None):
+        raise UnsupportedModelError(
+            f"'{model_type}' uses multi-head latent attention (MLA): its cache holds compressed latents "
+            "with decoupled rotary keys, which re-rotation does not model")
     no_rope = getattr(config, "no_rope_layers", None)
     if no_rope is not None and not all(no_rope):
         raise UnsupportedModelError(f"'{model_type}' has layers without rotary embeddings (no_rope_layers)")
@@ -116,6 +132,7 @@ def rotator_from_config(config) -> RopeRotator:
     e.g. vLLM): config checks (:func:`check_config`, attention kernel not checked), then the
     rotary frequencies as transformers computes them for the config's rope type."""
     check_config(config, attention=None)
+    config = text_config(config)
     params = _rope_parameters(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -136,14 +153,16 @@ def rotator_from_config(config) -> RopeRotator:
 
 
 def _check_config(model: PreTrainedModel) -> RopeRotator:
-    config = model.config
+    check_config(model.config)
+    config = text_config(model.config)
     model_type = getattr(config, "model_type", "?")
-    check_config(config)
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
         raise UnsupportedModelError(
-            f"'{model_type}' has no rotary embedding module with inv_freq (absolute or ALiBi positions)"
+            f"'{model_type}' has no rotary embedding module holding its frequencies (rotary_emb.inv_freq) for "
+            "re-rotation to read: absolute or ALiBi positions, a recurrent state, or rotations computed inside "
+            "attention (GPT-J, CodeGen)"
         )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if 2 * inv_freq.numel() != head_dim:
@@ -199,7 +218,7 @@ def check_rerotation(model: PreTrainedModel, rotator: RopeRotator, tokenizer=Non
 def model_fingerprint(model: PreTrainedModel, tokenizer, *, recompute: bool = False) -> str:
     """A short hash of what makes KV compatible: architecture, RoPE, dtype, every weight and
     buffer and the active adapters (:func:`~.identity.weights_digest`), the tokenizer."""
-    config = model.config
+    config = text_config(model.config)
     summary = {
         "type": getattr(config, "model_type", None),
         "name": getattr(config, "_name_or_path", None),
@@ -234,12 +253,14 @@ def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, verify_rope
     if not getattr(tokenizer, "chat_template", None):
         raise UnsupportedModelError("the tokenizer has no chat template")
     rotator = None
-    if reuse:
+    if reuse:  # what the config alone refuses, before any forward
         if not getattr(tokenizer, "is_fast", False):
             raise UnsupportedModelError("reuse needs a fast tokenizer (character offsets)")
         rotator = _check_config(model)
-        if verify_rope:
-            check_rerotation(model, rotator, tokenizer)
-    max_positions = getattr(model.config, "max_position_embeddings", None)
-    return ModelInfo(rotator, _sliding_window(model.config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer),
+    check_cache(model)
+    if reuse and verify_rope:
+        check_rerotation(model, rotator, tokenizer)
+    config = text_config(model.config)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    return ModelInfo(rotator, _sliding_window(config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer),
                      int(max_positions) if max_positions else None)

@@ -20,7 +20,7 @@ from .config import KVCommConfig
 from .engines import hf
 from .support import model_fingerprint, rotator_from_config
 
-__all__ = ["local_redis", "CHATML_TEMPLATE", "TOOLS_TEMPLATE", "tiny_tokenizer", "tiny_llama", "tiny_qwen2", "TINY_CORPUS",
+__all__ = ["local_redis", "CHATML_TEMPLATE", "TOOLS_TEMPLATE", "tiny_tokenizer", "tiny_model", "tiny_llama", "tiny_qwen2", "TINY_CORPUS",
            "PrefixOnlyRuntime"]
 
 CHATML_TEMPLATE = (
@@ -117,13 +117,21 @@ def _shape(tokenizer, overrides: dict) -> dict:
 
 def _build(model_class, config_class, tokenizer, seed: int, overrides: dict):
     torch.manual_seed(seed)
-    config = config_class(**_shape(tokenizer, overrides))
+    config = config_class(**{k: v for k, v in _shape(tokenizer, overrides).items() if v is not None})
     model = model_class(config)
     with torch.no_grad():  # larger weights than the default init, so context visibly matters
         for parameter in model.parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08)
     return model.eval()
+
+
+def tiny_model(model_class, config_class, tokenizer=None, *, seed: int = 0, **overrides):
+    """A seeded random model of any transformers family (``LlamaForCausalLM, LlamaConfig``) in
+    :func:`tiny_llama`'s shape, ``overrides`` applied to its config (None drops a field)."""
+    tokenizer = tokenizer or tiny_tokenizer()
+    overrides.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    return _build(model_class, config_class, tokenizer, seed, overrides)
 
 
 def tiny_llama(tokenizer=None, *, seed: int = 0, **overrides) -> LlamaForCausalLM:

