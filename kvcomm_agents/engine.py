@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
@@ -26,6 +25,7 @@ from .checks import check_agent, check_length, check_max_new_tokens, check_reply
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
+from .engines.placement import model_lock
 from .engines.weight_layout import choose_layout
 from .errors import InvalidRequestError
 from .evaluation import Replay, greedy_prefix, trim_at_eos
@@ -42,7 +42,7 @@ from .prompt import render_prompt
 from .results import ChatResult
 from .prefill_cost import prefill_cost
 from .rerotation_check import RerotationCheck
-from .support import inspect_model, model_fingerprint
+from .support import inspect_model, model_fingerprint, text_config
 from .versions import Versions
 
 __all__ = ["KVCommEngine", "PlanHook"]
@@ -90,7 +90,7 @@ class KVCommEngine:
         self._store = store if store is not None else SegmentStore(
             c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens,
             shared=shared, layer_devices=hf.kv_devices(model) if shared is not None else None)
-        self._lock = threading.RLock()
+        self._lock = model_lock(model)  # shared by engines on a model its forwards change (offloaded)
         self._freeze = BlockCount()
         self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze)
         self._versions = Versions.from_config(c, self._anchors, tokenizer)
@@ -233,7 +233,7 @@ class KVCommEngine:
                 (fingerprint, shapes or dtype differ); the engine's anchors are unchanged and
                 it serves on without them.
         """
-        config = self.model.config
+        config = text_config(self.model.config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         shape = (config.num_hidden_layers - 1, kv_heads, head_dim)

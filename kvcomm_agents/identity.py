@@ -25,6 +25,9 @@ from typing import Hashable, Iterator
 
 import torch
 
+from .engines.placement import covers_children, offload_hook, offloaded_buffers, offloaded_tensors, offloads_buffers
+from .errors import UnsupportedModelError
+
 __all__ = ["weights_digest", "values_kept", "WeightsWatch"]
 
 _CHUNK = 1 << 24  # elements per reduction step (bounded extra memory)
@@ -110,66 +113,52 @@ def values_kept(model: torch.nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def _compute_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
-    offloaded = _offloaded_weights(model)
+    offloaded = offloaded_tensors(model)
     for name, tensor in _named_tensors(model):
-        if tensor.device.type == "meta":  # offloaded by accelerate: the weights are where it keeps them
-            tensor = _offloaded_tensor(offloaded, name.split(":", 1)[1])
-            if tensor is None:
-                digest.update(f"{name}:meta".encode())
-                continue
+        kept = offloaded.get(name.split(":", 1)[1])
+        if kept is not None:  # offloaded by accelerate: read where its hook loads it from
+            tensor = _read_offloaded(name, *kept)
+        elif tensor.is_meta:
+            digest.update(f"{name}:meta".encode())
+            continue
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{_tensor_checksum(tensor)};".encode())
     digest.update(repr(_active_adapters(model)).encode())
     return digest.hexdigest()[:32]
 
 
-def _offloaded_weights(model: torch.nn.Module) -> list:
-    """The maps of the weights accelerate offloaded (``device_map`` with CPU or disk offload,
-    ``cpu_offload``): its hooks keep the model's tensors on the meta device and load each from
-    such a map, keyed by the tensor's full name, for every forward. Each map once."""
-    maps: dict[int, object] = {}
-    for module in model.modules():
-        _collect_offloaded(module, maps)
-    return list(maps.values())
+def _read_offloaded(name: str, weights, key: str) -> torch.Tensor:
+    """An offloaded tensor from its hook's weights map (read from disk where it is kept there)."""
+    try:
+        return weights[key]
+    except KeyError as error:  # a digest without these weights could match another model's
+        raise UnsupportedModelError(
+            f"the offloaded weight {name.split(':', 1)[1]!r} is not in the map its accelerate hook loads it from "
+            f"(key {key!r}); the model's identity is its weights, and these cannot be read", dense_fallback=False,
+        ) from error
 
 
-def _collect_offloaded(module: torch.nn.Module, maps: dict) -> None:
-    """Add the map of ``module``'s offloaded weights, if accelerate's hook keeps one, to ``maps``."""
-    hook = getattr(module, "_hf_hook", None)
-    if hook is None:
-        return
-    for part in getattr(hook, "hooks", None) or [hook]:  # a SequentialHook holds several
-        weights = getattr(part, "weights_map", None) if getattr(part, "offload", False) else None
-        if weights is not None:
-            dataset = getattr(weights, "dataset", weights)  # PrefixedDataset: the whole map
-            maps.setdefault(id(dataset), dataset)
-
-
-def _offloaded_tensor(maps: list, name: str):
-    """The offloaded tensor of ``name`` (read from disk where the map keeps it there), or None."""
-    for weights in maps:
-        if name in weights:
-            return weights[name]
-    return None
-
-
-def _offloaded_state(maps: list) -> tuple:
+def _offloaded_state(maps: dict) -> tuple:
     """What :class:`WeightsWatch` reads of offloaded weights: each tensor a map holds in memory,
     as it reads a module's own (a tensor read from disk for each forward is a file's, not
     watched: ``refresh_fingerprint`` after rewriting one)."""
     state = []
-    for weights in maps:
-        in_memory = getattr(weights, "state_dict", weights)  # OffloadedWeightsLoader: its in-memory part
+    for dataset in maps.values():
+        in_memory = getattr(dataset, "state_dict", dataset)  # OffloadedWeightsLoader: its in-memory part
         if isinstance(in_memory, dict):
             state.extend(_tensor_state(name, t) for name, t in in_memory.items())
     return tuple(state)
 
 
-def _tensor_state(name: str, t: torch.Tensor) -> tuple:
-    """A tensor's object, in-place version counter and memory address (an inference tensor or
-    an offloaded one on the meta device, which accelerate replaces at each forward: its shape)."""
-    if t.device.type == "meta" or t.is_inference():
-        return (name, t.device.type, tuple(t.shape))
-    return (name, id(t), t._version, t.data_ptr())
+def _tensor_state(name: str, t: torch.Tensor, offloaded: bool = False) -> tuple:
+    """A tensor's object, in-place version counter and memory address; an inference tensor has
+    no version counter: its object and address. An offloaded one (``offloaded``), which
+    accelerate replaces at each forward, is watched in its map (:func:`_offloaded_state`)."""
+    if offloaded:
+        return (name, "offloaded", tuple(t.shape))
+    try:
+        return (name, id(t), t._version, t.data_ptr())
+    except RuntimeError:  # an inference tensor (rare: no test per tensor on the common path)
+        return (name, id(t), t.data_ptr())
 
 
 def _active_adapters(model: torch.nn.Module) -> Hashable:
@@ -215,18 +204,31 @@ def _snapshot(model: torch.nn.Module) -> tuple:
     ``param.data = ...`` (which bumps no version counter) changes it. A write *into* ``.data``
     (``param.data.mul_(2)``) changes none of these: ``refresh_fingerprint`` is for that."""
     state: list = []
-    stack, seen, offloaded = [model], set(), {}
+    # (module, what an ancestor's hook offloads of it: None, or whether its buffers too)
+    stack, seen, maps = [(model, None)], set(), {}
     while stack:
-        module = stack.pop()
+        module, covered = stack.pop()
         if id(module) in seen:  # shared or cyclic: read once, as named_modules does
             continue
         seen.add(id(module))
         state.append(id(module))
-        _collect_offloaded(module, offloaded)
-        for slots in (module._parameters, module._buffers):
-            state.extend(_tensor_state(name, t) for name, t in slots.items() if t is not None)
+        hook = offload_hook(module) if "_hf_hook" in module.__dict__ else None
+        if hook is not None:  # its map, each once: the hooks' PrefixedDatasets share one
+            dataset = getattr(hook.weights_map, "dataset", hook.weights_map)
+            maps[id(dataset)] = dataset
+            covered_here = offloads_buffers(hook)
+        else:
+            covered_here = covered
+        if covered_here is None:  # the common case: nothing offloaded
+            for slots in (module._parameters, module._buffers):
+                state.extend(_tensor_state(name, t) for name, t in slots.items() if t is not None)
+        else:
+            kept = {name for name, _ in offloaded_buffers(module)} if covered_here else ()
+            state.extend(_tensor_state(name, t, True) for name, t in module._parameters.items() if t is not None)
+            state.extend(_tensor_state(name, t, name in kept) for name, t in module._buffers.items() if t is not None)
+        below = (covered_here if covers_children(hook) else None) if hook is not None else covered
         for name, child in module._modules.items():
             if child is not None:
                 state.append(name)
-                stack.append(child)
-    return (tuple(state), _offloaded_state(list(offloaded.values())), _active_adapters(model))
+                stack.append((child, below))
+    return (tuple(state), _offloaded_state(maps) if maps else (), _active_adapters(model))

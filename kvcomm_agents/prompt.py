@@ -155,15 +155,17 @@ def renders_tools(tokenizer) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def renders_tool_calls(tokenizer) -> bool:
-    """Whether ``tokenizer``'s chat template renders an assistant message's ``tool_calls``."""
+def renders_tool_calls(tokenizer, tools=None) -> bool:
+    """Whether the chat template a call with ``tools`` renders with (a template per use: the
+    ``tool_use`` one where tools are given and it exists) renders an assistant message's
+    ``tool_calls``."""
     template = tokenizer.chat_template
     if isinstance(template, dict):
-        template = " ".join(template.values())
+        template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
     return isinstance(template, str) and "tool_calls" in template
 
 
-def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+def _calls_as_text(index: int, message: dict[str, Any]) -> dict[str, Any]:
     """``message`` with its tool calls written after its content as
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, for a template that would drop
     them (the turn would render empty, and the tool result after it would answer nothing)."""
@@ -172,14 +174,21 @@ def _calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
         return message
     written = []
     for call in calls:
-        function = call.get("function", call) if isinstance(call, Mapping) else {}
+        function = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise InvalidMessagesError(f"message {index} has a tool call that is not a mapping with a name and "
+                                       f"arguments: {call!r}")
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except ValueError:
                 pass  # kept as the model wrote it
-        written.append(f"<tool_call>{json.dumps({'name': function.get('name'), 'arguments': arguments})}</tool_call>")
+        try:
+            payload = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+        except (TypeError, ValueError) as error:
+            raise InvalidMessagesError(f"message {index} has a tool call whose arguments are not JSON: {error}") from error
+        written.append(f"<tool_call>{payload}</tool_call>")
     text = "\n".join(written)
     content = message["content"]
     return {**{k: v for k, v in message.items() if k != "tool_calls"},
@@ -199,8 +208,8 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], *, tools=Non
     if tools and not renders_tools(tokenizer):
         raise InvalidRequestError("the tokenizer's chat template does not render tools, so tool calling cannot work; "
                                   "use a model whose template supports tools, or call it without tools")
-    if not renders_tool_calls(tokenizer):
-        clean = [_calls_as_text(message) for message in clean]
+    if not renders_tool_calls(tokenizer, tools):
+        clean = [_calls_as_text(i, message) for i, message in enumerate(clean)]
     kwargs = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True, **kwargs)

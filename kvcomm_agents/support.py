@@ -29,9 +29,9 @@ __all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint"
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REUSE_ATTENTION = ("sdpa", "eager")
-#: Architectures refused outright: per-layer rope bases / sliding layers (Gemma 2/3), MLA with
-#: decoupled rotary keys (DeepSeek V2/V3).
-REFUSED_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "deepseek_v2", "deepseek_v3", "cohere2")
+#: Architectures refused outright: per-layer rope bases / sliding layers (Gemma 2/3, Cohere 2).
+#: MLA (DeepSeek V2/V3, MiniCPM3, ...) is refused by its config fields, whatever the type.
+REFUSED_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "cohere2")
 _CHECK_SHIFT = 29
 
 
@@ -91,7 +91,7 @@ def check_config(config, *, attention: Optional[str] = "check") -> None:
     model_type = getattr(config, "model_type", "?")
     if model_type in REFUSED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"'{model_type}' uses per-layer rope bases, sliding-window layers or MLA, "
+            f"'{model_type}' uses per-layer rope bases or sliding-window layers, "
             "which re-rotation does not support yet"
         )
     if getattr(config, "kv_lora_rank", None) or getattr(config, "qk_rope_head_dim", None):

@@ -3,6 +3,7 @@ its weights on the meta device between forwards: it is served as the same model 
 would be (its replies, its reuse), and the weights it offloaded are its identity."""
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -54,3 +55,25 @@ def test_a_change_to_offloaded_weights_is_noticed_before_the_next_call(tokenizer
         changed.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-2
     assert engine.fingerprint != before
     assert weights_digest(model) == weights_digest(changed)
+
+
+def test_weights_offloaded_below_the_top_module_are_read_by_their_hooks_keys(tokenizer):
+    """``cpu_offload(model.model)`` keys its map from the decoder, not the whole model: two
+    models differing only there must not share a digest."""
+    first, second = tiny_llama(tokenizer, seed=0), tiny_llama(tokenizer, seed=1)
+    second.lm_head.load_state_dict(first.lm_head.state_dict())
+    for model in (first, second):
+        cpu_offload(model.model, execution_device=torch.device("cpu"))
+    assert weights_digest(first) != weights_digest(second)
+
+
+def test_engines_sharing_an_offloaded_model_take_turns(tokenizer, make_engine):
+    """accelerate loads offloaded weights into the modules for each forward: two engines' calls
+    at once would find each other's weights half moved, so they share one lock."""
+    model = tiny_llama(tokenizer, seed=0)
+    expected = _exchange(make_engine(copy.deepcopy(model)))
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    engines = [make_engine(model) for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda engine: [_exchange(engine) for _ in range(3)], engines))
+    assert all(result[0] == expected for result in results)

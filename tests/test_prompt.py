@@ -132,3 +132,16 @@ def test_tool_calls_in_a_history_are_written_out_for_a_template_that_drops_them(
     assert f"<|im_start|>assistant\n{written}<|im_end|>" in render_prompt(tokenizer, history).text
     tools = tiny_tokenizer(chat_template=TOOLS_TEMPLATE)  # renders them itself: left to it
     assert render_prompt(tools, history).text == tools.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+
+
+def test_tool_calls_written_out_keep_their_text_and_refuse_what_is_not_json(tokenizer):
+    calls = [{"type": "function", "function": {"name": "größe", "arguments": {"stadt": "Zürich"}}}]
+    history = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "Ich schaue nach.", "tool_calls": calls}]
+    written = '<tool_call>{"name": "größe", "arguments": {"stadt": "Zürich"}}</tool_call>'
+    assert f"Ich schaue nach.\n{written}<|im_end|>" in render_prompt(tokenizer, history).text  # as a model writes it
+    history[1]["tool_calls"] = [{"type": "function", "function": {"name": "f", "arguments": {"at": object()}}}]
+    with pytest.raises(InvalidMessagesError, match="message 1 has a tool call whose arguments are not JSON"):
+        render_prompt(tokenizer, history)
+    history[1]["tool_calls"] = ["f(1)"]
+    with pytest.raises(InvalidMessagesError, match="message 1 has a tool call that is not a mapping"):
+        render_prompt(tokenizer, history)

@@ -145,18 +145,31 @@ def test_a_model_that_keeps_its_context_elsewhere_is_refused_at_load_even_dense(
 
 
 @pytest.mark.model
-def test_multi_head_latent_attention_is_refused_at_load_with_reuse_or_dense(tokenizer):
-    """transformers' MLA cannot take several ids onto a filled cache (a prompt after a stored
-    prefix, a drafted decode step): found at load, not mid-call."""
-    from transformers import MiniCPM3Config, MiniCPM3ForCausalLM
+def test_multi_head_latent_attention_is_refused_for_reuse_and_served_dense(tokenizer):
+    """MLA caches compressed latents with decoupled rotary keys: no re-rotation; dense serves it
+    as ``generate`` does (the load-time cache check passes: DeepSeek's shape, a KV head per head)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = small(MiniCPM3Config, tokenizer, head_dim=None, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
-                   qk_rope_head_dim=8, v_head_dim=16, attn_implementation="sdpa")
-    model = _randomised(MiniCPM3ForCausalLM(config))
-    with pytest.raises(UnsupportedModelError, match="extending a filled cache by several ids"):
-        KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
-    with pytest.raises(UnsupportedModelError, match="multi-head latent attention"):  # from the config, with reuse
+    config = small(DeepseekV3Config, tokenizer, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                   n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, attn_implementation="sdpa")
+    model = _randomised(DeepseekV3ForCausalLM(config))
+    with pytest.raises(UnsupportedModelError, match="multi-head latent attention") as error:
         KVCommEngine(model, tokenizer)
+    assert "method='dense'" in str(error.value)
+    messages = solver_messages("You are solver one.")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")["input_ids"]
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    assert dense.chat(messages, agent="a", max_new_tokens=8).token_ids == plain.tolist()
+
+
+@pytest.mark.model
+def test_a_model_in_training_mode_is_checked_in_eval_mode_and_left_as_it_was(tokenizer):
+    """Dropout would tell a forward onto a filled cache from one forward of the whole sequence."""
+    model = tiny_llama(tokenizer, attention_dropout=0.3).train()
+    KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    assert model.training
 
 
 @pytest.mark.model

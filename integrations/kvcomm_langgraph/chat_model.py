@@ -154,7 +154,8 @@ class ChatKVComm(BaseChatModel):
         the options it decodes with, resolved as the call resolves them (the model's own where
         the call leaves one out or passes None)."""
         agent, options = self._resolve(stop, None, kwargs)
-        key = {**kwargs, **options, "_type": self._llm_type, "model": self._model_identity(), "agent": agent}
+        given = {k: v for k, v in kwargs.items() if v is not None}  # None is the model's own, as left out
+        key = {**given, **options, "_type": self._llm_type, "model": self._model_identity(), "agent": agent}
         return str(sorted(key.items()))
 
     @property
@@ -281,8 +282,9 @@ class ChatKVComm(BaseChatModel):
 
 def _finish_reason(result: EngineResult, called: bool) -> str:
     """The reply's finish reason as OpenAI's chat models name it, which LangChain providers
-    pass on: ``"tool_calls"`` for a reply that ended on its own with tool calls, ``"stop"`` for
-    a stop string (``response_metadata["kvcomm"]["finish_reason"]`` keeps the engine's own)."""
+    pass on: ``"tool_calls"`` for a reply with tool calls that ended (an end-of-sequence id or a
+    stop string), else ``"stop"`` for either; ``"length"`` as it is
+    (``response_metadata["kvcomm"]["finish_reason"]`` keeps the engine's own)."""
     if result.finish_reason in ("stop", "stop_string"):
         return "tool_calls" if called else "stop"
     return result.finish_reason

@@ -271,6 +271,7 @@ def test_two_models_and_two_agents_never_share_langchains_cache(engine, tokenize
 
 def test_none_call_options_mean_the_models_own_and_an_empty_stop_clears_its_stop(engine):
     model = ChatKVComm(engine=engine, max_tokens=6, stop=["\x00never"])
+    assert model._get_llm_string(max_tokens=None, seed=None) == model._get_llm_string()  # one LLM-cache entry
     plain = model.invoke(prompt("You are solver one.")).content
     assert model.invoke(prompt("You are solver one."), max_tokens=None, temperature=None, seed=None).content == plain
     first = plain[:2]
