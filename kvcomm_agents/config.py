@@ -128,9 +128,9 @@ class KVCommConfig(BaseModel):
             "new position, no correction and nothing measured (as fast as the default on the benchmark's graphs, "
             "with the same computed heads, tails and short runs; nothing checks its fidelity on yours). "
             "'exact_prefix': only the "
-            "longest prefix an earlier call computed is reused, exactly (what vLLM and SGLang give). 'dense': no "
-            "reuse at all (no KV kept; plain_transformers() also steps one id at a time, alone); also the way to "
-            "run a model re-rotation does not support."
+            "longest prefix an earlier call computed is reused, exactly (what vLLM and SGLang give; also on models "
+            "re-rotation refuses, but dynamic NTK). 'dense': no reuse at all (no KV kept; plain_transformers() also "
+            "steps one id at a time, alone); also the way to run any other model."
         ),
     )
     min_match_tokens: int = Field(default=8, ge=1, description=(

@@ -78,7 +78,7 @@ class KVCommEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or KVCommConfig()
-        self.info = inspect_model(model, tokenizer, reuse=self.config.reuse)
+        self.info = inspect_model(model, tokenizer, reuse=self.config.reuse, exact_only=self.config.method == "exact_prefix")
         #: how the model's linear weights lie in memory, and why (:mod:`.engines.weight_layout`)
         self.weight_layout = choose_layout(model, self.config.weight_layout, folder=measurements_folder(self.config))
         self._weights = WeightsWatch(model)

@@ -119,12 +119,14 @@ def check_config(config, *, attention: Optional[str] = "check") -> None:
     if partial is not None and float(partial) != 1.0:
         raise UnsupportedModelError(f"partial rotary embeddings (factor {partial}) are not supported")
     if attention == "check":
-        attention = getattr(config, "_attn_implementation", None)
-        if attention not in REUSE_ATTENTION:
-            raise UnsupportedModelError(
-                f"attn_implementation '{attention}' ignores custom 4-D attention masks, which reuse "
-                "needs; load the model with attn_implementation='sdpa'"
-            )
+        _check_attention(config)
+
+
+def _check_attention(config) -> None:
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in REUSE_ATTENTION:
+        raise UnsupportedModelError(f"attn_implementation '{attention}' ignores custom 4-D attention masks, which reuse "
+                                    "needs; load the model with attn_implementation='sdpa'")
 
 
 def rotator_from_config(config) -> RopeRotator:
@@ -150,6 +152,24 @@ def rotator_from_config(config) -> RopeRotator:
         raise UnsupportedModelError(
             f"rotary embeddings cover {2 * inv_freq.numel()} of {head_dim} head channels (partial rotary)")
     return RopeRotator(inv_freq)
+
+
+def _check_exact_prefix(config) -> None:
+    """What reusing exact prefixes needs of a config: positions whose encoding does not depend on
+    the sequence's length (dynamic NTK recomputes its frequencies past the original length, so a
+    prefix computed shorter differs) and an attention kernel that takes 4-D masks. Any position
+    scheme passes otherwise (absolute, ALiBi, partial or scaled RoPE): the load-time cache check
+    proves the model extends a filled cache as one forward computes it."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"'{getattr(config, 'model_type', '?')}' is an encoder-decoder model")
+    config = text_config(config)
+    params = _rope_parameters(config)
+    kinds = [v.get("rope_type", v.get("type")) for v in params.values()] \
+        if params and all(isinstance(v, dict) for v in params.values()) else [params.get("rope_type", params.get("type"))]
+    if "dynamic" in kinds:
+        raise UnsupportedModelError("rope_type 'dynamic' (dynamic NTK) changes frequencies with sequence length, so a "
+                                    "prefix's KV computed on a shorter sequence is not the KV a longer prompt computes")
+    _check_attention(config)
 
 
 def _check_config(model: PreTrainedModel) -> RopeRotator:
@@ -248,17 +268,23 @@ def _eos_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, verify_rope: bool = True) -> ModelInfo:
-    """Check ``model`` and ``tokenizer`` and describe them, or raise :class:`UnsupportedModelError`."""
+def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, exact_only: bool = False,
+                  verify_rope: bool = True) -> ModelInfo:
+    """Check ``model`` and ``tokenizer`` and describe them, or raise :class:`UnsupportedModelError`.
+    ``exact_only`` (``method="exact_prefix"``): KV is only ever reused at the positions it was
+    computed at, so nothing is re-rotated and only what an exact prefix needs is checked."""
     if not getattr(tokenizer, "chat_template", None):
         raise UnsupportedModelError("the tokenizer has no chat template")
     rotator = None
     if reuse:  # what the config alone refuses, before any forward
         if not getattr(tokenizer, "is_fast", False):
             raise UnsupportedModelError("reuse needs a fast tokenizer (character offsets)")
-        rotator = _check_config(model)
+        if exact_only:
+            _check_exact_prefix(model.config)
+        else:
+            rotator = _check_config(model)
     check_cache(model)
-    if reuse and verify_rope:
+    if rotator is not None and verify_rope:
         check_rerotation(model, rotator, tokenizer)
     config = text_config(model.config)
     max_positions = getattr(config, "max_position_embeddings", None)

@@ -204,3 +204,26 @@ def test_rotations_computed_inside_attention_are_named_as_a_cause(tokenizer):
                                        n_positions=1024, attn_implementation="sdpa"))
     with pytest.raises(UnsupportedModelError, match="rotations computed inside attention"):
         KVCommEngine(model, tokenizer)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", ["gpt2", "phi"])
+def test_exact_prefixes_are_reused_on_models_re_rotation_refuses(tokenizer, family):
+    """An exact prefix is reused at the positions it was computed at: absolute positions (GPT-2)
+    and partial rotary (Phi) serve ``method="exact_prefix"``, logits equal to dense prefill."""
+    if family == "gpt2":
+        model = _randomised(GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4,
+                                                       n_positions=1024, attn_implementation="sdpa")))
+    else:
+        model = _randomised(PhiForCausalLM(small(PhiConfig, tokenizer, partial_rotary_factor=0.5, attn_implementation="sdpa")))
+    with pytest.raises(UnsupportedModelError):
+        KVCommEngine(model, tokenizer)  # re-rotation: refused
+    engine = KVCommEngine(model, tokenizer, config=KVCommConfig(method="exact_prefix"))
+    dense = KVCommEngine(model, tokenizer, config=KVCommConfig(method="dense"))
+    first = engine.chat(solver_messages("You are solver one."), agent="a", max_new_tokens=8)
+    follow_up = solver_messages("You are solver one.") + [{"role": "assistant", "content": first.text},
+                                                          {"role": "user", "content": "Check it."}]
+    served = engine.greedy(follow_up, agent="a", max_new_tokens=1)
+    assert served.result.stats.reused_tokens > 20
+    torch.testing.assert_close(served.logits[0], dense.greedy(follow_up, agent="a", max_new_tokens=1).logits[0],
+                               atol=1e-4, rtol=0)
