@@ -5,9 +5,10 @@ adapter, an in-place weight change). :func:`weights_digest` reads every paramete
 once, with its name, shape and dtype: a tensor on the CPU is hashed byte for byte (SHA-256 over
 its memory, no copy); a tensor on an accelerator is reduced where it lives, in chunks, to the
 plain and the position-weighted sums of its raw bits read as integers (a single changed element
-or a permutation changes them), so no weights cross to the host. One pass over the weights: about
-half a second for the embedded 135M model on a CPU core. Not meant to resist a deliberate
-collision.
+or a permutation changes them), so no weights cross to the host. A weight accelerate offloads
+(on the meta device between forwards) is read where its hook loads it from. One pass over the
+weights: about half a second for the embedded 135M model on a CPU core. Not meant to resist a
+deliberate collision.
 
 :class:`WeightsWatch` tells cheaply, before every call, whether the weights may have changed since
 the digest: another tensor object under a name, an in-place write (every in-place operation bumps
@@ -157,7 +158,7 @@ def _tensor_state(name: str, t: torch.Tensor, offloaded: bool = False) -> tuple:
         return (name, "offloaded", tuple(t.shape))
     try:
         return (name, id(t), t._version, t.data_ptr())
-    except RuntimeError:  # an inference tensor (rare: no test per tensor on the common path)
+    except RuntimeError:  # an inference tensor: rare, so a try rather than a check on every tensor
         return (name, id(t), t.data_ptr())
 
 
