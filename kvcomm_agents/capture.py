@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from .config import KVCommConfig
+from .errors import InvalidRequestError
 from .kv.block import KVBlock
 from .kv.own_text import OwnTextStore
 from .kv.rope import RopeRotator
@@ -69,7 +70,7 @@ class CallCapture:
         own_texts: where the agents' own-text KV goes (own-text reuse), or None.
     """
 
-    def __init__(self, store: SegmentStore, tokenizer, rotator: RopeRotator, fingerprint: str,
+    def __init__(self, store: SegmentStore, tokenizer, rotator: Optional[RopeRotator], fingerprint: str,
                  config: KVCommConfig, own_texts: Optional[OwnTextStore] = None):
         self.store, self.tokenizer, self.rotator = store, tokenizer, rotator
         self.fingerprint, self.config = fingerprint, config
@@ -80,6 +81,9 @@ class CallCapture:
         """Prompt positions ``start .. start + len(token_ids)`` as a segment (keys de-rotated by
         ``-start``, computed at ``start``); ``context_ids``: the ids before ``start`` (the KV's
         context)."""
+        if self.rotator is None and start:
+            raise InvalidRequestError("this model's KV cannot be re-rotated (method='exact_prefix' on a model that "
+                                      "re-rotation refuses), so no segment can be kept for other prompts")
         block = kv_at(torch.arange(start, start + len(token_ids))).shifted(self.rotator, -start)
         return KVSegment.create(kind=kind, text=text, token_ids=token_ids, char_spans=char_spans, kv=block,
                                 fingerprint=self.fingerprint, context_ids=context_ids[-CONTEXT_TOKENS:],

@@ -272,20 +272,28 @@ def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, exact_only:
                   verify_rope: bool = True) -> ModelInfo:
     """Check ``model`` and ``tokenizer`` and describe them, or raise :class:`UnsupportedModelError`.
     ``exact_only`` (``method="exact_prefix"``): KV is only ever reused at the positions it was
-    computed at, so nothing is re-rotated and only what an exact prefix needs is checked."""
+    computed at, so a model re-rotation refuses is served with only what an exact prefix needs
+    checked, and no rotator (no segment is kept for other prompts)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UnsupportedModelError("the tokenizer has no chat template")
     rotator = None
     if reuse:  # what the config alone refuses, before any forward
         if not getattr(tokenizer, "is_fast", False):
             raise UnsupportedModelError("reuse needs a fast tokenizer (character offsets)")
-        if exact_only:
-            _check_exact_prefix(model.config)
-        else:
+        try:
             rotator = _check_config(model)
+        except UnsupportedModelError:
+            if not exact_only:
+                raise
+            _check_exact_prefix(model.config)  # exact prefixes need no re-rotation
     check_cache(model)
     if rotator is not None and verify_rope:
-        check_rerotation(model, rotator, tokenizer)
+        try:
+            check_rerotation(model, rotator, tokenizer)
+        except RopeCheckError:
+            if not exact_only:
+                raise
+            rotator = None
     config = text_config(model.config)
     max_positions = getattr(config, "max_position_embeddings", None)
     return ModelInfo(rotator, _sliding_window(config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM
 
-from kvcomm_agents import KVCommConfig, KVCommEngine, ModelNotAvailableError, UnsupportedModelError
+from kvcomm_agents import InvalidRequestError, KVCommConfig, KVCommEngine, ModelNotAvailableError, UnsupportedModelError
 from kvcomm_agents import embedded
 from kvcomm_agents.support import check_rerotation, rotator_from_config
 from kvcomm_agents.testing import tiny_llama, tiny_tokenizer
@@ -227,3 +227,5 @@ def test_exact_prefixes_are_reused_on_models_re_rotation_refuses(tokenizer, fami
     assert served.result.stats.reused_tokens > 20
     torch.testing.assert_close(served.logits[0], dense.greedy(follow_up, agent="a", max_new_tokens=1).logits[0],
                                atol=1e-4, rtol=0)
+    with pytest.raises(InvalidRequestError, match="no segment can be kept"):  # it could not be read re-rotated
+        engine.add_segment("A shared document.", kind=("user", None))
