@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from .engines import hf
 from .errors import UnsupportedModelError
+from .model_config import sliding_window, text_config
 
 __all__ = ["check_cache"]
 
@@ -43,9 +44,8 @@ def check_cache(model: PreTrainedModel) -> None:
     """
     if model in _PASSED:
         return
-    config = model.config.get_text_config(decoder=True)
-    model_type = getattr(config, "model_type", "?")
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) is not False else None
+    model_type = getattr(text_config(model.config), "model_type", "?")
+    window = sliding_window(model.config)
     if window is not None and window <= _IDS:  # the cache keeps the window only: nothing to compare (test-sized)
         return
     device = hf.input_device(model)

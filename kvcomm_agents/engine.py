@@ -42,7 +42,8 @@ from .prompt import render_prompt
 from .results import ChatResult
 from .prefill_cost import prefill_cost
 from .rerotation_check import RerotationCheck
-from .support import inspect_model, model_fingerprint, text_config
+from .model_config import text_config
+from .support import inspect_model, model_fingerprint
 from .versions import Versions
 
 __all__ = ["KVCommEngine", "PlanHook"]
@@ -105,8 +106,7 @@ class KVCommEngine:
             model, c, self.info, self._lock, self._weights, self._calibrating, self._store, self._anchors,
             self._versions, self._own_texts, self._framer, self._auditor, self._capture,
             plan_hook=lambda: None if self.plan_hook is None else (lambda plan: self.plan_hook(self, plan)),
-            refresh_weights=self._refresh_changed_weights,
-            prefill_cost=cost,
+            refresh_weights=self._refresh_changed_weights, prefill_cost=cost,
             rerotation_check=RerotationCheck(model, self.info.rotator, c, self._store, self.info.fingerprint,
                                              self._anchors, cost),
             remember=lambda: self._remembered is not None and self._remembered.sync(self._anchors.frozen)))

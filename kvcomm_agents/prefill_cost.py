@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from .model_config import text_config
 from .plan import CallPlan
 
 __all__ = ["PrefillCost", "prefill_cost"]
@@ -65,8 +66,7 @@ def prefill_cost(model, device: torch.device) -> Optional[PrefillCost]:
     embeddings)."""
     if torch.device(device).type != "cpu":
         return None
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(getattr(model, "config", None))
     heads = getattr(text, "num_attention_heads", None)
     layers = getattr(text, "num_hidden_layers", None)
     hidden = getattr(text, "hidden_size", None)

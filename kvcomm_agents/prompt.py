@@ -10,9 +10,8 @@ tokens), so pieces are never tokenized alone.
 
 from __future__ import annotations
 
-import json
-
 import bisect
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 

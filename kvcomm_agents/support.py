@@ -21,11 +21,11 @@ from transformers import PreTrainedModel
 from .engines import hf
 from .cache_check import check_cache
 from .identity import weights_digest
+from .model_config import sliding_window, text_config
 from .kv.rope import RopeRotator
 from .errors import RopeCheckError, UnsupportedModelError
 
-__all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint", "check_config", "rotator_from_config",
-           "text_config"]
+__all__ = ["ModelInfo", "inspect_model", "check_rerotation", "model_fingerprint", "check_config", "rotator_from_config"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REUSE_ATTENTION = ("sdpa", "eager")
@@ -58,20 +58,6 @@ class ModelInfo:
 def _rope_parameters(config) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return dict(params)
-
-
-def text_config(config):
-    """The decoder's settings: a composite (vision-language) config keeps them under its text
-    config, a text model's config is its own."""
-    getter = getattr(config, "get_text_config", None)
-    return getter(decoder=True) if callable(getter) else config
-
-
-def _sliding_window(config) -> Optional[int]:
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
 
 
 def check_config(config, *, attention: Optional[str] = "check") -> None:
@@ -296,5 +282,5 @@ def inspect_model(model: PreTrainedModel, tokenizer, *, reuse: bool, exact_only:
             rotator = None
     config = text_config(model.config)
     max_positions = getattr(config, "max_position_embeddings", None)
-    return ModelInfo(rotator, _sliding_window(config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer),
+    return ModelInfo(rotator, sliding_window(config), model_fingerprint(model, tokenizer), _eos_ids(model, tokenizer),
                      int(max_positions) if max_positions else None)

@@ -12,6 +12,8 @@ from typing import Any, Optional
 import torch
 from transformers import PreTrainedModel
 
+from ..model_config import text_config
+
 __all__ = ["execution_device", "input_device", "kv_devices", "offload_hook", "offloaded_tensors", "covers_children",
            "offloads_buffers", "offloaded_buffers", "model_lock"]
 
@@ -57,7 +59,7 @@ def kv_devices(model: PreTrainedModel) -> list[torch.device]:
     model is spread over several with ``device_map``)."""
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
-        return [input_device(model)] * model.config.get_text_config(decoder=True).num_hidden_layers
+        return [input_device(model)] * text_config(model.config).num_hidden_layers
     return [execution_device(layer) for layer in layers]
 
 

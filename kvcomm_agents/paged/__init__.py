@@ -6,8 +6,8 @@ a runtime's adapter needs from the core, under one public name.
   owns its own cache;
 - re-exported for adapters: the KV block a runtime fills (:class:`KVBlock`), the RoPE check at
   load (:func:`rotator_from_config`), the prompt renderer (:func:`render_prompt`), whether a chat template renders tools
-  (:func:`renders_tools`), the ``reuse`` argument's check (:func:`check_reuse`) and the reply budget of a call that names none (:func:`default_reply_budget`), the token-run
-  index a router scores prompts with (:class:`TokenRunIndex`, :func:`scan`), the Redis segment
+  (:func:`renders_tools`), the ``reuse`` argument's check (:func:`check_reuse`), the reply budget of
+  a call that names none (:func:`default_reply_budget`), the token-run index a router scores prompts with (:class:`TokenRunIndex`, :func:`scan`), the Redis segment
   tier (:class:`RedisSegments`, and :func:`local_redis`, a throwaway server for demos and tests) and the embedded model's folder (:func:`embedded_model_dir`).
 """
 
