@@ -27,6 +27,7 @@ from kvcomm_agents.paged import renders_tools
 
 from .agents import current_scope, node_agent
 from .messages import parse_tool_calls, to_engine_messages
+from .token_counts import prompt_count, text_ids
 
 __all__ = ["ChatKVComm", "default_engine", "supports_tools"]
 
@@ -197,6 +198,20 @@ class ChatKVComm(BaseChatModel):
         _check_call_options(kwargs)
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    # ---- token counts ---------------------------------------------------------------------
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s ids from the served model's tokenizer (LangChain's own default fetches
+        GPT-2's from the model hub: :mod:`.token_counts`)."""
+        return text_ids(self._engine().tokenizer, text)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Sequence[Any]] = None) -> int:
+        """The prompt tokens a call with ``messages`` (and ``tools``) takes, as its
+        ``usage_metadata["input_tokens"]`` gives them: the chat template's rendering, the
+        generation header included. A list the template refuses as a prompt (``trim_messages``
+        counts histories reversed) is counted message by message (:mod:`.token_counts`)."""
+        formatted = [convert_to_openai_tool(tool) for tool in tools] if tools else None
+        return prompt_count(self._engine().tokenizer, to_engine_messages(messages), formatted)
 
     # ---- calls ----------------------------------------------------------------------------
     def _engine(self) -> KVCommEngine:

@@ -307,3 +307,57 @@ def test_a_cached_reply_of_weights_changed_since_is_not_served(engine, llama, to
         assert changed.response_metadata != first.response_metadata  # generated again, not the cached reply
     finally:
         set_llm_cache(before)
+
+
+#: A template that refuses roles out of turn, as Llama-2 and Mistral style templates do.
+ALTERNATING_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def history(turns: int) -> list:
+    return [m for i in range(turns) for m in (HumanMessage(f"Question {i}: how many clips in month {i}?"),
+                                              AIMessage(f"In month {i} she sold {12 * i} clips."))]
+
+
+def test_token_counts_are_the_models_own_and_never_reach_the_hub(engine, tokenizer, monkeypatch):
+    import langchain_core.language_models.base as base
+
+    def hub(*_):
+        raise AssertionError("counted with LangChain's GPT-2 tokenizer, fetched from the model hub")
+
+    monkeypatch.setattr(base, "_get_token_ids_default_method", hub)
+    model = ChatKVComm(engine=engine, agent="a", max_tokens=2)
+    assert model.get_token_ids(QUESTION) == tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    assert model.get_num_tokens(QUESTION) == len(model.get_token_ids(QUESTION))
+    messages = prompt("You are solver one.", *history(2))
+    assert model.get_num_tokens_from_messages(messages) == model.invoke(messages).usage_metadata["input_tokens"]
+
+
+def test_token_counts_with_tools_are_the_calls_prompt(tools_engine):
+    scripted = ScriptedEngine(tools_engine, ["The total is 72 clips."])
+    model = ChatKVComm(engine=scripted)
+    messages = [SystemMessage("You add numbers."), HumanMessage(QUESTION)]
+    counted = model.get_num_tokens_from_messages(messages, tools=[add])
+    assert counted > model.get_num_tokens_from_messages(messages)  # the tools' schema is rendered
+    assert counted == model.bind_tools([add]).invoke(messages).usage_metadata["input_tokens"]
+
+
+@pytest.mark.parametrize("template", ["chatml", "alternating"])
+def test_trim_messages_keeps_the_newest_turns_that_fit(llama, template):
+    from langchain_core.messages import trim_messages
+    from kvcomm_agents.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer() if template == "chatml" else tiny_tokenizer(chat_template=ALTERNATING_TEMPLATE)
+    model = ChatKVComm(engine=KVCommEngine(llama, tokenizer, config=mechanics()), agent="a", max_tokens=1)
+    turns = history(12)
+    budget = model.get_num_tokens_from_messages(turns) // 3
+    kept = trim_messages(turns, max_tokens=budget, token_counter=model, strategy="last", start_on="human")
+    assert kept == turns[-len(kept):] and len(kept) >= 2 and kept[0].type == "human"
+    assert model.invoke(kept).usage_metadata["input_tokens"] <= budget  # the prompt a call takes fits
+    two_more = turns[-len(kept) - 2:]
+    assert model.get_num_tokens_from_messages(two_more) > budget  # and the turn before it would not
