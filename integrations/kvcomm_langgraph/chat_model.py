@@ -7,12 +7,14 @@ which names its reply's segment kind and selects its anchors.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.chat_models import LangSmithParams
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
@@ -23,7 +25,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvcomm_agents import ChatResult as EngineResult
 from kvcomm_agents import InvalidRequestError, KVCommEngine
-from kvcomm_agents.paged import renders_tools
+from kvcomm_agents.paged import embedded_model_dir, renders_tools
 
 from .agents import current_scope, node_agent
 from .messages import parse_tool_calls, to_engine_messages
@@ -42,6 +44,26 @@ def default_engine() -> KVCommEngine:
         if _DEFAULT is None:
             _DEFAULT = KVCommEngine.from_pretrained()
         return _DEFAULT
+
+
+def model_profile(tokenizer, max_positions: Optional[int]) -> ModelProfile:
+    """A text model's profile: ``max_positions`` as its context, tool calling as its template allows."""
+    tools = renders_tools(tokenizer)
+    profile = ModelProfile(text_inputs=True, text_outputs=True, image_inputs=False, audio_inputs=False,
+                           video_inputs=False, pdf_inputs=False, temperature=True, tool_calling=tools, tool_call_streaming=tools,
+                           tool_choice=False, structured_output=False)
+    if max_positions:
+        profile["max_input_tokens"] = max_positions
+    return profile
+
+
+@functools.cache
+def embedded_profile() -> ModelProfile:
+    """The embedded model's profile, from its config and tokenizer files."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = embedded_model_dir()
+    return model_profile(AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder).max_position_embeddings)
 
 
 def supports_tools(engine: KVCommEngine) -> bool:
@@ -124,6 +146,16 @@ class ChatKVComm(BaseChatModel):
             raise ValueError(f"engine must be a KVCommEngine (or kvcomm_vllm's VLLMEngine), got {type(engine).__name__}; "
                              "load one with KVCommEngine.from_pretrained(path), or leave it out for the embedded model")
         return engine
+
+    def _resolve_model_profile(self) -> Optional[ModelProfile]:
+        """``model.profile``, what LangChain's agents and middleware read of a model: text in and
+        out, the context the model's positions cover (``max_input_tokens``; a vLLM server's is
+        its own and left out), and tool calling where the chat template renders tools. With no
+        engine given, the embedded model's, read from its files without loading it."""
+        engine = self.engine if self.engine is not None else _DEFAULT
+        if engine is None:
+            return embedded_profile()
+        return model_profile(engine.tokenizer, getattr(getattr(engine, "info", None), "max_positions", None))
 
     @property
     def _llm_type(self) -> str:

@@ -361,3 +361,21 @@ def test_trim_messages_keeps_the_newest_turns_that_fit(llama, template):
     assert model.invoke(kept).usage_metadata["input_tokens"] <= budget  # the prompt a call takes fits
     two_more = turns[-len(kept) - 2:]
     assert model.get_num_tokens_from_messages(two_more) > budget  # and the turn before it would not
+
+
+def test_the_profile_says_what_the_engines_model_takes(engine, llama, tools_engine):
+    profile = ChatKVComm(engine=engine).profile
+    assert profile["max_input_tokens"] == llama.config.max_position_embeddings
+    assert profile["text_inputs"] and not profile["image_inputs"] and not profile["tool_calling"]
+    assert ChatKVComm(engine=tools_engine).profile["tool_calling"]  # its template renders tools
+
+
+def test_the_default_models_profile_comes_from_the_embedded_files_without_loading_it(monkeypatch):
+    import kvcomm_langgraph.chat_model as chat_model
+    from transformers import AutoConfig
+
+    monkeypatch.setattr(chat_model, "_DEFAULT", None)
+    monkeypatch.setattr(KVCommEngine, "from_pretrained", lambda *a, **k: pytest.fail("the profile loaded the model"))
+    profile = ChatKVComm().profile
+    assert profile["max_input_tokens"] == AutoConfig.from_pretrained(chat_model.embedded_model_dir()).max_position_embeddings
+    assert not profile["tool_calling"]  # the embedded SmolLM2's template has no tools
