@@ -7,7 +7,6 @@ which names its reply's segment kind and selects its anchors.
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -25,7 +24,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvcomm_agents import ChatResult as EngineResult
 from kvcomm_agents import InvalidRequestError, KVCommEngine
-from kvcomm_agents.paged import embedded_model_dir, renders_tools
+from kvcomm_agents.paged import renders_tools
 
 from .agents import current_scope, node_agent
 from .messages import parse_tool_calls, to_engine_messages
@@ -47,8 +46,9 @@ def default_engine() -> KVCommEngine:
 
 
 def model_profile(tokenizer, max_positions: Optional[int]) -> ModelProfile:
-    """A text model's profile: ``max_positions`` as its context, tool calling as its template allows."""
-    tools = renders_tools(tokenizer)
+    """A text model's profile: ``max_positions`` as its context, tool calling as its template
+    allows (no tokenizer: none)."""
+    tools = tokenizer is not None and renders_tools(tokenizer)
     profile = ModelProfile(text_inputs=True, text_outputs=True, image_inputs=False, audio_inputs=False,
                            video_inputs=False, pdf_inputs=False, temperature=True, tool_calling=tools, tool_call_streaming=tools,
                            tool_choice=False, structured_output=False)
@@ -57,13 +57,10 @@ def model_profile(tokenizer, max_positions: Optional[int]) -> ModelProfile:
     return profile
 
 
-@functools.cache
-def embedded_profile() -> ModelProfile:
-    """The embedded model's profile, from its config and tokenizer files."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    folder = embedded_model_dir()
-    return model_profile(AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder).max_position_embeddings)
+#: The embedded SmolLM2-135M-Instruct's profile, as its files give it (8,192 positions, a template
+#: without tools; tests check it against them): stated, so that ``ChatKVComm()`` neither loads nor
+#: converts the model to build its profile.
+EMBEDDED_PROFILE = model_profile(None, 8192)
 
 
 def supports_tools(engine: KVCommEngine) -> bool:
@@ -151,10 +148,10 @@ class ChatKVComm(BaseChatModel):
         """``model.profile``, what LangChain's agents and middleware read of a model: text in and
         out, the context the model's positions cover (``max_input_tokens``; a vLLM server's is
         its own and left out), and tool calling where the chat template renders tools. With no
-        engine given, the embedded model's, read from its files without loading it."""
+        engine given, the embedded model's (:data:`EMBEDDED_PROFILE`), without loading it."""
         engine = self.engine if self.engine is not None else _DEFAULT
         if engine is None:
-            return embedded_profile()
+            return dict(EMBEDDED_PROFILE)
         return model_profile(engine.tokenizer, getattr(getattr(engine, "info", None), "max_positions", None))
 
     @property

@@ -370,12 +370,15 @@ def test_the_profile_says_what_the_engines_model_takes(engine, llama, tools_engi
     assert ChatKVComm(engine=tools_engine).profile["tool_calling"]  # its template renders tools
 
 
-def test_the_default_models_profile_comes_from_the_embedded_files_without_loading_it(monkeypatch):
+def test_the_default_models_profile_is_the_embedded_files_own_and_loads_nothing(monkeypatch):
     import kvcomm_langgraph.chat_model as chat_model
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
+    from kvcomm_agents.paged import embedded_model_dir, renders_tools
 
     monkeypatch.setattr(chat_model, "_DEFAULT", None)
+    monkeypatch.setattr(chat_model, "embedded_model_dir", lambda: pytest.fail("the profile converted the model"), raising=False)
     monkeypatch.setattr(KVCommEngine, "from_pretrained", lambda *a, **k: pytest.fail("the profile loaded the model"))
     profile = ChatKVComm().profile
-    assert profile["max_input_tokens"] == AutoConfig.from_pretrained(chat_model.embedded_model_dir()).max_position_embeddings
-    assert not profile["tool_calling"]  # the embedded SmolLM2's template has no tools
+    folder = embedded_model_dir()
+    assert profile["max_input_tokens"] == AutoConfig.from_pretrained(folder).max_position_embeddings
+    assert profile["tool_calling"] == renders_tools(AutoTokenizer.from_pretrained(folder))
