@@ -57,7 +57,8 @@ def load_model(
     except OSError as error:
         raise ModelNotAvailableError(
             f"could not load '{source}' ({error}); pass a local folder, a hub id when online, or "
-            "model=None for the embedded default"
+            "model=None for the embedded default (offline, HF_HUB_OFFLINE=1 makes a hub id fail at once "
+            "instead of after the hub's retries)"
         ) from error
     if device_map is None:
         loaded = loaded.to(device)
