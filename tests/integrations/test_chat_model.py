@@ -8,7 +8,7 @@ from pydantic import BaseModel
 
 from kvcomm_agents import KVCommConfig, KVCommEngine
 from kvcomm_agents.prompt import render_prompt
-from kvcomm_langgraph import ChatKVComm, kvcomm_agent
+from kvcomm_langgraph import ChatKVComm, kvcomm_agent, to_engine_messages
 
 from .conftest import ScriptedEngine
 from ..conftest import mechanics
@@ -382,3 +382,21 @@ def test_the_default_models_profile_is_the_embedded_files_own_and_loads_nothing(
     folder = embedded_model_dir()
     assert profile["max_input_tokens"] == AutoConfig.from_pretrained(folder).max_position_embeddings
     assert profile["tool_calling"] == renders_tools(AutoTokenizer.from_pretrained(folder))
+
+
+def test_a_remote_engines_counts_use_its_tokenizer_and_its_profile_leaves_the_context_out(tokenizer):
+    class Remote:  # what ChatKVComm reads of kvcomm_vllm's VLLMEngine: its tokenizer, chat and stream
+        model_name = "served"
+
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def chat(self, messages, *, agent, **options):
+            raise AssertionError("counting runs no call")
+
+        stream = chat
+
+    model = ChatKVComm(engine=Remote(tokenizer))
+    messages = prompt("You are solver one.")
+    assert model.get_num_tokens_from_messages(messages) == len(render_prompt(tokenizer, to_engine_messages(messages)).ids)
+    assert "max_input_tokens" not in model.profile and model.profile["text_inputs"]
