@@ -231,7 +231,9 @@ class ChatKVComm(BaseChatModel):
     # ---- token counts ---------------------------------------------------------------------
     def get_token_ids(self, text: str) -> list[int]:
         """``text``'s ids from the served model's tokenizer (LangChain's own default fetches
-        GPT-2's from the model hub: :mod:`.token_counts`)."""
+        GPT-2's from the model hub: :mod:`.token_counts`); ``custom_get_token_ids`` where given."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
         return text_ids(self._engine().tokenizer, text)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Sequence[Any]] = None) -> int:

@@ -334,6 +334,7 @@ def test_token_counts_are_the_models_own_and_never_reach_the_hub(engine, tokeniz
     model = ChatKVComm(engine=engine, agent="a", max_tokens=2)
     assert model.get_token_ids(QUESTION) == tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     assert model.get_num_tokens(QUESTION) == len(model.get_token_ids(QUESTION))
+    assert ChatKVComm(engine=engine, custom_get_token_ids=lambda text: [0] * 3).get_num_tokens(QUESTION) == 3
     messages = prompt("You are solver one.", *history(2))
     assert model.get_num_tokens_from_messages(messages) == model.invoke(messages).usage_metadata["input_tokens"]
 
