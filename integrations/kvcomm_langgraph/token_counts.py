@@ -8,9 +8,9 @@ counts with the engine's tokenizer instead, and counts a history as the engine r
 
 ``trim_messages`` also counts histories that are no prompt: with ``strategy="last"`` it counts
 them reversed, and cut anywhere. A template that refuses such a list (roles that must
-alternate) gets an additive count instead: each message's text plus the ids its role's
-framing takes, plus the prompt's own framing (:func:`additive_count`), which over-counts a
-rendered prompt by at most the default system text some templates add.
+alternate) gets an additive count instead: each message's text plus the ids a reply's framing
+takes in this template, plus a one-message prompt's own framing (:func:`additive_count`): close
+to what the template would render, not exact (roles' framings may differ by an id or two).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def prompt_count(tokenizer, messages: Sequence[dict[str, Any]], tools: Optional[
 
 def additive_count(tokenizer, messages: Sequence[dict[str, Any]], tools: Optional[list] = None) -> int:
     """A count that adds up message by message, for lists the template refuses: each message's
-    text ids plus the framing ids a reply takes in this template, plus the framing of a
-    one-message prompt (generation header, any default system text and ``tools``)."""
+    text ids (its tool calls' names and arguments included) plus the framing ids a reply takes
+    in this template, plus the framing of a one-message prompt (generation header, any default
+    system text and ``tools``)."""
     framing = _framing(tokenizer, tools)
     body = sum(len(text_ids(tokenizer, _text(message))) + framing["per_message"] for message in messages)
     return body + framing["prompt"]
@@ -70,14 +71,15 @@ def _framing(tokenizer, tools: Optional[list]) -> dict[str, int]:
         cache = {}
     if key not in cache:
         user = {"role": "user", "content": _PROBE_USER}
-        alone = len(render_prompt(tokenizer, [user], tools=tools).ids)
         try:
+            alone = len(render_prompt(tokenizer, [user], tools=tools).ids)
             answered = len(render_prompt(tokenizer, [user, {"role": "assistant", "content": _PROBE_REPLY}], tools=tools).ids)
+        except InvalidMessagesError:  # a template refusing both probes: the texts alone are counted
+            cache[key] = {"per_message": 0, "prompt": 0}
+        else:
             per_message = max(0, answered - alone - len(text_ids(tokenizer, _PROBE_REPLY)))
-        except InvalidMessagesError:
-            per_message = 0
-        cache[key] = {"per_message": per_message,
-                      "prompt": max(0, alone - len(text_ids(tokenizer, _PROBE_USER)) - per_message)}
+            cache[key] = {"per_message": per_message,
+                          "prompt": max(0, alone - len(text_ids(tokenizer, _PROBE_USER)) - per_message)}
     return cache[key]
 
 
