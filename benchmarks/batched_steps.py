@@ -51,6 +51,8 @@ def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, 
                 cache = make_growing(hf.new_cache(model)) if kv_in_place else hf.new_cache(model)
                 started = time.perf_counter()
                 hf.run_forward(model, prompt, cache)
+                if device.type == "cuda":  # the prefill's end, not its launch
+                    torch.cuda.synchronize(device)
                 prefill = time.perf_counter() - started
                 for q in ids:
                     positions = torch.arange(length, length + q, device=device).expand(b, q)

@@ -8,8 +8,8 @@
 #      readers' time to first token; benchmarks profile "gpu", workload a);
 #   4. what framed copies cost the sender's decode and save its readers on a GPU (the assumption
 #      behind copying on every decode step): benchmarks.framed_decode, workloads (a) and (c);
-#   5. batched and drafted decode steps: the tests of tests/test_batched_decode*.py and
-#      tests/test_drafting.py on CUDA, a decode forward of 1 / 2 / 4 / 8 rows, and of one row
+#   5. batched and drafted decode steps: the tests of tests/test_batched_decode*.py,
+#      tests/test_drafting.py and tests/engines/test_growing_cache.py (KV written in place) on CUDA, a decode forward of 1 / 2 / 4 / 8 rows, and of one row
 #      feeding 1 / 3 / 5 / 9 ids (a draft), on the paper's shape (benchmarks.batched_steps).
 # Each step writes JSON under $OUT (default benchmarks/out/gpu) as soon as it ends.
 #
@@ -87,8 +87,9 @@ step_json framed_copies "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 echo "results: $OUT/framed/"
 
 start=$(date +%s)
-KVCOMM_TEST_DEVICE=$DEVICE KVCOMM_TEST_DTYPE=float32 timeout 60 "$PYTHON" -m pytest -q -p no:cacheprovider \
+KVCOMM_TEST_DEVICE=$DEVICE KVCOMM_TEST_DTYPE=float32 timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider \
   -m "not embedded" tests/test_batched_decode.py tests/test_batched_decode_concurrency.py tests/test_drafting.py \
+  tests/engines/test_growing_cache.py \
   --junitxml "$OUT/batched_decode.xml" 2>&1 | tail -5
 step_json batched_decode_tests "${PIPESTATUS[0]}" $(( $(date +%s) - start ))
 

@@ -75,7 +75,7 @@ def check_cache(model: PreTrainedModel) -> None:
         )
     expected = whole[0, _FILLED:].float()
     error = float((rest[0].float() - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
-    tolerance = 1e-3 if whole.dtype in (torch.float32, torch.float64) else 5e-2
+    tolerance = 1e-3 if model.dtype in (torch.float32, torch.float64) else 5e-2  # the weights', not the logits'
     if error > tolerance:
         raise UnsupportedModelError(
             f"'{model_type}' gives other logits for ids added onto a filled cache than for the same ids in one "

@@ -89,8 +89,8 @@ class KVCommEngine:
         if store is not None and shared is not None:
             raise InvalidRequestError("give either store= or shared= (a store built with shared=...), not both")
         self._store = store if store is not None else SegmentStore(
-            c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens,
-            shared=shared, layer_devices=hf.kv_devices(model) if shared is not None else None)
+            c.store_max_bytes if c.store_max_bytes is not None else store_budget, min_run=c.min_match_tokens, shared=shared)
+        self._store.fetch_onto(hf.kv_devices(model))  # KV fetched from a shared tier lands where the model reads it
         self._lock = model_lock(model)  # shared by engines on a model its forwards change (offloaded)
         self._freeze = BlockCount()
         self._anchors = KVCommAnchors.from_config(c, default_max_bytes=anchor_budget, freeze=self._freeze)

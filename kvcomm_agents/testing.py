@@ -181,8 +181,9 @@ class PrefixOnlyRuntime:
                              torch.arange(length) if block is not None else None)
             out, logits = [int(pre.logits.argmax()) if forced is None else forced[0]], pre.logits
             for step in range(new_tokens - 1):
-                step_logits = hf.run_forward(self.model, torch.tensor([[out[-1]]]), pre.cache,
-                                             position_ids=torch.tensor([[n + step]]))[0, -1]
+                device = hf.input_device(self.model)
+                step_logits = hf.run_forward(self.model, torch.tensor([[out[-1]]], device=device), pre.cache,
+                                             position_ids=torch.tensor([[n + step]], device=device))[0, -1]
                 out.append(int(step_logits.argmax()) if forced is None else forced[step + 1])
             slots = torch.arange(n + new_tokens - 1)
             report = self.broker.finish(rid, out, lambda positions: hf.kv_at_positions(pre.cache, slots, positions),

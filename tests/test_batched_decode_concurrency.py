@@ -307,7 +307,7 @@ def test_a_drafts_cut_waits_for_the_lock_as_its_call(llama, tokenizer):
     loop.batcher.awaiting_lock = spy
     cache = hf.new_cache(llama)
     with torch.inference_mode():
-        hf.run_forward(llama, torch.tensor([[1, 2, 3, 4]]), cache)
+        hf.run_forward(llama, torch.tensor([[1, 2, 3, 4]], device=hf.input_device(llama)), cache)
     call = SimpleNamespace(pre=SimpleNamespace(cache=cache))
     loop._cut(call, 2)
     assert hf.num_cached(cache) == 2

@@ -86,6 +86,12 @@ class SegmentStore:
                               insert=lambda key, entry: self._insert(key, entry, publish=False),
                               prefix_entry=PrefixEntry, layer_devices=layer_devices) if shared is not None else None
 
+    def fetch_onto(self, layer_devices: Sequence[torch.device]) -> None:
+        """Where KV fetched from the shared tier goes, per model layer, unless set at construction
+        (an engine calls it: a store built by hand fetched onto the CPU until its first publish)."""
+        if self._tier is not None:
+            self._tier.place(layer_devices)
+
     # ---- segments -------------------------------------------------------------------------
     def put(self, segment: KVSegment) -> bool:
         """Add a segment; returns False when it alone exceeds the budget (not stored)."""

@@ -61,6 +61,12 @@ class TierLink:
         self.fetched = self.misses = 0
         self._warned = False
 
+    def place(self, layer_devices: Sequence[torch.device]) -> None:
+        """Fetch onto ``layer_devices`` (per model layer) where no devices were given."""
+        with self.store_lock:
+            if self._devices is None:
+                self._devices = list(layer_devices)
+
     @contextmanager
     def read_once(self) -> Iterator[None]:
         """Within it, this thread's :meth:`sync` reads the catalog once, at the first lookup that

@@ -355,3 +355,16 @@ def test_runs_are_looked_up_once_where_the_tier_adds_nothing(monkeypatch):
     assert [run[0].id for run in store.find_runs(prompt, "fp", torch.ones(len(prompt), dtype=torch.bool),
                                                  len(prompt) - 1)] == [remote.id]
     assert len(calls) == 3 and store.stats().shared_fetched == 1  # fetched, then found here
+
+
+def test_an_engine_on_a_store_built_by_hand_fetches_onto_its_models_layer_devices(llama, tokenizer):
+    """Without the engine's devices, a hand-built store decodes fetched KV as published (on the
+    CPU, in the publisher's groups) until its own first publish: on a GPU, a device mismatch."""
+    segment = _segment()  # three layers published in two device groups (layers 0-1, 2)
+    tier = MemorySegments()
+    tier.publish(*encode_entry(segment))
+    store = SegmentStore(1 << 24, shared=tier)
+    KVCommEngine(llama, tokenizer, store=store)  # the tiny Llama: three layers on one device
+    store._tier.sync()
+    fetched = store._tier.fetch(store._tier.remote[segment.id])
+    assert fetched.kv.starts == (0,) and fetched.kv.keys[0].device == llama.device
