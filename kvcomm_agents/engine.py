@@ -65,7 +65,7 @@ class KVCommEngine:
         store: a segment store to share between engines; a new one by default.
         plan_hook: see :data:`PlanHook` (benchmarks only; None in production).
         shared: a segment tier shared with other processes serving the same model (a fleet:
-            ``kvcomm_vllm.shared.RedisSegments``); what this engine computes is published there,
+            ``kvcomm_agents.paged.RedisSegments``); what this engine computes is published there,
             and what others published is found and fetched like its own (:mod:`.kv.shared`).
 
     Raises:
