@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from .engines import hf
 from .cache_check import check_cache
 from .identity import weights_digest
-from .model_config import sliding_window, text_config
+from .model_config import forward_settings, sliding_window, text_config
 from .kv.rope import RopeRotator
 from .errors import RopeCheckError, UnsupportedModelError
 
@@ -222,16 +222,14 @@ def check_rerotation(model: PreTrainedModel, rotator: RopeRotator, tokenizer=Non
 
 
 def model_fingerprint(model: PreTrainedModel, tokenizer, *, recompute: bool = False) -> str:
-    """A short hash of what makes KV compatible: architecture, RoPE, dtype, every weight and
-    buffer and the active adapters (:func:`~.identity.weights_digest`), the tokenizer."""
+    """A short hash of what makes KV compatible: the config's settings a forward depends on
+    (:func:`~.model_config.forward_settings`: architecture, RoPE, norms, activation, heads), the
+    dtype, every weight and buffer and the active adapters (:func:`~.identity.weights_digest`),
+    the tokenizer."""
     config = text_config(model.config)
     summary = {
-        "type": getattr(config, "model_type", None),
         "name": getattr(config, "_name_or_path", None),
-        "layers": config.num_hidden_layers,
-        "kv_heads": getattr(config, "num_key_value_heads", None),
-        "hidden": config.hidden_size,
-        "rope": _rope_parameters(config),
+        "settings": forward_settings(model.config),
         "dtype": str(model.dtype),
         "weights": weights_digest(model, recompute=recompute),
         "vocab": len(tokenizer),

@@ -37,6 +37,30 @@ def test_a_tuned_copy_never_reuses_the_base_models_kv(llama, tokenizer):
     torch.testing.assert_close(first_logits(tuned, messages), first_logits(dense, messages), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("setting", [{"rms_norm_eps": 1e-2}, {"hidden_act": "gelu"}])
+def test_a_model_with_the_same_weights_and_other_settings_never_reuses_the_others_kv(tokenizer, setting):
+    from kvcomm_agents.testing import tiny_llama
+
+    base_model, other_model = tiny_llama(tokenizer), tiny_llama(tokenizer, **setting)  # equal weights
+    base = KVCommEngine(base_model, tokenizer, config=mechanics(method="exact_prefix"))
+    other = KVCommEngine(other_model, tokenizer, config=mechanics(method="exact_prefix"), store=base.store)
+    assert other.fingerprint != base.fingerprint
+    replayed(base, solver_messages("You are solver one."), "s1")
+    messages = solver_messages("You are solver one.", REPLY)  # extends the base's exact prefix
+    assert replayed(other, messages, "s1").stats.reused_tokens == 0
+    dense = KVCommEngine(other_model, tokenizer, config=KVCommConfig(method="dense"))
+    torch.testing.assert_close(first_logits(other, messages), first_logits(dense, messages), atol=1e-5, rtol=0)
+
+
+def test_settings_a_forward_does_not_read_do_not_split_the_cache(llama, tokenizer):
+    from kvcomm_agents.support import model_fingerprint
+
+    before = model_fingerprint(llama, tokenizer)
+    quiet = copy.deepcopy(llama)
+    quiet.config.output_attentions, quiet.config.use_cache = False, False
+    assert model_fingerprint(quiet, tokenizer) == before
+
+
 def test_an_in_place_weight_change_is_noticed_before_the_next_call(llama, tokenizer):
     model = copy.deepcopy(llama)
     engine = KVCommEngine(model, tokenizer, config=mechanics(method="kvcomm", experimental={"min_anchors": 1}))
