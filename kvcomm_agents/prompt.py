@@ -106,8 +106,36 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise InvalidMessagesError(f"message {i} has role {role!r}; known roles: {', '.join(ROLES)}")
         entry = {k: v for k, v in message.items() if k != "segment"}
         entry["content"] = _content_text(i, role, message.get("content"), bool(message.get("tool_calls")))
+        _check_encodable(i, entry["content"])
+        for call in message.get("tool_calls") or ():
+            _check_tool_call(i, call)
         clean.append(entry)
     return clean
+
+
+def _check_encodable(index: int, text: str) -> None:
+    """Refuse text no tokenizer can take: a lone surrogate (``"\\ud800"``) is no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidMessagesError(f"message {index} content is not valid Unicode text ({error.reason} at "
+                                   f"character {error.start}); decode its bytes with errors='replace'") from None
+
+
+def _check_tool_call(index: int, call: Any) -> None:
+    """A tool call as chat templates read it: ``{"function": {"name": str, "arguments": mapping
+    or JSON text}}`` (or the function's fields at the top level)."""
+    function = call.get("function", call) if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        raise InvalidMessagesError(f"message {index} has a tool call that is not a mapping with a name and "
+                                   f"arguments: {call!r}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidMessagesError(f"message {index} has a tool call without a function name: {call!r}; "
+                                   "write {'type': 'function', 'function': {'name': ..., 'arguments': {...}}}")
+    if not isinstance(function.get("arguments"), (Mapping, str)):
+        raise InvalidMessagesError(f"message {index} has a tool call to {name!r} whose 'arguments' is not a mapping "
+                                   f"or JSON text: {call!r}")
 
 
 def _content_text(index: int, role: str, content: Any, calls_tools: bool) -> str:
@@ -172,12 +200,9 @@ def _calls_as_text(index: int, message: dict[str, Any]) -> dict[str, Any]:
     if message.get("role") != "assistant" or not calls:
         return message
     written = []
-    for call in calls:
-        function = call.get("function", call) if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping):
-            raise InvalidMessagesError(f"message {index} has a tool call that is not a mapping with a name and "
-                                       f"arguments: {call!r}")
-        arguments = function.get("arguments", {})
+    for call in calls:  # each checked by normalize_messages
+        function = call.get("function", call)
+        arguments = function["arguments"]
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
@@ -218,6 +243,10 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], *, tools=Non
         raise InvalidMessagesError(
             f"the model's chat template refused these messages ({type(error).__name__}: {error}); if it asks for "
             "alternating roles, merge consecutive messages of one role into one") from error
+    except (TypeError, ValueError, KeyError, AttributeError) as error:  # a field of a type it cannot use
+        raise InvalidMessagesError(
+            f"the model's chat template failed on these messages ({type(error).__name__}: {error}); check that "
+            "each message's fields have the types the template expects (strings, tool calls as mappings)") from error
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
     offsets = [tuple(span) for span in encoded["offset_mapping"]]

@@ -145,3 +145,28 @@ def test_tool_calls_written_out_keep_their_text_and_refuse_what_is_not_json(toke
     history[1]["tool_calls"] = ["f(1)"]
     with pytest.raises(InvalidMessagesError, match="message 1 has a tool call that is not a mapping"):
         render_prompt(tokenizer, history)
+
+
+@pytest.mark.parametrize("call, error", [
+    ({"type": "function", "function": {"name": None, "arguments": {}}}, "without a function name"),
+    ({"type": "function", "function": {"name": "add"}}, "'add' whose 'arguments' is not a mapping or JSON text"),
+])
+def test_a_tool_call_a_template_cannot_render_is_refused_naming_the_message(call, error):
+    from kvcomm_agents.testing import TOOLS_TEMPLATE, tiny_tokenizer
+
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(InvalidMessagesError, match=f"message 1 has a tool call (to )?{error}"):
+        render_prompt(tiny_tokenizer(chat_template=TOOLS_TEMPLATE), history)
+
+
+def test_text_no_tokenizer_takes_is_refused_naming_the_message(tokenizer):
+    with pytest.raises(InvalidMessagesError, match="message 0 content is not valid Unicode"):
+        render_prompt(tokenizer, [{"role": "user", "content": "bad \ud800"}])
+
+
+def test_a_template_failing_on_a_field_of_another_type_is_an_invalid_messages_error(tokenizer):
+    from kvcomm_agents.testing import tiny_tokenizer
+
+    concatenating = tiny_tokenizer(chat_template="{% for m in messages %}{{ m['role'] + m['name'] }}{% endfor %}")
+    with pytest.raises(InvalidMessagesError, match="chat template failed on these messages"):
+        render_prompt(concatenating, [{"role": "user", "content": "hi", "name": 3}])
