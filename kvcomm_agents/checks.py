@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 from .errors import InvalidMessagesError, InvalidRequestError
 from .prompt import PromptLayout
 
-__all__ = ["check_agent", "check_max_new_tokens", "check_reply_ids", "check_length", "check_reuse", "reply_budget",
+__all__ = ["check_agent", "check_segment_fits", "segment_kind", "check_max_new_tokens", "check_reply_ids", "check_length", "check_reuse", "reply_budget",
            "default_reply_budget", "DEFAULT_MAX_NEW_TOKENS"]
 
 #: The most tokens a reply takes where the call names no ``max_new_tokens``.
@@ -49,6 +49,27 @@ def default_reply_budget(num_prompt: int, limit: Optional[int]) -> int:
 def check_agent(agent) -> None:
     if not isinstance(agent, str) or not agent:
         raise InvalidMessagesError("agent must be a non-empty string")
+
+
+def segment_kind(kind) -> tuple:
+    """``add_segment``'s ``kind``: a ``(producer, role)`` pair (a non-empty string and a string or
+    None); None: ``("document", None)``."""
+    if kind is None:
+        return ("document", None)
+    pair = tuple(kind) if isinstance(kind, (tuple, list)) else None
+    if (pair is None or len(pair) != 2 or not isinstance(pair[0], str) or not pair[0]
+            or not (pair[1] is None or isinstance(pair[1], str))):
+        raise InvalidRequestError(f"kind must be a (producer, role) pair such as ('document', None), got {kind!r}")
+    return pair
+
+
+def check_segment_fits(layout: PromptLayout, limit: Optional[int]) -> None:
+    """A segment's text, rendered as a message, must leave room in the model's ``limit``
+    positions (None: no limit): no prompt holding a longer one could be served."""
+    n = int(layout.ids.numel())
+    if limit is not None and n >= limit:
+        raise InvalidRequestError(f"the text takes {n} tokens as a message and the model has {limit} positions: "
+                                  "no prompt holding it could be served; split it")
 
 
 def check_reuse(value) -> None:

@@ -21,7 +21,8 @@ from .budgets import default_budgets
 from .anchors import KVCommAnchors
 from .anchors.remembered import measurements_folder, remembered, under_cache_dir
 from .capture import CallCapture
-from .checks import check_agent, check_length, check_max_new_tokens, check_reply_ids, reply_budget
+from .checks import (check_agent, check_length, check_max_new_tokens, check_reply_ids, check_segment_fits, reply_budget,
+                     segment_kind)
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
@@ -365,13 +366,12 @@ class KVCommEngine:
         """
         if not isinstance(text, str) or not text:
             raise InvalidRequestError("text must be a non-empty string")
-        if kind is not None and (isinstance(kind, str) or len(tuple(kind)) != 2):
-            raise InvalidRequestError("kind must be a (producer, role) pair such as ('document', None)")
-        kind = tuple(kind) if kind else ("document", None)  # type: ignore[assignment]
+        kind = segment_kind(kind)
         existing = self._store.find_text(text, self.fingerprint)  # the fingerprint of the weights as they are now
         if existing is not None and existing.ref.kind == kind:
             return existing.ref
         layout = render_prompt(self.tokenizer, [{"role": "user", "content": text}])
+        check_segment_fits(layout, self.info.max_positions)
         if not self.config.reuse:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return SegmentRef(id="reuse-off", kind=kind, num_tokens=len(ids), text_hash="", fingerprint=self.fingerprint)

@@ -227,12 +227,15 @@ def test_bad_options_are_request_errors_before_any_compute(llama, make_engine, o
 
 def test_add_segment_checks_its_arguments(llama, make_engine):
     engine = make_engine(llama)
-    for kind in ("document", ("a", "b", "c")):
-        with pytest.raises(InvalidRequestError, match="kind"):
+    for kind in ("document", ("a", "b", "c"), 5, (1, 2), [None, None], ("", None)):
+        with pytest.raises(InvalidRequestError, match="kind must be a"):
             engine.add_segment("some shared text for everyone to read", kind=kind)
     with pytest.raises(InvalidRequestError):
         engine.add_segment("")
+    with pytest.raises(InvalidRequestError, match="no prompt holding it could be served"):
+        engine.add_segment("clips " * llama.config.max_position_embeddings)
     assert len(engine.store) == 0
+    assert engine.add_segment("some shared text for everyone to read", kind=["tool", "result"]).kind == ("tool", "result")
 
 
 def test_engine_calls_are_thread_safe(llama, tokenizer, make_engine):

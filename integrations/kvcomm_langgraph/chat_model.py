@@ -100,7 +100,7 @@ class ChatKVComm(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     engine: Optional[Any] = Field(default=None, exclude=True)
-    agent: Optional[str] = None
+    agent: Optional[str] = Field(default=None, min_length=1)
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

@@ -75,9 +75,15 @@ def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -
         })
     meta = {"format": FORMAT, **header, "pools": described}
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a folder; save anchors to a file in it, e.g. {os.path.join(path, 'anchors.safetensors')}")
     tmp = f"{path}.tmp"
-    save_file(tensors, tmp, metadata={"kvcomm": json.dumps(meta)})
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, tmp, metadata={"kvcomm": json.dumps(meta)})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # a write or a replace that failed leaves nothing behind
+            os.remove(tmp)
 
 
 def load_pools(path: str | os.PathLike, *, fingerprint: str, shape: tuple[int, int, int], max_anchors: int,

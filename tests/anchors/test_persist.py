@@ -247,3 +247,10 @@ def test_a_file_saved_before_the_tail_setting_counts_as_measured_without_one():
     assert not measured_alike(old, {**settings, "recompute_last_run": 256})
     assert not measured_alike(old, {**settings, "recompute_cut_head": 64})
     assert measured_alike({"settings": {**old["settings"], "recompute_tail": 16}}, {**settings, "recompute_tail": 16})
+
+
+def test_saving_anchors_to_a_folder_says_so_and_leaves_nothing_behind(llama, tokenizer, tmp_path):
+    source = _learned(llama, tokenizer)
+    with pytest.raises(IsADirectoryError, match="is a folder; save anchors to a file in it"):
+        source.save_anchors(tmp_path)
+    assert list(tmp_path.parent.glob(f"{tmp_path.name}*")) == [tmp_path] and not any(tmp_path.iterdir())

@@ -96,6 +96,11 @@ def test_decorator_names_the_agent_and_opts_out(engine):
     assert ChatKVComm(engine=engine, max_tokens=1).invoke(prompt("y")).response_metadata["kvcomm"]["agent"] == "default"
 
 
+def test_an_empty_agent_name_is_refused_not_read_as_the_default(engine):
+    with pytest.raises(ValueError, match="agent"):
+        ChatKVComm(engine=engine, agent="")
+
+
 def test_a_model_named_by_id_or_another_providers_option_is_refused(engine):
     """Taken silently, ``model=`` would serve the embedded model in place of the one named."""
     with pytest.raises(ValueError, match="engine=KVCommEngine.from_pretrained"):
