@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 from .errors import InvalidMessagesError, InvalidRequestError
 from .prompt import PromptLayout
 
-__all__ = ["check_agent", "check_segment_fits", "segment_kind", "check_max_new_tokens", "check_reply_ids", "check_length", "check_reuse", "reply_budget",
-           "default_reply_budget", "DEFAULT_MAX_NEW_TOKENS"]
+__all__ = ["check_agent", "check_segment_fits", "segment_kind", "check_max_new_tokens", "check_reply_ids",
+           "check_length", "check_reuse", "reply_budget", "default_reply_budget", "DEFAULT_MAX_NEW_TOKENS"]
 
 #: The most tokens a reply takes where the call names no ``max_new_tokens``.
 DEFAULT_MAX_NEW_TOKENS = 256

@@ -50,8 +50,8 @@ def model_profile(tokenizer, max_positions: Optional[int]) -> ModelProfile:
     allows (no tokenizer: none)."""
     tools = tokenizer is not None and renders_tools(tokenizer)
     profile = ModelProfile(text_inputs=True, text_outputs=True, image_inputs=False, audio_inputs=False,
-                           video_inputs=False, pdf_inputs=False, temperature=True, tool_calling=tools, tool_call_streaming=tools,
-                           tool_choice=False, structured_output=False)
+                           video_inputs=False, pdf_inputs=False, temperature=True, tool_calling=tools,
+                           tool_call_streaming=tools, tool_choice=False, structured_output=False)
     if max_positions:
         profile["max_input_tokens"] = max_positions
     return profile

@@ -20,7 +20,7 @@ import weakref
 from typing import Any, Optional, Sequence
 
 from kvcomm_agents import InvalidMessagesError
-from kvcomm_agents.paged import render_prompt
+from kvcomm_agents.paged import normalize_messages, render_prompt
 
 __all__ = ["text_ids", "prompt_count", "additive_count"]
 
@@ -41,9 +41,12 @@ def prompt_count(tokenizer, messages: Sequence[dict[str, Any]], tools: Optional[
     else :func:`additive_count`.
 
     Raises:
+        InvalidMessagesError: messages a call would refuse (checked first, so that only the
+            template's refusal of an order falls back to the additive count).
         InvalidRequestError: ``tools`` given to a template that does not render them (as a call
             would be refused).
     """
+    normalize_messages(messages)
     try:
         return len(render_prompt(tokenizer, messages, tools=tools).ids)
     except InvalidMessagesError:
@@ -73,7 +76,8 @@ def _framing(tokenizer, tools: Optional[list]) -> dict[str, int]:
         user = {"role": "user", "content": _PROBE_USER}
         try:
             alone = len(render_prompt(tokenizer, [user], tools=tools).ids)
-            answered = len(render_prompt(tokenizer, [user, {"role": "assistant", "content": _PROBE_REPLY}], tools=tools).ids)
+            reply = {"role": "assistant", "content": _PROBE_REPLY}
+            answered = len(render_prompt(tokenizer, [user, reply], tools=tools).ids)
         except InvalidMessagesError:  # a template refusing both probes: the texts alone are counted
             cache[key] = {"per_message": 0, "prompt": 0}
         else:

@@ -76,7 +76,8 @@ def save_pools(pools: list[AnchorPool], path: str | os.PathLike, header: dict) -
     meta = {"format": FORMAT, **header, "pools": described}
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise IsADirectoryError(f"{path} is a folder; save anchors to a file in it, e.g. {os.path.join(path, 'anchors.safetensors')}")
+        example = os.path.join(path, "anchors.safetensors")
+        raise IsADirectoryError(f"{path} is a folder; save anchors to a file in it, e.g. {example}")
     tmp = f"{path}.tmp"
     try:
         save_file(tensors, tmp, metadata={"kvcomm": json.dumps(meta)})
