@@ -51,8 +51,7 @@ def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, 
                 cache = make_growing(hf.new_cache(model)) if kv_in_place else hf.new_cache(model)
                 started = time.perf_counter()
                 hf.run_forward(model, prompt, cache)
-                if device.type == "cuda":  # the prefill's end, not its launch
-                    torch.cuda.synchronize(device)
+                hf.wait_for(device)  # the prefill's end, not its launch
                 prefill = time.perf_counter() - started
                 for q in ids:
                     positions = torch.arange(length, length + q, device=device).expand(b, q)
@@ -61,8 +60,7 @@ def measure(model, lengths: list[int], rows: list[int], steps: int, vocab: int, 
                         tokens = torch.randint(100, vocab, (b, q), generator=generator).to(device)
                         started = time.perf_counter()
                         hf.run_forward(model, tokens, cache, position_ids=positions, last_logits_only=False)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
+                        hf.wait_for(device)
                         times.append(time.perf_counter() - started)
                         hf.keep_first(cache, length)
                     step = statistics.median(times)

@@ -91,8 +91,7 @@ class LowerBound(Strategy):
             out = hf.run_forward(self.model, torch.tensor([[reply[r - 1], *draft]], device=self.device), pre.cache,
                                  position_ids=torch.arange(n + r - 1, n + r + len(draft), device=self.device)[None],
                                  last_logits_only=False)[0].float()
-            if out.device.type == "cuda":  # the forward's end, not its launch
-                torch.cuda.synchronize(out.device)
+            hf.wait_for(out.device)  # the forward's end, not its launch
             self.costs.record(len(draft) + 1, time.perf_counter() - stepped)
             kept = next((i for i, d in enumerate(draft) if d != reply[r + i]), len(draft))
             rows.extend(out[:kept + 1])

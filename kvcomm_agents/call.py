@@ -144,8 +144,7 @@ class CallSteps:
                 assembled = time.perf_counter()
                 pre = hf.prefill(self.model, plan.prompt_ids, plan.computed_positions(), block,
                                  plan.reused_positions() if block is not None else None, masked=bool(plan.runs))
-                if pre.logits.device.type == "cuda":  # the prefill's end, not its launch (the first token waits anyway)
-                    torch.cuda.synchronize(pre.logits.device)
+                hf.wait_for(pre.logits.device)  # the prefill's end, not its launch (the first token waits anyway)
                 done = time.perf_counter()
                 align_s = (assembled - hooked) + pre.align_s
                 self.framer.copy_cost.record_prefill(plan.num_prompt - plan.reused_tokens, done - hooked - align_s)

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 from .errors import InvalidMessagesError, InvalidRequestError
 from .prompt import PromptLayout
 
-__all__ = ["check_agent", "check_segment_fits", "segment_kind", "check_max_new_tokens", "check_reply_ids",
+__all__ = ["check_agent", "byte_budget", "check_segment_fits", "segment_kind", "check_max_new_tokens", "check_reply_ids",
            "check_length", "check_reuse", "reply_budget", "default_reply_budget", "DEFAULT_MAX_NEW_TOKENS"]
 
 #: The most tokens a reply takes where the call names no ``max_new_tokens``.
@@ -75,6 +75,13 @@ def check_segment_fits(layout: PromptLayout, limit: Optional[int]) -> None:
 def check_reuse(value) -> None:
     if value is not None and not isinstance(value, bool):
         raise InvalidRequestError(f"reuse must be True, False or None (the engine's setting), got {value!r}")
+
+
+def byte_budget(value) -> int:
+    """``value`` as a byte budget: an integer >= 0 (0 holds nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"a byte budget must be an integer >= 0, got {value!r}")
+    return value
 
 
 def check_max_new_tokens(value) -> None:

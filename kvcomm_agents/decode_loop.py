@@ -152,8 +152,7 @@ class DecodeLoop:
                     self.model, torch.tensor([[token]], device=device), call.pre.cache,
                     position_ids=torch.tensor([[position]], device=device),
                 )[0, -1].float()
-            if logits.device.type == "cuda":  # the step's end, not its launch
-                torch.cuda.synchronize(logits.device)
+            hf.wait_for(logits.device)  # the step's end, not its launch
             seconds = time.perf_counter() - started
         if call.framing is None:
             self.costs.record(1, seconds)
@@ -244,8 +243,7 @@ class DecodeLoop:
                     position_ids=torch.arange(position, position + len(tokens), device=device)[None],
                     last_logits_only=False,
                 )[0].float()
-                if rows.device.type == "cuda":  # the forward's end, not its launch
-                    torch.cuda.synchronize(rows.device)
+                hf.wait_for(rows.device)  # the forward's end, not its launch
                 self.costs.record(len(tokens), time.perf_counter() - started)
                 return rows
 

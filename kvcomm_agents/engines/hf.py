@@ -23,10 +23,10 @@ from transformers.cache_utils import DynamicLayer
 from .. import forwards
 from ..kv.block import KVBlock, device_groups
 from .growing_cache import GrowingLayer, hold
-from .placement import input_device, kv_devices
+from .placement import input_device, kv_devices, wait_for
 
 __all__ = ["new_cache", "cache_from_block", "layer_kv", "num_cached", "num_layers", "run_forward",
-           "input_device", "kv_devices", "position_mask", "Prefill", "prefill", "kv_at_positions", "kv_reader",
+           "input_device", "kv_devices", "wait_for", "position_mask", "Prefill", "prefill", "kv_at_positions", "kv_reader",
            "batchable", "left_padded", "take_row", "keep_first"]
 
 

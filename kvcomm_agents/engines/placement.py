@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from ..model_config import text_config
 
 __all__ = ["execution_device", "input_device", "kv_devices", "offload_hook", "offloaded_tensors", "covers_children",
-           "offloads_buffers", "offloaded_buffers", "model_lock"]
+           "offloads_buffers", "offloaded_buffers", "model_lock", "wait_for"]
 
 #: (weights map, key prefix, buffers too): where a module under an offloading hook keeps its tensors.
 OffloadScope = Optional[tuple[Any, str, bool]]
@@ -47,6 +47,22 @@ def _accelerator() -> str:
     accelerator = getattr(torch, "accelerator", None)
     current = accelerator.current_accelerator() if accelerator is not None else None
     return current.type if current is not None else "cuda"
+
+
+def wait_for(device: torch.device | str) -> None:
+    """Block until the work queued on ``device`` has run, so that a timer reads a forward's end
+    rather than its launch: accelerators (CUDA, XPU, MPS, ...) run kernels asynchronously; the CPU
+    and the meta device have nothing queued."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "synchronize"):
+        accelerator.synchronize(device)
+    elif device.type == "cuda":  # torch before 2.6
+        torch.cuda.synchronize(device)
+    else:
+        getattr(torch, device.type).synchronize()
 
 
 def input_device(model: PreTrainedModel) -> torch.device:

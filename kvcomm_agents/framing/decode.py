@@ -285,6 +285,7 @@ class FramedDecode:
             started = time.perf_counter()
             for text in self.texts:
                 _compute_alone(model, text)
+            hf.wait_for(hf.input_device(model))  # the forwards' end, not their launch
             self.texts_s += time.perf_counter() - started
         while self.text_left:
             self._run(model, cache, [], [], 1, self._take(max(len(t.ids) - t.fed for t in self.texts), 0))

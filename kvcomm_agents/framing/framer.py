@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..engines import hf
 from ..kv.segments import KVSegment
 from ..plan import CallPlan
 from ..prompt import PromptLayout
@@ -139,6 +140,7 @@ class Framer:
         with self.anchors.recording():
             done = record_framed_versions(framing, dense.cache, plan, reply, self.versions, self.info.rotator,
                                           self.store, fingerprint, next(self._turns))
+        hf.wait_for(hf.input_device(model))  # the copies' end, not their launch
         seconds = time.perf_counter() - started
         self.copy_cost.record_copies("reply", framing.reply_copy_ids, seconds)  # a forward of their own
         return done, seconds
@@ -176,9 +178,11 @@ class Framer:
                 done += record_text_versions(framing, layout, self.store, fingerprint, self.versions,
                                              self.info.rotator)
                 if framing.texts_alone:  # what the copies cost, against the prefill they spare
+                    hf.wait_for(hf.input_device(model))
                     alone_s += time.perf_counter() - recording
                     self.copy_cost.record_copies("text", _text_copy_ids(framing), alone_s)
         # the copies that rode on the sender's steps: what the steps took beyond plain ones
+        hf.wait_for(hf.input_device(model))
         riding = {"reply": framing.reply_copy_ids if replied else 0,
                   "text": 0 if framing.texts_alone else _text_copy_ids(framing)}
         self.copy_cost.record_riding(riding, steps, steps_s, time.perf_counter() - started - alone_s)

@@ -4,12 +4,11 @@ Thread-safe. Entries are evicted least recently used first when the budget is ex
 while a running call has them pinned. Segments are found by reference (id) or by content (their
 text appearing verbatim in a message); exact prefixes by the longest common prefix of token ids;
 and any run of token ids shared with any entry, wherever it sits (:meth:`SegmentStore.find_runs`,
-a rolling-hash index kept with the entries).
-
-With a shared tier (:mod:`.shared`, e.g. Redis for a fleet of replicas), every entry computed here
-is also published, and entries other replicas published are found like local ones; their KV is
-fetched on first use and held here under the same budget (:mod:`.tier_link`: round trips run
-outside the store's lock, so a slow tier delays only the lookups that need it).
+a rolling-hash index kept with the entries). With a shared tier (:mod:`.shared`, e.g. Redis for a
+fleet of replicas), every entry computed here is also published, and entries other replicas
+published are found like local ones; their KV is fetched on first use and held here under the
+same budget (:mod:`.tier_link`: round trips run outside the store's lock, so a slow tier delays
+only the lookups that need it).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional, Seque
 import torch
 from pydantic import BaseModel
 
+from ..checks import byte_budget
 from ..errors import BudgetWarning
 from .block import KVBlock
 from .entries import Entry, PrefixEntry
@@ -66,7 +66,7 @@ class SegmentStore:
 
     def __init__(self, max_bytes: int, *, min_run: int = 8, shared: SharedSegments | None = None,
                  layer_devices: Sequence[torch.device] | None = None) -> None:
-        self.max_bytes = max_bytes
+        self.max_bytes = byte_budget(max_bytes)
         self._lock = threading.RLock()  # the store's memory; never held during a round trip to the tier
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # LRU order, oldest first
         self._bytes = 0
@@ -302,7 +302,7 @@ class SegmentStore:
     def resize(self, max_bytes: int) -> None:
         """Change the budget, evicting unpinned entries (least recently used first) to fit."""
         with self._lock:
-            self.max_bytes = max_bytes
+            self.max_bytes = byte_budget(max_bytes)
             self._evict()
 
     def stats(self) -> StoreStats:

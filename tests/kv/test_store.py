@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcomm_agents.errors import BudgetWarning
+from kvcomm_agents.errors import BudgetWarning, InvalidRequestError
 from kvcomm_agents.kv.block import KVBlock
 from kvcomm_agents.kv.store import SegmentStore
 
@@ -52,6 +52,16 @@ def test_a_prefix_served_through_its_segment_view_is_pinned_while_a_call_uses_it
         assert len(store) == 1 and store.longest_prefix(ids, "m")[1] == 40 and store.stats().pinned == 1
     with store.pinned([make_segment("never stored")]):
         assert len(store) == 0 and store.stats().pinned == 0  # only entries the store holds count
+
+@pytest.mark.parametrize("budget", [-1, 1.5, True, "1GB", None])
+def test_a_budget_that_is_not_a_byte_count_is_refused_and_the_old_one_kept(budget):
+    with pytest.raises(InvalidRequestError, match="byte budget"):
+        SegmentStore(max_bytes=budget)
+    store = SegmentStore(max_bytes=1 << 20)
+    with pytest.raises(InvalidRequestError, match="byte budget"):
+        store.resize(budget)
+    assert store.stats().max_bytes == 1 << 20
+
 
 def test_oversized_segment_is_refused():
     store = SegmentStore(max_bytes=10)
