@@ -20,7 +20,9 @@ from kvcomm_agents import InvalidMessagesError
 
 __all__ = ["to_engine_messages", "parse_tool_calls", "TOOL_CALL_PATTERN", "message_text"]
 
-TOOL_CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+#: A ``<tool_call>`` block; the last one may be left open (a reply cut by ``max_tokens`` or by a
+#: ``</tool_call>`` stop sequence, or a model that leaves the tag off), as Hermes-style parsers take it.
+TOOL_CALL_PATTERN = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
 
 #: Another provider's chat roles, and the chat template's names for them.
@@ -28,11 +30,16 @@ ROLE_ALIASES = {"human": "user", "ai": "assistant"}
 #: Content blocks in which a reply from another provider (Anthropic ``tool_use``, LangChain's
 #: standard ``tool_call``) states a call its ``tool_calls`` already carry.
 CALL_BLOCKS = ("tool_use", "tool_call")
+#: A reply's reasoning (Anthropic ``thinking`` / ``redacted_thinking``, LangChain's standard
+#: ``reasoning``): not part of what it said, so left out of the history, as chat templates of
+#: reasoning models leave earlier turns' thinking out.
+REASONING_BLOCKS = ("reasoning", "thinking", "redacted_thinking")
 
 
 def message_text(message: BaseMessage) -> str:
-    """A message's text: text blocks joined, ``json`` blocks as JSON text, and a reply's call
-    blocks left to its tool calls; other blocks are refused (text-only models)."""
+    """A message's text: text blocks joined, ``json`` blocks as JSON text, a reply's call blocks
+    left to its tool calls and its reasoning blocks left out; other blocks are refused (text-only
+    models)."""
     content = message.content
     if isinstance(content, str):
         return content
@@ -52,6 +59,8 @@ def message_text(message: BaseMessage) -> str:
             except (TypeError, ValueError) as error:
                 raise InvalidMessagesError(f"a json content block must hold JSON-serialisable data: {error}") from None
         elif isinstance(block, dict) and block.get("type") in CALL_BLOCKS and block.get("id") in calls:
+            continue
+        elif isinstance(block, dict) and block.get("type") in REASONING_BLOCKS and isinstance(message, AIMessage):
             continue
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
@@ -113,18 +122,20 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[dict]]:
     invalid: list[dict] = []
     for raw in TOOL_CALL_PATTERN.findall(text):
         call_id = f"call_{uuid.uuid4().hex[:24]}"
+        name = None
         try:
             payload = json.loads(raw)
             if not isinstance(payload, dict):
                 raise ValueError("not a JSON object")
             name, args = payload.get("name"), payload.get("arguments", payload.get("parameters", {}))
+            name = name if isinstance(name, str) else None
             if isinstance(args, str):
                 args = json.loads(args)
             if not isinstance(name, str) or not isinstance(args, dict):
                 raise ValueError("no string 'name' with an object of 'arguments'")
             calls.append(tool_call(name=name, args=args, id=call_id))
         except ValueError as error:  # json.JSONDecodeError is one
-            invalid.append({"name": None, "args": raw, "id": call_id, "type": "invalid_tool_call",
+            invalid.append({"name": name, "args": raw, "id": call_id, "type": "invalid_tool_call",
                             "error": f'a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}: {error}'})
     remaining = TOOL_CALL_PATTERN.sub("", text).strip() if calls or invalid else text
     return remaining, calls, invalid

@@ -240,6 +240,21 @@ def test_a_malformed_tool_call_is_reported_when_streamed_as_when_invoked(tools_e
         assert len(reply.invalid_tool_calls) == 1 and '"a": 2,}' in reply.invalid_tool_calls[0]["args"]
 
 
+def test_a_call_whose_closing_tag_a_stop_cut_off_is_a_call_streamed_or_not(tools_engine):
+    """``stop=["</tool_call>"]`` (or a model leaving the tag off) ends the reply inside the call's
+    block: the call is parsed, not handed to the user as text with the tag."""
+    cut = 'I will add them.<tool_call>{"name": "add", "arguments": {"a": 48, "b": 24}}'
+    invoked = ChatKVComm(engine=ScriptedEngine(tools_engine, [cut])).bind_tools([add]).invoke(QUESTION, stop=["</tool_call>"])
+    chunks = list(ChatKVComm(engine=ScriptedEngine(tools_engine, [cut])).bind_tools([add]).stream(QUESTION))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    for reply in (invoked, streamed):
+        assert reply.content == "I will add them." and reply.invalid_tool_calls == []
+        assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("add", {"a": 48, "b": 24})]
+        assert reply.response_metadata["finish_reason"] == "tool_calls"
+
+
 def test_two_models_and_two_agents_never_share_langchains_cache(engine, tokenizer):
     from langchain_core.caches import InMemoryCache
     from langchain_core.globals import get_llm_cache, set_llm_cache

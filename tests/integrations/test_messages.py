@@ -61,6 +61,40 @@ def test_a_malformed_tool_call_is_reported_with_the_shape_it_needs(raw):
     assert invalid[0]["error"].startswith('a tool call must be a JSON object {"name": ..., "arguments": {...}}')
 
 
+@pytest.mark.parametrize("reply, raw", [
+    ('Let me add.<tool_call>{"name": "add", "arguments": {"a": 48', '{"name": "add", "arguments": {"a": 48'),  # cut by max_tokens
+    ('Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 48, "b": 24}}\n', None),  # a </tool_call> stop
+])
+def test_a_call_left_open_at_the_end_of_a_reply_is_still_a_call(reply, raw):
+    text, calls, invalid = parse_tool_calls(reply)
+    assert text == "Let me add."  # no tag or JSON left in the reply's text
+    if raw is None:
+        assert [(c["name"], c["args"]) for c in calls] == [("add", {"a": 48, "b": 24})] and invalid == []
+    else:
+        assert calls == [] and [(c["name"], c["args"]) for c in invalid] == [(None, raw)]
+
+
+def test_calls_before_an_open_one_parse_each_and_an_invalid_ones_name_is_kept():
+    text, calls, invalid = parse_tool_calls('a<tool_call>{"name": "add", "arguments": {}}</tool_call>b'
+                                            '<tool_call>{"name": "mul", "arguments": [1]}')
+    assert text == "ab" and [c["name"] for c in calls] == ["add"]
+    assert [c["name"] for c in invalid] == ["mul"]  # which tool the model meant, for the agent to say
+    assert parse_tool_calls("no call </tool_call> here") == ("no call </tool_call> here", [], [])
+
+
+@pytest.mark.parametrize("reasoning", [
+    {"type": "thinking", "thinking": "48+24=72", "signature": "sig"},  # Anthropic extended thinking
+    {"type": "redacted_thinking", "data": "xyz"},
+    {"type": "reasoning", "reasoning": "48+24=72"},  # LangChain's standard block
+])
+def test_another_providers_reasoning_is_left_out_of_the_history(reasoning):
+    history = [HumanMessage("What is 48 + 24?"), AIMessage([reasoning, {"type": "text", "text": "72."}]),
+               HumanMessage("Check it.")]
+    assert [m["content"] for m in to_engine_messages(history)] == ["What is 48 + 24?", "72.", "Check it."]
+    with pytest.raises(ValueError, match="text-only"):  # only a reply's own reasoning is left out
+        to_engine_messages([HumanMessage([reasoning])])
+
+
 def test_metadata_under_kvcomm_that_is_not_ours_is_ignored():
     for meta in ({"kvcomm": "x"}, {"kvcomm": {"segment": None}}, {"kvcomm": None}):
         assert "segment" not in to_engine_messages([AIMessage("reply", response_metadata=meta)])[0]
