@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 from .errors import InvalidMessagesError, InvalidRequestError
 from .prompt import PromptLayout
 
-__all__ = ["check_agent", "byte_budget", "check_segment_fits", "segment_kind", "check_max_new_tokens", "check_reply_ids",
+__all__ = ["check_agent", "byte_budget", "segment_not_kept", "check_segment_fits", "segment_kind", "check_max_new_tokens", "check_reply_ids",
            "check_length", "check_reuse", "reply_budget", "default_reply_budget", "DEFAULT_MAX_NEW_TOKENS"]
 
 #: The most tokens a reply takes where the call names no ``max_new_tokens``.
@@ -70,6 +70,21 @@ def check_segment_fits(layout: PromptLayout, limit: Optional[int]) -> None:
     if limit is not None and n >= limit:
         raise InvalidRequestError(f"the text takes {n} tokens as a message and the model has {limit} positions: "
                                   "no prompt holding it could be served; split it")
+
+
+def segment_not_kept(tokens: int, min_match_tokens: int, store) -> InvalidRequestError:
+    """Why ``add_segment``'s text of ``tokens`` ids was not kept by ``store`` (a ``SegmentStore``):
+    too short to be matched, or no room: entries running calls hold (pinned, not evictable until
+    they finish) fill the budget, or the text's KV alone is larger than it."""
+    if tokens < min_match_tokens:
+        return InvalidRequestError(f"the text is {tokens} tokens, shorter than min_match_tokens ({min_match_tokens})")
+    stats = store.stats()
+    if stats.pinned:
+        return InvalidRequestError(
+            f"the store's budget ({stats.max_bytes} bytes) is held by entries running calls are using "
+            f"({stats.pinned} pinned), so the text was not kept: add it again once they finish, or raise store_max_bytes")
+    return InvalidRequestError(f"the text's KV is larger than the store's byte budget ({stats.max_bytes} bytes): "
+                               "raise store_max_bytes")
 
 
 def check_reuse(value) -> None:

@@ -22,7 +22,7 @@ from .anchors import KVCommAnchors
 from .anchors.remembered import measurements_folder, remembered, under_cache_dir
 from .capture import CallCapture
 from .checks import (check_agent, check_length, check_max_new_tokens, check_reply_ids, check_segment_fits, reply_budget,
-                     segment_kind)
+                     segment_kind, segment_not_kept)
 from .config import KVCommConfig
 from .decoding import TextAccumulator, TokenSampler
 from .engines import hf
@@ -381,10 +381,8 @@ class KVCommEngine:
             pre = hf.prefill(self.model, layout.ids, torch.arange(layout.ids.numel()))
             ref = self._capture.capture_message(layout, 0, kind, hf.kv_reader(pre.cache, pre.slot_positions))
         if ref is None:
-            raise InvalidRequestError(
-                f"the text is shorter than min_match_tokens ({self.config.min_match_tokens} tokens) "
-                "or larger than the store's byte budget"
-            )
+            span = layout.content_spans[0]
+            raise segment_not_kept(len(layout.tokens_within(*span)), self.config.min_match_tokens, self._store)
         return ref
 
     @property

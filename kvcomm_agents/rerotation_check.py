@@ -76,7 +76,7 @@ class RerotationCheck:
         self.prefill_cost = prefill_cost
         self._rerotate = config.model_copy(update={"method": "rerotate", "dense_when_cheaper": False})
         self._cut = self._rerotate.model_copy(update={"recompute_last_run": 0})  # a short sample's plan
-        self._short_sampled: set[str] = set()  # fingerprints a short sample was taken under (one each)
+        self._short_sampled_under: Optional[str] = None  # the fingerprint of the weights last sampled short
 
     def due(self, plan: CallPlan, agent: str) -> bool:
         """Whether ``plan``'s call should be checked: KVCOMM with a KL budget and audits on,
@@ -122,7 +122,7 @@ class RerotationCheck:
         weights."""
         c, tracker = self.config, self.anchors.tracker
         return (c.measures_rerotation and c.experimental.short_rerotation_sample and self.rotator is not None
-                and not self.anchors.frozen and self.fingerprint not in self._short_sampled
+                and not self.anchors.frozen and self.fingerprint != self._short_sampled_under
                 and not tracker.trust_unmeasured  # rerotation_trust="audited" serves before any sample
                 and not tracker.pooled_rerotation_samples() and tracker.wants_rerotation_sample(agent))
 
@@ -140,7 +140,7 @@ class RerotationCheck:
         short = self._plan(PromptLayout.of_ids(cut), agent, self._cut)
         if not short.runs or 2 * _sample_ids(short) > _check_ids(whole):
             return None
-        self._short_sampled.add(self.fingerprint)
+        self._short_sampled_under = self.fingerprint
         n, lead = short.num_prompt, _lead(short)
         dense = hf.prefill(self.model, short.prompt_ids, torch.arange(n))
         # the ids before the first re-rotated one (exact prefix, or computed in context) are the

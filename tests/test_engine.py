@@ -238,6 +238,27 @@ def test_add_segment_checks_its_arguments(llama, make_engine):
     assert engine.add_segment("some shared text for everyone to read", kind=["tool", "result"]).kind == ("tool", "result")
 
 
+def test_add_segment_says_why_a_text_was_not_kept(llama, make_engine):
+    """Too short, larger than the budget, or the budget held by a running call's pinned entries
+    (retry once it finishes): each its own message, and the last works after the call ends."""
+    text = "The river market opens at seven and sells green apples, stones and clouds to every buyer."
+    with pytest.raises(InvalidRequestError, match="shorter than min_match_tokens"):
+        make_engine(llama, min_match_tokens=500).add_segment(text)
+    with pytest.raises(InvalidRequestError, match="larger than the store's byte budget"):
+        make_engine(llama, store_max_bytes=1024).add_segment(text)
+    engine = make_engine(llama, method="exact_prefix")
+    history = [{"role": "user", "content": " ".join(f"fact {i}: the market sells {i} apples." for i in range(30))}]
+    engine.chat(history, agent="a", max_new_tokens=2)  # keeps the prompt's exact prefix
+    engine.store.resize(engine.store.stats().bytes + 1024)  # room for little more than that prefix
+    stream = engine.stream(history + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
+                           agent="b", max_new_tokens=8)
+    next(stream)  # a paused client: its call holds (pins) the prefix
+    with pytest.raises(InvalidRequestError, match=r"held by entries running calls are using \(1 pinned\)"):
+        engine.add_segment(text)
+    stream.close()
+    assert engine.add_segment(text).num_tokens > 8
+
+
 def test_engine_calls_are_thread_safe(llama, tokenizer, make_engine):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -235,9 +235,17 @@ class AnchorPool:
         self.activations[slot] = 0
         self.clock += 1
         self.created[slot] = self.clock
-        for stack in (*self.placeholder.values(), *self.own_text.values()):
-            stack.clear_slot(slot)
+        self._clear_slot(slot)
         return slot
+
+    def _clear_slot(self, slot: int) -> None:
+        """Every receiver's offsets for ``slot`` gone; a receiver left with none is dropped (an
+        empty stack weighs nothing against the budget, yet every walk of the stacks pays for it)."""
+        for stacks in (self.placeholder, self.own_text):
+            for key, stack in list(stacks.items()):
+                stack.clear_slot(slot)
+                if not stack.parts:
+                    del stacks[key]
 
     def _free_slot(self) -> int:
         if None in self.segment_ids:
@@ -265,8 +273,7 @@ class AnchorPool:
         self.segment_ids[victim] = None
         self.bases[victim] = None
         self.lengths[victim] = 0
-        for stack in (*self.placeholder.values(), *self.own_text.values()):
-            stack.clear_slot(victim)
+        self._clear_slot(victim)
         return victim
 
     def record(self, slot: int, receiver: str, start: int, keys: torch.Tensor, values: torch.Tensor,
@@ -338,5 +345,8 @@ class AnchorPool:
         self.bases = [self.bases[i] for i in keep]
         self.lengths, self.activations = self.lengths[index], self.activations[index]
         moved = {old: new for new, old in enumerate(keep)}
-        for stack in (*self.placeholder.values(), *self.own_text.values()):
-            stack.renumber(moved, len(keep))
+        for stacks in (self.placeholder, self.own_text):
+            for key, stack in list(stacks.items()):
+                stack.renumber(moved, len(keep))
+                if not stack.parts:
+                    del stacks[key]

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Optional
@@ -37,10 +38,16 @@ from typing import Optional
 from .persist import MEASURED_WITH, measured_alike
 from .tracker import OffsetTracker
 
-__all__ = ["FORMAT", "RememberedMeasurements", "default_folder", "measurements_folder", "remembered", "under_cache_dir"]
+__all__ = ["FORMAT", "MAX_FILES", "RememberedMeasurements", "default_folder", "measurements_folder", "remembered", "under_cache_dir"]
 
 FORMAT = "kvcomm-measurements/1"
+#: Measurement files a folder keeps, the least recently written going first beyond: weights
+#: that change as a process runs (online fine-tuning) each get a file, and a cache must not grow
+#: without end.
+MAX_FILES = 64
 logger = logging.getLogger("kvcomm_agents")
+#: A measurement file's name (:attr:`RememberedMeasurements.path`): fingerprint, settings digest.
+_FILE_NAME = re.compile(r"[0-9a-f]+-[0-9a-f]{8}\.json")
 
 
 def default_folder(cache_dir: Optional[os.PathLike | str] = None) -> Path:
@@ -95,7 +102,7 @@ class RememberedMeasurements:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return 0
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested past the parser's depth
             logger.warning("remembered measurements %s unreadable (%s): measuring again", self.path, error)
             return 0
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("fingerprint") != self.fingerprint:
@@ -135,7 +142,22 @@ class RememberedMeasurements:
                     tmp.unlink(missing_ok=True)
                 return False
             self._written = recorded
+            _keep_newest(self.folder, MAX_FILES)
             return True
+
+
+def _keep_newest(folder: Path, limit: int) -> None:
+    """Delete all but the ``limit`` most recently written measurement files in ``folder`` (other
+    files there, such as the weight layout's, are left alone); a file another process removes
+    or writes meanwhile is skipped."""
+    dated = []
+    for path in folder.glob("*-*.json"):
+        if _FILE_NAME.fullmatch(path.name):
+            with contextlib.suppress(OSError):
+                dated.append((path.stat().st_mtime, path))
+    for _, path in sorted(dated, reverse=True)[limit:]:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def measurements_folder(config) -> Optional[Path]:

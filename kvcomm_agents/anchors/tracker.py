@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from ..kv.segments import Kind
+from ..recent import MAX_AGENT_KINDS, MAX_AGENTS, RecentDict
 
 __all__ = ["OffsetTracker", "PairedSample", "KindRecord", "Measurements"]
 
@@ -105,10 +106,11 @@ class OffsetTracker:
         self.window, self.min_samples, self.warmup_gap = window, min_samples, warmup_gap
         self.clear_margin, self.trust_unmeasured = clear_margin, trust_unmeasured
         self.probe_every = probe_every
-        self._held_back: dict[tuple[str, Kind], int] = {}
-        self._samples: dict[tuple[str, Kind], deque[PairedSample]] = {}
-        self._since_audit: dict[str, int] = {}
-        self._rerotated: dict[str, deque[float]] = {}
+        # bounded: a server whose agents are named per user meets receivers and kinds without end
+        self._held_back: RecentDict = RecentDict(MAX_AGENT_KINDS)  # (receiver, kind) -> decisions held back
+        self._samples: RecentDict = RecentDict(MAX_AGENT_KINDS)  # (receiver, kind) -> deque[PairedSample]
+        self._since_audit: RecentDict = RecentDict(MAX_AGENTS)  # receiver -> reused calls since its audit
+        self._rerotated: RecentDict = RecentDict(MAX_AGENTS)  # receiver -> deque of re-rotation KLs
         self._remembered: deque[float] = deque(maxlen=window)
         self.rerotation_recorded = 0  # samples recorded by this tracker: a remembered file is behind when it grows
         self._lock = threading.Lock()
@@ -196,7 +198,7 @@ class OffsetTracker:
         """Add one paired sample (the oldest beyond ``window`` is dropped)."""
         with self._lock:
             key = (receiver, tuple(kind))
-            samples = self._samples.setdefault(key, deque(maxlen=self.window))
+            samples = self._samples.touch(key, lambda: deque(maxlen=self.window))
             samples.append(PairedSample(float(kl_on), float(kl_off)))
 
     def record_rerotated(self, receiver: str, kl: float) -> None:
@@ -204,7 +206,7 @@ class OffsetTracker:
         only (the oldest beyond ``window`` is dropped); it takes the place of the oldest
         remembered sample, if any (this engine's measures supersede earlier engines')."""
         with self._lock:
-            self._rerotated.setdefault(receiver, deque(maxlen=self.window)).append(float(kl))
+            self._rerotated.touch(receiver, lambda: deque(maxlen=self.window)).append(float(kl))
             if self._remembered:
                 self._remembered.popleft()
             self.rerotation_recorded += 1
@@ -331,9 +333,10 @@ class OffsetTracker:
         ``window`` of each kept; the remembered ones go: an anchor file's measurements are
         likely the same an earlier engine remembered); the audit counters start again."""
         with self._lock:
-            self._samples = {key: deque(samples, maxlen=self.window) for key, samples in measured.paired.items()}
-            self._rerotated = {receiver: deque(samples, maxlen=self.window)
-                               for receiver, samples in measured.rerotated.items()}
+            self._samples = RecentDict(MAX_AGENT_KINDS, ((key, deque(samples, maxlen=self.window))
+                                                         for key, samples in measured.paired.items()))
+            self._rerotated = RecentDict(MAX_AGENTS, ((receiver, deque(samples, maxlen=self.window))
+                                                      for receiver, samples in measured.rerotated.items()))
             self._held_back.clear()
             self._since_audit.clear()
             self._remembered.clear()

@@ -186,7 +186,7 @@ def _remembered(folder: Optional[Path], key: dict, margin: float) -> Optional[La
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested past the parser's depth
         logger.warning("remembered weight layout %s unreadable (%s): measuring again", path, error)
         return None
     if (not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key

@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 
 from ..kv.segments import CONTEXT_TOKENS, KVSegment, is_reply
 from ..plan import CallPlan
+from ..recent import MAX_AGENTS, RecentDict
 from .rules import ALIGN_IDS, COVERED, MAX_LEAD_IN, MAX_READERS, align_lead_in
 
 __all__ = ["FramingRule", "ReaderFraming", "learn_rule", "lead_out", "MAX_RULES", "MAX_LEAD_OUT", "LEAD_OUT_GAP"]
@@ -115,8 +116,9 @@ class ReaderFraming:
 
     def __init__(self, max_rules: int = MAX_RULES) -> None:
         self.max_rules = max_rules
-        self._rules: dict[str, OrderedDict[FramingRule, tuple[str, ...]]] = {}  # per sender, most recent
-        # first: each rule's readers
+        # per sender (the most recently taught last, bounded), its rules (the most recent first):
+        # each rule's readers
+        self._rules: RecentDict = RecentDict(MAX_AGENTS)
         self._lock = threading.Lock()
 
     def learn(self, plan: CallPlan, reader: str = "") -> int:
@@ -155,7 +157,7 @@ class ReaderFraming:
         framing are kept apart: where the reply's last token and the closing line's first merge
         (``.\n\n``), readers read one id fewer of it, depending on how each reply ends."""
         with self._lock:
-            rules = self._rules.setdefault(sender, OrderedDict())
+            rules = self._rules.touch(sender, OrderedDict)
             if not rule.lead_out:
                 rule = next((kept for kept in rules
                              if (kept.drop, kept.lead_in) == (rule.drop, rule.lead_in)), rule)

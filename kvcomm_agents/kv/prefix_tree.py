@@ -92,6 +92,8 @@ class PrefixTree:
                 child.edge, child.parent = node.edge + child.edge, parent
                 parent.children[child.edge[0]] = child
             break
+        if node.parent is None and not node.children and not node.ends:  # a fingerprint with nothing left
+            self._roots = {fp: root for fp, root in self._roots.items() if root is not node}
 
     def longest(self, ids: Sequence[int], fingerprint: str) -> Optional[tuple[str, int]]:
         """The key of an entry sharing the most leading ids with ``ids``, and how many; None when

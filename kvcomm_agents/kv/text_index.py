@@ -64,11 +64,13 @@ class TextIndex:
         if _drop(self._keys, (fingerprint, text), key):
             return  # other segments still hold the text
         if len(text) < 2 * GRAM - 1:
-            self._short[fingerprint].pop(text, None)
+            _drop(self._short, fingerprint, text)
             return
         windows = self._windows[fingerprint]
         for offset in range(len(text) - 2 * GRAM + 1, len(text) - GRAM + 1):
             _drop(windows, text[offset:offset + GRAM], (text, offset))
+        if not windows:  # a fingerprint with nothing left (weights changed since)
+            del self._windows[fingerprint]
 
     def with_text(self, text: str, fingerprint: str) -> list[str]:
         """Keys of the segments whose text is exactly ``text``, oldest indexed first."""

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvcomm_agents import KVCommConfig
-from kvcomm_agents.anchors.remembered import FORMAT, RememberedMeasurements, remembered
+from kvcomm_agents.anchors.remembered import FORMAT, MAX_FILES, RememberedMeasurements, remembered
 from kvcomm_agents.anchors.tracker import OffsetTracker
 
 SETTINGS = KVCommConfig(remember_measurements=False).model_dump(mode="json")
@@ -60,7 +60,7 @@ def test_a_file_of_another_model_or_other_measuring_settings_is_not_read(tmp_pat
     assert _memory(tmp_path).load() == 0  # a file whose header names other settings
 
 
-@pytest.mark.parametrize("text", ["{not json", json.dumps({"format": FORMAT, "fingerprint": "f" * 16}),
+@pytest.mark.parametrize("text", ["{not json", "[" * 200_000, json.dumps({"format": FORMAT, "fingerprint": "f" * 16}),
                                   json.dumps([1, 2])])
 def test_a_broken_file_costs_the_samples_never_an_error(tmp_path, text):
     memory = _memory(tmp_path)
@@ -69,6 +69,23 @@ def test_a_broken_file_costs_the_samples_never_an_error(tmp_path, text):
         memory.path.write_text(json.dumps({"format": FORMAT, "fingerprint": "f" * 16, "settings": memory.settings,
                                            "rerotated": [-1.0]}))
     assert memory.load() == 0 and memory.tracker.pooled_rerotation_samples() == []
+
+
+def test_a_folder_keeps_the_newest_files_as_weights_change(tmp_path):
+    """Weights that change as a process runs (online fine-tuning) each get a file: the folder
+    keeps the MAX_FILES most recently written, and leaves other files there alone."""
+    (tmp_path / "layout-0123456789ab.json").write_text("{}")
+    (tmp_path / "notes.json").write_text("{}")
+    paths = []
+    for version in range(MAX_FILES + 5):
+        tracker = OffsetTracker()
+        memory = _memory(tmp_path, tracker, fingerprint=f"{version:016x}")
+        tracker.record_rerotated("reader", 0.004)
+        assert memory.sync()
+        os.utime(memory.path, (version, version))  # written in this order, whatever the clock's grain
+        paths.append(memory.path)
+    kept = {p for p in tmp_path.iterdir()}
+    assert kept == set(paths[-MAX_FILES:]) | {tmp_path / "layout-0123456789ab.json", tmp_path / "notes.json"}
 
 
 def test_a_folder_that_cannot_be_written_costs_the_memory_never_an_error(tmp_path):

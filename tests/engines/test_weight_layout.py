@@ -159,7 +159,7 @@ def test_a_measured_choice_is_remembered_for_the_next_process_and_keyed_on_shape
     assert layout_key(linear_weights(other_shapes)) != data["key"]
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "other", "layout": "transposed"}),
+@pytest.mark.parametrize("content", ["{not json", "[" * 200_000, json.dumps({"format": "other", "layout": "transposed"}),
                                      json.dumps({"format": FORMAT, "key": {"cpu": "another"}, "layout": "transposed"})])
 def test_an_unreadable_or_foreign_layout_file_costs_a_measurement_not_an_error(tokenizer, tmp_path, content):
     model = tiny_llama(tokenizer)
