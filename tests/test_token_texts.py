@@ -8,6 +8,7 @@ import pytest
 
 from kvcomm_agents.anchors.pool import AnchorPool
 from kvcomm_agents.versions.match import MIN_CONTEXT_MATCH, best_recorded_version, common_suffix
+from kvcomm_agents.versions import token_texts
 from kvcomm_agents.versions.token_texts import TokenTexts
 
 from .anchors.synthetic import KIND, offsets, segment
@@ -128,3 +129,24 @@ def test_added_special_tokens_outside_all_special_ids_stand_for_themselves():
     plain = tokenizer("<file_sep>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert special not in plain and not texts.same_text([special], plain)
     assert texts.matched([special], [special]) == 1
+
+
+def test_the_backends_fast_decoding_gives_the_tokenizers_own_texts(tokenizer, monkeypatch):
+    fast = TokenTexts.from_tokenizer(tokenizer)
+    monkeypatch.setattr(token_texts, "_decoded", lambda sequences, tok, options: tok.batch_decode(sequences, **options))
+    slow = TokenTexts.from_tokenizer(tokenizer)
+    assert fast.texts == slow.texts and fast.whitespace == slow.whitespace
+
+
+def test_a_tokenizer_that_decodes_its_own_way_is_decoded_its_way(tokenizer):
+    class Odd:  # a wrapper whose decoding differs from its backend's
+        backend_tokenizer = tokenizer.backend_tokenizer
+
+        def batch_decode(self, sequences, **options):
+            return [text.upper() for text in tokenizer.batch_decode(sequences, **options)]
+
+    options = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    sequences = [[i] for i in range(len(tokenizer))]
+    assert token_texts._decoded(sequences, Odd(), options) == Odd().batch_decode(sequences, **options)
+    assert token_texts._decoded(sequences, tokenizer, options) == tokenizer.batch_decode(sequences, **options)
+

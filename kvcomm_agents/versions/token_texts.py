@@ -66,8 +66,8 @@ class TokenTexts:
 
     @classmethod
     def of(cls, tokenizer) -> Optional["TokenTexts"]:
-        """:meth:`from_tokenizer`, built once per tokenizer object (decoding a vocabulary takes
-        0.4 s for the embedded model's 49k ids)."""
+        """:meth:`from_tokenizer`, built once per tokenizer object (engines of one tokenizer share
+        it: it decodes the whole vocabulary)."""
         try:
             return _BUILT[tokenizer]
         except (KeyError, TypeError):
@@ -91,7 +91,7 @@ class TokenTexts:
             lead = tokenizer("a", add_special_tokens=False)["input_ids"]
             options = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
             before = tokenizer.decode(lead, **options)
-            pieces = tokenizer.batch_decode([lead + [i] for i in range(vocab)], **options)
+            pieces = _decoded([lead + [i] for i in range(vocab)], tokenizer, options)
         except Exception:  # a tokenizer without these
             return None
         texts, whitespace = [], set()
@@ -152,3 +152,24 @@ def _key(ids: Sequence[int]) -> tuple[int, ...]:
     if type(ids) is tuple and (not ids or type(ids[0]) is int):
         return ids
     return tuple(ids.tolist()) if isinstance(ids, torch.Tensor) else tuple(map(int, ids))
+
+
+#: Sequences :func:`_decoded` checks the fast path on against the tokenizer's own decoding.
+CHECKED_SEQUENCES = 256
+
+
+def _decoded(sequences: list[list[int]], tokenizer, options: dict) -> list[str]:
+    """``tokenizer.batch_decode(sequences, **options)``, through the Rust backend where the
+    tokenizer has one and decodes a spread sample of ``sequences`` as its Python wrapper does
+    (a tokenizer class may decode its own way): 0.03 s instead of 0.4 s for a 49k vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not options.get("clean_up_tokenization_spaces", True):
+        try:
+            pieces = backend.decode_batch(sequences, skip_special_tokens=options.get("skip_special_tokens", False))
+            step = max(1, len(sequences) // CHECKED_SEQUENCES)
+            sample = list(range(0, len(sequences), step))
+            if tokenizer.batch_decode([sequences[i] for i in sample], **options) == [pieces[i] for i in sample]:
+                return pieces
+        except Exception:  # a backend that cannot: the wrapper's own decoding below
+            pass
+    return tokenizer.batch_decode(sequences, **options)
