@@ -9,10 +9,10 @@ from the same ids. Pure bookkeeping over ids: no tensors, no framework.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..recent import RecentDict
 from ..versions.match import MIN_CONTEXT_MATCH
 
 __all__ = ["ALIGN_IDS", "MAX_LEAD_IN", "MAX_PREFIX", "MAX_READERS", "MAX_CONTEXTS", "COVERED", "ReaderRule",
@@ -54,21 +54,14 @@ class ReadersByContext:
 
     def __init__(self, *, max_readers: int = MAX_READERS, max_contexts: int = MAX_CONTEXTS) -> None:
         self.max_readers, self.max_contexts = max_readers, max_contexts
-        self._rules: OrderedDict[tuple[int, ...], OrderedDict[str, ReaderRule]] = OrderedDict()
+        self._rules = RecentDict(max_contexts)  # context ids -> RecentDict(reader -> ReaderRule)
         self._lock = threading.Lock()
 
     def remember(self, rule: ReaderRule) -> ReaderRule:
         """Keep ``rule`` as its reader's latest for its context; the oldest reader and the
         oldest context go beyond the bounds."""
         with self._lock:
-            readers = self._rules.setdefault(rule.after, OrderedDict())
-            readers[rule.reader] = rule
-            readers.move_to_end(rule.reader)
-            while len(readers) > self.max_readers:
-                readers.popitem(last=False)
-            self._rules.move_to_end(rule.after)
-            while len(self._rules) > self.max_contexts:
-                self._rules.popitem(last=False)
+            self._rules.touch(rule.after, lambda: RecentDict(self.max_readers))[rule.reader] = rule
         return rule
 
     def by_context(self) -> dict[tuple[int, ...], list[ReaderRule]]:

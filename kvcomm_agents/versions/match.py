@@ -26,12 +26,12 @@ text (:mod:`kvcomm_agents.versions.token_texts`). Pure bookkeeping over ids, no 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from ..kv.segments import CONTEXT_TOKENS, KVSegment
 from ..anchors.pool import AnchorPool
+from ..recent import RecentDict
 
 __all__ = ["RecordedVersion", "VersionHomes", "common_suffix", "same_window", "best_recorded_version", "MIN_CONTEXT_MATCH",
            "READERS", "HOMES", "framed_receiver", "is_framed"]
@@ -58,16 +58,13 @@ class VersionHomes:
     another one than the version went to (thread-safe; the latest :data:`HOMES` texts)."""
 
     def __init__(self) -> None:
-        self._homes: OrderedDict[tuple[int, ...], tuple[str, int]] = OrderedDict()
+        self._homes = RecentDict(HOMES)  # ids -> (segment id, start)
         self._lock = threading.Lock()
 
     def note(self, ids: Sequence[int], segment_id: str, start: int) -> None:
         """A version of ``ids`` was recorded on segment ``segment_id`` from its token ``start``."""
         with self._lock:
             self._homes[tuple(ids)] = (segment_id, start)
-            self._homes.move_to_end(tuple(ids))
-            while len(self._homes) > HOMES:
-                self._homes.popitem(last=False)
 
     def of(self, ids: Sequence[int]) -> Optional[tuple[str, int]]:
         """``(segment id, start)`` where a version of exactly ``ids`` was last recorded, or None."""
