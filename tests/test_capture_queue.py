@@ -3,7 +3,11 @@ could read (the broker's use of it is in tests/test_broker.py)."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
+import time
+import weakref
 
 import pytest
 
@@ -79,3 +83,108 @@ def test_a_process_exiting_lets_the_capture_under_way_finish(tmp_path):
         "queue.submit(CaptureTouch.of('a', [1, 2, 3], [4, 5]), job)\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "kept" in done.stdout, done.stderr
+
+
+def _ended(threads, deadline_s: float = 5.0) -> bool:
+    """Whether every thread of ``threads`` ends within ``deadline_s`` (collecting meanwhile)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        gc.collect()
+        if not any(t.is_alive() for t in threads) and not set(threads) & set(threading.enumerate()):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_queues_dropped_leave_no_worker_thread_behind():
+    """The worker holds the jobs, not the queue: a queue nobody holds is collected and its thread
+    ends, its queued captures run first."""
+    ran, threads, queues = [], [], []
+    for k in range(5):
+        queue = CaptureQueue(name=f"kvcomm-capture-dropped-{k}")
+        release, _ = _blocked(queue)
+        queue.submit(CaptureTouch.of("a", PROMPT, REPLY), lambda k=k: ran.append(k))
+        threads.append(queue._thread)
+        queues.append(weakref.ref(queue))
+        release.set()
+        del queue, release
+    assert _ended(threads), [t.name for t in threads if t.is_alive()]
+    assert sorted(ran) == list(range(5)) and all(ref() is None for ref in queues)
+
+
+def test_brokers_dropped_leave_no_capture_thread_behind(llama, tokenizer):
+    from kvcomm_agents.testing import PrefixOnlyRuntime
+
+    threads, brokers = [], []
+    for _ in range(3):
+        runtime = PrefixOnlyRuntime(llama, tokenizer, background_capture=True, method="exact_prefix")
+        runtime.run(runtime.ids([{"role": "user", "content": "The river market opens at seven."}]), "a",
+                    new_tokens=2)
+        runtime.broker.settle()
+        threads.append(runtime.broker._captures._thread)
+        brokers.append((weakref.ref(runtime.broker), weakref.ref(runtime.broker._captures)))
+        del runtime
+    assert all(t is not None for t in threads)
+    assert _ended(threads), [t.name for t in threads if t.is_alive()]
+    assert all(b() is None and q() is None for b, q in brokers)
+
+
+def test_close_runs_the_queued_captures_and_ends_the_worker_once():
+    queue = CaptureQueue()
+    release, done = _blocked(queue)
+    ran = []
+    queue.submit(CaptureTouch.of("b", [1, 2, 3], [4, 5]), lambda: ran.append(1))
+    thread = queue._thread
+    threading.Timer(0.2, release.set).start()
+    queue.close()
+    assert done.is_set() and ran == [1] and queue.pending == 0 and queue.closed
+    assert not thread.is_alive()
+    started = time.monotonic()
+    queue.close()  # nothing left to do
+    assert time.monotonic() - started < 0.1 and queue.closed
+
+
+def test_close_drops_what_is_still_queued_after_its_timeout(caplog):
+    queue = CaptureQueue()
+    release, done = _blocked(queue)
+    ran = []
+    queue.submit(CaptureTouch.of("b", [1, 2, 3], [4, 5]), lambda: ran.append(1))
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvcomm_agents.capture"):
+        queue.close(timeout_s=0.2)
+    assert time.monotonic() - started < 2 and "1 captures not run" in caplog.text
+    thread = queue._thread
+    release.set()
+    thread.join(5)
+    assert done.is_set() and not thread.is_alive() and ran == [] and queue.pending == 0
+
+
+def test_a_capture_submitted_after_close_runs_inline(caplog):
+    queue = CaptureQueue()
+    queue.close()
+    ran_on = []
+    queue.submit(CaptureTouch.of("a", PROMPT, REPLY), lambda: ran_on.append(threading.current_thread()))
+    assert ran_on == [threading.current_thread()] and queue.pending == 0 and queue._thread is None
+    queue.submit(CaptureTouch.of("a", PROMPT, REPLY), lambda: 1 / 0)  # logged, not raised
+    assert "capture failed" in caplog.text
+
+
+def test_a_closed_broker_ends_its_thread_and_keeps_captures_inline(llama, tokenizer):
+    from kvcomm_agents.testing import PrefixOnlyRuntime
+
+    runtime = PrefixOnlyRuntime(llama, tokenizer, background_capture=True, method="exact_prefix")
+    first = runtime.ids([{"role": "user", "content": "The river market opens at seven."}])
+    runtime.run(first, "a", new_tokens=2)
+    thread = runtime.broker._captures._thread
+    runtime.broker.close()
+    assert not thread.is_alive() and runtime.broker.pending_captures == 0
+    runtime.broker.close()
+    again = runtime.ids([{"role": "user", "content": "The river market opens at seven. Who sells apples?"}])
+    _, reply_ids, _, claim, _ = runtime.run(again, "a", new_tokens=2)  # finished after close: kept inline
+    assert claim.length > 0 and runtime.broker.pending_captures == 0
+    follow = runtime.ids([{"role": "user", "content": "The river market opens at seven. Who sells apples?"},
+                          {"role": "assistant", "content": tokenizer.decode(reply_ids)},
+                          {"role": "user", "content": "And pears?"}])
+    _, _, _, claim, _ = runtime.run(follow, "a", new_tokens=2)
+    assert claim.length >= len(again)  # the capture kept inline serves it
+    assert runtime.broker._captures._thread is thread and not thread.is_alive()  # no new worker

@@ -31,7 +31,7 @@ from ..alignment import assemble
 from ..anchors import KVCommAnchors
 from ..budgets import default_budgets
 from ..capture import CallCapture, KVAt
-from .capture_queue import CaptureQueue, CaptureTouch
+from .capture_queue import EXIT_WAIT_S, CaptureQueue, CaptureTouch
 from .claims import DENSE_TAIL, Claim, contiguous_claim
 from ..config import KVCommConfig
 from ..kv.block import KVBlock
@@ -192,6 +192,14 @@ class KVCommBroker:
     def settle(self) -> None:
         """Wait until every capture queued by ``finish(..., background=True)`` has been kept."""
         self._captures.settle()
+
+    def close(self, timeout_s: float = EXIT_WAIT_S) -> None:
+        """Keep the captures queued by ``finish(..., background=True)`` (for at most
+        ``timeout_s``; those left are dropped, logged) and end the capture thread, so that a
+        runtime shutting down leaves no thread behind. The store, anchors and shared tier stay as
+        they are: ``plan`` and ``finish`` go on working, a background ``finish`` then keeping its
+        capture inline. A second call does nothing."""
+        self._captures.close(timeout_s)
 
     @property
     def pending_captures(self) -> int:
