@@ -139,13 +139,15 @@ class ReplyAhead:
         for sender, (sender_prompt, reply) in calls:
             rule = learn_copy_rule(sender, sender_prompt, reply, reader, prompt)
             with self._lock:
-                readers = self._rules.setdefault(sender, OrderedDict())
+                if sender not in self._calls:
+                    continue  # forgotten meanwhile, its rules with it
                 if rule is None:
-                    kept = readers.get(reader)
+                    kept = self._rules.get(sender, {}).get(reader)
                     if kept is not None and kept.repeats(sender_prompt, prompt):
-                        del readers[reader]  # the same text as the sender read, and no reply after it
+                        del self._rules[sender][reader]  # the same text as the sender read, and no reply after it
                     continue
                 learned.append(rule)
+                readers = self._rules.setdefault(sender, OrderedDict())
                 readers[reader] = rule
                 readers.move_to_end(reader)
                 while len(readers) > MAX_READERS:
@@ -162,7 +164,8 @@ class ReplyAhead:
             self._calls[sender] = (tuple(prompt), tuple(reply_ids))
             self._calls.move_to_end(sender)
             while len(self._calls) > MAX_SENDERS:
-                self._calls.popitem(last=False)
+                forgotten, _ = self._calls.popitem(last=False)
+                self._rules.pop(forgotten, None)  # senders come and go (agents named per request): bounded
 
     def bases(self, sender: str, prompt: Sequence[int]) -> list[tuple[str, list[int]]]:
         """``(reader, ids before the reply)`` for each learned reader of ``sender``'s reply to

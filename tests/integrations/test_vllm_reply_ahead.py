@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvcomm_agents.prompt import render_prompt
-from kvcomm_vllm.reply_ahead import ALIGN_IDS, CHUNK, HOLD, ReplyAhead, copy_prompt, learn_copy_rule
+from kvcomm_vllm.reply_ahead import ALIGN_IDS, CHUNK, HOLD, MAX_SENDERS, ReplyAhead, copy_prompt, learn_copy_rule
 
 AGENTS = 4
 QUESTIONS = ["A farmer has 12 cows and buys 7 more. Each cow gives 9 liters of milk a day. How much milk is that?",
@@ -183,3 +183,18 @@ def test_a_rule_is_dropped_when_its_reader_stops_reading_the_senders_reply(token
     assert [reader for reader, _ in book.bases("s1", nxt)] == ["s2"]
     book.learn("s2", _ids(tokenizer, debate_messages(2, AGENTS, QUESTIONS[1], [])))  # s2 no longer reads s1
     assert book.bases("s1", nxt) == []
+
+
+def test_senders_named_per_request_keep_rules_for_the_senders_remembered_only(tokenizer):
+    """A client whose agents are named per request meets senders without end: the rules go with
+    the sender calls they were learned from."""
+    book = ReplyAhead()
+    question, reply = QUESTIONS[0], _reply(0, 0)
+    sender = _ids(tokenizer, debate_messages(1, AGENTS, question, []))
+    reader = _ids(tokenizer, debate_messages(2, AGENTS, question, [reply]))
+    for request in range(3 * MAX_SENDERS):
+        book.finished(f"solver-{request}", sender, _encode(tokenizer, reply))
+        book.learn(f"checker-{request}", reader)
+    assert len(book._rules) <= MAX_SENDERS
+    assert [r for r, _ in book.bases(f"solver-{3 * MAX_SENDERS - 1}", sender)] == [f"checker-{3 * MAX_SENDERS - 1}"]
+
