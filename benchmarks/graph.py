@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from kvcomm_agents.engines import hf
 from kvcomm_agents.fidelity import first_token_kl
 from kvcomm_agents.prompt import render_prompt
 
@@ -53,10 +54,19 @@ class ModelMeter:
     def __init__(self, model) -> None:
         self.tokens = 0
         self._handles = []
+        self._devices: list[torch.device] = []
         self.watch(model)
 
     def watch(self, model) -> None:
         self._handles.append(model.register_forward_pre_hook(self._count, with_kwargs=True))
+        self._devices.append(hf.input_device(model))
+
+    def finish(self) -> None:
+        """Wait for the work queued on the watched models' devices: a timer read after it
+        counts what a strategy launched (an accelerator runs asynchronously), so that nothing
+        it queued is paid inside the next strategy's window."""
+        for device in dict.fromkeys(self._devices):
+            hf.wait_for(device)
 
     def _count(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids")
@@ -131,12 +141,14 @@ def run_graph(workload: Workload, strategies: list[Strategy], *, warmup: int, ph
                     started = time.perf_counter()
                     out = strategy.call(messages, agent, forced, max_new_tokens=workload.reply_tokens,
                                         stepwise=timed, shared_texts=shared)
+                    meter.finish()
                     called = time.perf_counter()
                     if strategy.name == "dense":
                         reply_ids.append(list(out.token_ids))
                         replies.append(out.text)
                     if strategy.computes_ahead and not last:
                         strategy.ahead(known_prompts(tokenizer, request, k, replies))
+                        meter.finish()
                     wall = time.perf_counter() - started
                 outcomes[strategy.name] = out
                 costs[strategy.name] = (wall - out.untimed_s, called - started - out.untimed_s,
