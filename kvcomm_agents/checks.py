@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 from .errors import InvalidMessagesError, InvalidRequestError
@@ -93,10 +94,14 @@ def check_reuse(value) -> None:
 
 
 def byte_budget(value) -> int:
-    """``value`` as a byte budget: an integer >= 0 (0 holds nothing)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """``value`` as a byte budget: an integer >= 0 (0 holds nothing; a NumPy integer is one)."""
+    try:
+        budget = operator.index(value)
+    except TypeError:
+        budget = -1
+    if isinstance(value, bool) or budget < 0:
         raise InvalidRequestError(f"a byte budget must be an integer >= 0, got {value!r}")
-    return value
+    return budget
 
 
 def check_max_new_tokens(value) -> None:

@@ -61,8 +61,10 @@ def wait_for(device: torch.device | str) -> None:
         accelerator.synchronize(device)
     elif device.type == "cuda":  # torch before 2.6
         torch.cuda.synchronize(device)
-    else:
-        getattr(torch, device.type).synchronize()
+    else:  # a backend without a synchronize of its own: nothing to wait on from here
+        synchronize = getattr(getattr(torch, device.type, None), "synchronize", None)
+        if synchronize is not None:
+            synchronize()
 
 
 def input_device(model: PreTrainedModel) -> torch.device:

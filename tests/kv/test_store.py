@@ -61,6 +61,10 @@ def test_a_budget_that_is_not_a_byte_count_is_refused_and_the_old_one_kept(budge
     with pytest.raises(InvalidRequestError, match="byte budget"):
         store.resize(budget)
     assert store.stats().max_bytes == 1 << 20
+    import numpy as np
+
+    store.resize(np.int64(2048))  # an integer of another type is one
+    assert store.stats().max_bytes == 2048 and type(store.stats().max_bytes) is int
 
 
 def test_oversized_segment_is_refused():
